@@ -1,0 +1,12 @@
+"""ds_wallfacer: long-sequence training of HF transformers models with DeepSpeed.
+
+The paper's components, one sub-package each:
+
+- ``comm``       communication config generator (rank layout, process groups) and the counted comm layer
+- ``attention``  WallFacer multi-ring attention, Ulysses, the hybrid, and block-attention kernel backends
+- ``data``       sequence sharding (zigzag / contiguous), global position ids, shifted labels
+- ``mst``        Mini-Sequence Transformer: chunked MLP and LM-head + loss
+- ``planner``    topology planner: cost and memory model, configuration search
+"""
+
+__version__ = "0.1.0"

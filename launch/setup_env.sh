@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs the package with its test extra. Sourced by main.sh and test.sh.
+# On a machine without an NVIDIA driver, torch is pinned to the CPU build first, so that pip does not
+# pull a multi-GB CUDA wheel.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${WALLFACER_VENV:-$ROOT/.venv}"
+if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.installed" ] || [ "$ROOT/setup.py" -nt "$VENV/.installed" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  touch "$VENV/.installed"
+fi
+export PATH="$VENV/bin:$PATH"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export WANDB_MODE="${WANDB_MODE:-offline}"

@@ -1,0 +1,23 @@
+"""ds_wallfacer: long-sequence training for HF transformers with DeepSpeed."""
+from setuptools import find_packages, setup
+
+setup(
+    name="ds_wallfacer",
+    version="0.1.0",
+    description=(
+        "WallFacer multi-ring and Ulysses sequence-parallel attention, Mini-Sequence Transformer "
+        "chunking and a topology planner for DeepSpeed + HF transformers"
+    ),
+    packages=find_packages(include=["ds_wallfacer", "ds_wallfacer.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.17",
+        "transformers>=4.56",
+        "wandb>=0.19",
+    ],
+    extras_require={
+        "flash": ["flash-attn>=2.6"],
+        "test": ["pytest>=8", "matplotlib>=3.8"],
+    },
+)
