@@ -1,0 +1,88 @@
+"""Exact bytes each rank sends per attention call, as implemented, and the paper's formulas beside them.
+
+Pure arithmetic: the planner's cost model uses these, and the tests assert them against the bytes the
+comm layer counted. Symbols as in ``wallfacer.py``: n_q = B*hq*S_l*d and n_kv = B*hk*S_l*d elements per
+rank, S_l = N / P, s = input element size, a = element size of the summed partials/gradients (fp32 = 4).
+
+Differences from the paper's formulas (DESIGN.md section 2), all deliberate:
+- the skew moves the team's k/v once before the ring (C*2*n_kv*s, ranks with local != 0 only); the paper's
+  ring term starts counting after it
+- the forward reduce-scatter carries fp32 partial outputs (a = 4) plus an all-gather of the fp32 partial
+  lse (C*B*hq*S_l*4 per rank), so bf16 outputs are merged without rounding the partials
+- k/v rotate in backward (their gradients travel behind them in fp32, and go home in one final send that
+  also undoes the skew); q, k, v, out and dO are re-gathered in the team instead of being kept
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AttnShape", "wallfacer_bytes", "ulysses_bytes", "paper_ring_bytes", "paper_wallfacer_bytes"]
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """One attention call: the full sequence and the head layout."""
+
+    batch: int
+    seq_len: int
+    """N: full sequence length (all ranks together)."""
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    elem_bytes: int = 2
+    """Element size of q, k, v (bf16 = 2)."""
+    accum_bytes: int = 4
+    """Element size of summed partial outputs and gradients on the wire (fp32 = 4)."""
+
+    def per_rank(self, sp_size: int) -> tuple[int, int, int]:
+        """(n_q, n_kv, n_lse): elements of q, of k (or v) and of q's lse on one rank."""
+        s_l = self.seq_len // sp_size
+        return (self.batch * self.q_heads * s_l * self.head_dim, self.batch * self.kv_heads * s_l * self.head_dim,
+                self.batch * self.q_heads * s_l)
+
+
+def wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int, local: int) -> dict[str, dict[str, int]]:
+    """Bytes sent by a rank with team position ``local``, per phase and kind, for one attention call."""
+    p, c = sp_size, ring_count
+    g = p // (c * c)
+    s, a = shape.elem_bytes, shape.accum_bytes
+    n_q, n_kv, n_l = shape.per_rank(p)
+    team_kv = 2 * c * n_kv  # the team's k and v
+    skew = team_kv * s if local != 0 else 0
+    fwd = {
+        "all_gather": (c - 1) * ((n_q + 2 * n_kv) * s + c * n_l * 4),
+        "reduce_scatter": (c - 1) * n_q * a,
+        "skew": skew,
+        "ring": (g - 1) * team_kv * s,
+    }
+    home = 0 if (local == 0 and g == 1) else team_kv * a
+    bwd = {
+        "all_gather": (c - 1) * (3 * n_q + 2 * n_kv) * s,
+        "reduce_scatter": (c - 1) * (n_q + 2 * n_kv) * a,
+        "skew": skew + home,
+        "ring": (g - 1) * team_kv * (s + a),
+    }
+    return {"forward": fwd, "backward": bwd}
+
+
+def ulysses_bytes(shape: AttnShape, *, degree: int) -> dict[str, dict[str, int]]:
+    """DeepSpeed-Ulysses all-to-all: q, k, v in and the output back, each sending (U-1)/U of its shard."""
+    u = degree
+    n_q, n_kv, _ = shape.per_rank(u)
+    s = shape.elem_bytes
+    fwd = (u - 1) * ((2 * n_q + 2 * n_kv) * s) // u
+    return {"forward": {"all_to_all": fwd}, "backward": {"all_to_all": fwd}}
+
+
+def paper_ring_bytes(shape: AttnShape, *, sp_size: int) -> int:
+    """Paper: ring attention forward, (P-1) * 2BNH/P bytes per rank (k and v each hop)."""
+    n_q, n_kv, _ = shape.per_rank(sp_size)
+    return (sp_size - 1) * 2 * n_kv * shape.elem_bytes
+
+
+def paper_wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int) -> dict[str, int]:
+    """Paper: WallFacer forward, collectives 4BNH(C-1)/P and ring (P/C^2 - 1) * 2CBNH/P bytes per rank."""
+    p, c = sp_size, ring_count
+    n_q, n_kv, _ = shape.per_rank(p)
+    s = shape.elem_bytes
+    return {"collective": 4 * (c - 1) * n_q * s, "ring": (p // (c * c) - 1) * 2 * c * n_kv * s}

@@ -1,0 +1,310 @@
+"""WallFacer multi-ring sequence-parallel attention (DESIGN.md section 2); C = 1 is plain ring attention.
+
+Dimensions: B batch, hq / hk query / kv heads, d head dim, P sequence-parallel ranks, C ring count (team
+size), G = P / C^2 ring steps, S_l = N / P tokens per rank (two chunks of L = S_l / 2), S_t = C * S_l
+tokens per team. Tensors are [B, h, S, d] (the HF attention layout).
+
+Forward, per call:
+ 1. all-gather q, k, v in the team (one packed collective)          [B, h, S_l, d] -> [B, h, S_t, d]
+ 2. skew: member j of team (g, t) receives the team k/v of (g + j, t)
+ 3. G ring steps: k/v move one hop along the sub-ring (double-buffered, overlapping the block kernel);
+    (out, lse) merged into fp32 accumulators by log-sum-exp
+ 4. all-gather the partial lse in the team, weight the partial outputs, reduce-scatter them (fp32)
+Backward rotates k/v with their dk/dv accumulators (not q, dO, dq): with grouped-query attention this moves
+hk/hq of the bytes, and it mirrors the forward. q, k, v, out and dO are re-gathered rather than saved, so a
+layer keeps only its own shards (plus the team's fp32 lse) between forward and backward.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..comm import CommLayer, WallFacerGroups
+from ..data.sharding import SCHEMES, BlockCall, block_calls, call_work, team_chunk_order
+from .kernels import BlockKernel, get_kernel
+
+__all__ = ["WallFacerAttention", "wallfacer_attention"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(eq=False)
+class WallFacerAttention:
+    """WallFacer attention over the sequence-parallel group in ``groups``; call it like a kernel:
+    ``attn(q, k, v, causal=True)`` with this rank's shards in the layout of ``sharding``."""
+
+    groups: WallFacerGroups
+    comm: CommLayer = field(default_factory=CommLayer)
+    kernel: str = "auto"
+    """Block kernel backend name (``kernels.KERNELS``) or "auto"."""
+    sharding: str = "zigzag"
+    """How the sequence was split across ranks ("zigzag" balances causal work)."""
+    accum_comm_dtype: torch.dtype | None = torch.float32
+    """dtype of the partial outputs and gradients that are summed across ranks; None: the input dtype."""
+    check_inputs: bool = True
+    """Validate shapes and dtypes across ranks (one small all-gather per new input signature)."""
+    work: Counter = field(default_factory=Counter)
+    """Attention score entries computed per batch and head, by phase."""
+    _checked: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SCHEMES:
+            raise ValueError(f"unknown sharding {self.sharding!r}; expected one of {SCHEMES}")
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+    ) -> torch.Tensor:
+        if self.check_inputs:
+            self._check(q, k, v, causal)
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return _WallFacerFn.apply(q, k, v, self, causal, scale)
+
+    # -- validation ------------------------------------------------------------------------------
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+        """Local checks, then one metadata all-gather so that every rank raises together (no hang)."""
+        error = _local_error(q, k, v)
+        meta = (
+            (0,) * 7
+            if error
+            else (q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], _DTYPES.index(q.dtype), int(causal))
+        )
+        key = (meta, error)
+        if key in self._checked:
+            return
+        row = torch.tensor([int(bool(error)), *meta], dtype=torch.int64, device=q.device)
+        rows = self.comm.all_gather(row, self.groups.sp_group, kind="check").tolist()
+        bad = [i for i, r in enumerate(rows) if r[0]]
+        if error:
+            raise ValueError(f"WallFacer attention: {error}")
+        if bad:
+            raise ValueError(f"WallFacer attention: sequence-parallel rank(s) {bad} rejected their inputs")
+        names = ("batch", "q heads", "kv heads", "local seq len", "head dim", "dtype", "causal")
+        for i, (name, mine) in enumerate(zip(names, meta)):
+            values = [r[1 + i] for r in rows]
+            if len(set(values)) > 1:
+                shown = [str(_DTYPES[x]) for x in values] if name == "dtype" else values
+                raise ValueError(
+                    f"WallFacer attention: {name} differs across sequence-parallel ranks: {shown} (by rank "
+                    "index); every rank must call attention with equally shaped shards of one sequence"
+                )
+        self._checked.add(key)
+
+
+def wallfacer_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: WallFacerAttention, *, causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Functional form of ``attn(q, k, v, causal=..., scale=...)``."""
+    return attn(q, k, v, causal=causal, scale=scale)
+
+
+def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if k.shape != v.shape:
+        return f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}"
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        return f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch, sequence or head_dim"
+    if q.shape[1] % k.shape[1] != 0:
+        return f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        return f"q, k, v dtypes must match and be one of {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[2] % 2 != 0:
+        return (
+            f"local sequence length {q.shape[2]} is odd: each rank holds 2 of 2P chunks, so the full sequence "
+            "length must be divisible by 2P; pad the batch"
+        )
+    return None
+
+
+# -- layout helpers --------------------------------------------------------------------------------
+
+
+def _to_team(g: torch.Tensor, perm: list[int]) -> torch.Tensor:
+    """Gathered [C, B, h, S_l, *r] (members in order) -> team order [B, h, S_t, *r] (chunks ascending)."""
+    c, b, h, s = g.shape[:4]
+    rest = g.shape[4:]
+    x = g.reshape(c, b, h, 2, s // 2, *rest).movedim(0, 2).reshape(b, h, 2 * c, s // 2, *rest)
+    return x[:, :, perm].reshape(b, h, c * s, *rest)
+
+
+def _from_team(x: torch.Tensor, perm: list[int], c: int) -> torch.Tensor:
+    """Inverse of ``_to_team``: [B, h, S_t, *r] -> [C, B, h, S_l, *r]."""
+    b, h, st = x.shape[:3]
+    rest = x.shape[3:]
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    y = x.reshape(b, h, 2 * c, st // (2 * c), *rest)[:, :, inv]
+    return y.reshape(b, h, c, 2, st // (2 * c), *rest).movedim(2, 0).reshape(c, b, h, st // c, *rest)
+
+
+def _pack(*xs: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _unpack(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    out, i = [], 0
+    for s in shapes:
+        n = s.numel()
+        out.append(flat[..., i : i + n].reshape(*flat.shape[:-1], *s))
+        i += n
+    return out
+
+
+def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: (acc_out, acc_lse) <- log-sum-exp combination with a block's (out, lse), in fp32."""
+    new = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows with no key seen yet
+    a = torch.exp(acc_lse - safe).unsqueeze(-1)
+    b = torch.exp(lse - safe).unsqueeze(-1)
+    acc_out.mul_(a).add_(out.float() * b)
+    acc_lse.copy_(new)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static facts of one call on this rank: chunk orders, peers, block calls per ring step."""
+
+    perm: list[int]
+    q_chunks: list[int]
+    steps: list[list[BlockCall]]
+    chunk_len: int
+
+
+def _plan(attn: WallFacerAttention, s_local: int, causal: bool) -> _Plan:
+    lay, place = attn.groups.layout, attn.groups.place
+    c, g, p = lay.ring_count, lay.group_size, lay.sp_size
+    members = lambda team: range(team * c, (team + 1) * c)  # noqa: E731 - sp indices of a team
+    q_chunks, perm = team_chunk_order(members(place.team), p, attn.sharding)
+    kv_group = (place.group + place.local) % c
+    steps = []
+    for s in range(g):
+        kv_team = kv_group * g + (place.pos - s) % g
+        k_chunks, _ = team_chunk_order(members(kv_team), p, attn.sharding)
+        steps.append(block_calls(q_chunks, k_chunks, causal=causal))
+    return _Plan(perm=perm, q_chunks=q_chunks, steps=steps, chunk_len=s_local // 2)
+
+
+def _sl(call: BlockCall, L: int) -> tuple[slice, slice]:
+    return slice(call.q_lo * L, call.q_hi * L), slice(call.k_lo * L, call.k_hi * L)
+
+
+# -- forward / backward ----------------------------------------------------------------------------
+
+
+def _forward(attn, kernel: BlockKernel, plan: _Plan, q, k, v, causal: bool, scale: float):
+    grp, comm, place = attn.groups, attn.comm, attn.groups.place
+    c = grp.layout.ring_count
+    b, hq, sl, d = q.shape
+    hk = k.shape[1]
+    acc_dtype = attn.accum_comm_dtype or q.dtype
+
+    # 1. team all-gather of q, k, v: [B, h, S_l, d] x3 -> [C, n] -> [B, h, S_t, d] x3
+    gq, gk, gv = _unpack(comm.all_gather(_pack(q, k, v), grp.team_group), [q.shape, k.shape, v.shape])
+    q_t, k_t, v_t = (_to_team(x, plan.perm) for x in (gq, gk, gv))
+    # 2. skew: kv of team (g + j, t) arrives; [2, B, hk, S_t, d]
+    kv = torch.stack([k_t, v_t])
+    cur = torch.empty_like(kv)
+    comm.exchange([(kv, place.skew_to)], [(cur, place.skew_from)], kind="skew", group=grp.sp_group).wait()
+    # 3. ring steps, double-buffered
+    acc_out = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((b, hq, c * sl), float("-inf"), dtype=torch.float32, device=q.device)
+    L = plan.chunk_len
+    for s, calls in enumerate(plan.steps):
+        pending = None
+        if s + 1 < len(plan.steps):
+            nxt = torch.empty_like(cur)
+            pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
+        for call in calls:
+            qs, ks = _sl(call, L)
+            out, lse = kernel.forward(q_t[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], causal=call.causal, scale=scale)
+            _merge(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
+            attn.work["forward"] += call_work(call, L)
+        if pending is not None:
+            cur = pending.wait()[0]
+    # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, d] -> [C, B, hq, S_l, d] -> own [B, hq, S_l, d]
+    lse_all = comm.all_gather(acc_lse, grp.team_group)  # [C, B, hq, S_t]
+    lse_team = torch.logsumexp(lse_all, dim=0)
+    weight = torch.exp(acc_lse - lse_team).unsqueeze(-1)
+    part = _from_team((acc_out * weight).to(acc_dtype), plan.perm, c)
+    out = comm.reduce_scatter(part, grp.team_group).to(q.dtype)
+    return out, lse_team
+
+
+def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_team, causal: bool, scale: float):
+    grp, comm, place = attn.groups, attn.comm, attn.groups.place
+    c = grp.layout.ring_count
+    b, hq, sl, d = q.shape
+    hk = k.shape[1]
+    acc_dtype = attn.accum_comm_dtype or q.dtype
+    dout = dout.to(q.dtype)
+
+    # 1. re-gather q, k, v, out, dO in the team (adjoint of the forward reduce-scatter for dO)
+    shapes = [q.shape, k.shape, v.shape, out.shape, dout.shape]
+    gathered = _unpack(comm.all_gather(_pack(q, k, v, out, dout), grp.team_group), shapes)
+    q_t, k_t, v_t, o_t, do_t = (_to_team(x, plan.perm) for x in gathered)
+    # 2. skew
+    kv = torch.stack([k_t, v_t])
+    cur = torch.empty_like(kv)
+    comm.exchange([(kv, place.skew_to)], [(cur, place.skew_from)], kind="skew", group=grp.sp_group).wait()
+    # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
+    dq_acc = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
+    L = plan.chunk_len
+    dkv_pending = None
+    last = len(plan.steps) - 1
+    for s, calls in enumerate(plan.steps):
+        kv_pending = None
+        if s < last:
+            nxt = torch.empty_like(cur)
+            kv_pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
+        dkv = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+        for call in calls:
+            qs, ks = _sl(call, L)
+            dq, dk, dv = kernel.backward(
+                do_t[:, :, qs], q_t[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], o_t[:, :, qs],
+                lse_team[:, :, qs], causal=call.causal, scale=scale,
+            )
+            dq_acc[:, :, qs] += dq
+            dkv[0][:, :, ks] += dk
+            dkv[1][:, :, ks] += dv
+            attn.work["backward"] += call_work(call, L)
+        if dkv_pending is not None:
+            dkv += dkv_pending.wait()[0]
+        dkv = dkv.to(acc_dtype)
+        recv = torch.empty_like(dkv)
+        if s < last:
+            dkv_pending = comm.exchange([(dkv, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
+        else:
+            dkv_pending = comm.exchange([(dkv, place.home_to)], [(recv, place.home_from)], kind="skew", group=grp.sp_group)
+        if kv_pending is not None:
+            cur = kv_pending.wait()[0]
+    dkv_team = dkv_pending.wait()[0]  # [2, B, hk, S_t, d]: all queries' gradient of my team's k/v
+    # 4. one reduce-scatter of dq, dk, dv in the team (adjoint of the all-gather)
+    parts = [_from_team(dq_acc.to(acc_dtype), plan.perm, c), _from_team(dkv_team[0], plan.perm, c),
+             _from_team(dkv_team[1], plan.perm, c)]
+    flat = torch.cat([x.reshape(c, -1) for x in parts], dim=1)
+    dq, dk, dv = _unpack(comm.reduce_scatter(flat, grp.team_group), [q.shape, k.shape, v.shape])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _WallFacerFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn: WallFacerAttention, causal: bool, scale: float):
+        kernel = get_kernel(attn.kernel, q)
+        plan = _plan(attn, q.shape[2], causal)
+        with torch.no_grad(), attn.comm.phase("forward"):
+            out, lse_team = _forward(attn, kernel, plan, q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse_team)
+        ctx.attn, ctx.kernel, ctx.plan, ctx.causal, ctx.scale = attn, kernel, plan, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse_team = ctx.saved_tensors
+        with torch.no_grad(), ctx.attn.comm.phase("backward"):
+            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.plan, dout, q, k, v, out, lse_team, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None

@@ -1,0 +1,172 @@
+"""Communication config generator: the WallFacer rank layout (DESIGN.md section 2), as pure Python.
+
+Glossary (one sequence-parallel group of P ranks, ring count C, C*C dividing P):
+
+- ``index``       position of a rank inside the sequence-parallel group, 0..P-1
+- ``team``        C consecutive indices; ``index = team * C + local``
+- ``local``       a rank's position inside its team, 0..C-1
+- ``team group``  G = P / C^2 adjacent teams; ``team = group * G + pos``
+- ``sub-ring``    the G ranks with the same (group, local): k/v blocks travel along it
+- ``skew``        member ``local = j`` of a team in group g iterates over the keys of group (g + j) mod C;
+                  it receives its first block from the same (pos, local) in that group
+
+C = 1 gives one team per rank, one team group and one sub-ring of all P ranks: plain ring attention.
+Nothing here imports ``torch.distributed``; ``groups.py`` turns a layout into process groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RankLayout", "RankPlace", "valid_ring_counts"]
+
+
+def valid_ring_counts(sp_size: int) -> list[int]:
+    """Ring counts C with C*C dividing ``sp_size`` (C = 1 always qualifies)."""
+    return [c for c in range(1, sp_size + 1) if sp_size % (c * c) == 0]
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank sits in the layout and who it talks to (global ranks)."""
+
+    index: int
+    """Position in the sequence-parallel group."""
+    rank: int
+    """Global rank."""
+    team: int
+    local: int
+    group: int
+    """Team group (ring communication group)."""
+    pos: int
+    """Position of the team inside its team group, 0..G-1 (position on the sub-ring)."""
+    team_ranks: tuple[int, ...]
+    """Global ranks of this rank's team, in ``local`` order."""
+    ring_next: int
+    """Sub-ring neighbour that k/v blocks are sent to."""
+    ring_prev: int
+    """Sub-ring neighbour that k/v blocks are received from."""
+    skew_to: int
+    """Rank this rank sends its team's k/v to before the ring starts (itself when local == 0)."""
+    skew_from: int
+    """Rank this rank receives its first k/v block from (itself when local == 0)."""
+    home_to: int
+    """Rank the dk/dv of the block held after the last ring step belongs to (backward)."""
+    home_from: int
+    """Rank that returns the dk/dv of this rank's own team block (backward)."""
+    kv_team: int
+    """Team whose k/v this rank holds at ring step 0."""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The WallFacer layout of one sequence-parallel group.
+
+    ``ranks`` are the global ranks of the group in order; consecutive entries form teams, so a team stays
+    inside one node when C divides ``ranks_per_node`` and the group's ranks are consecutive.
+    """
+
+    ranks: tuple[int, ...]
+    """Global ranks of the sequence-parallel group, in index order."""
+    ring_count: int
+    """C: concurrent sub-rings per team group; team size."""
+    ranks_per_node: int | None = None
+    """Ranks per node (for placement reports); None when unknown."""
+    places: tuple[RankPlace, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ranks = tuple(int(r) for r in self.ranks)
+        object.__setattr__(self, "ranks", ranks)
+        p, c = len(ranks), self.ring_count
+        if p < 1:
+            raise ValueError("sequence-parallel group is empty: it needs at least one rank")
+        if len(set(ranks)) != p:
+            raise ValueError(f"sequence-parallel ranks {ranks} contain duplicates")
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1 or p % (c * c) != 0:
+            raise ValueError(
+                f"ring_count={c!r} is invalid for a sequence-parallel size of {p}: C*C must divide P. "
+                f"Valid ring counts for P={p}: {valid_ring_counts(p)}"
+            )
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1")
+        object.__setattr__(self, "places", tuple(self._place(i) for i in range(p)))
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def sp_size(self) -> int:
+        """P."""
+        return len(self.ranks)
+
+    @property
+    def group_size(self) -> int:
+        """G = P / C^2: teams per team group, the length of every sub-ring, the number of ring steps."""
+        return self.sp_size // (self.ring_count**2)
+
+    @property
+    def num_teams(self) -> int:
+        return self.sp_size // self.ring_count
+
+    # -- coordinates -----------------------------------------------------------------------------
+    def index_of(self, *, group: int, pos: int, local: int) -> int:
+        c, g = self.ring_count, self.group_size
+        return ((group % c) * g + pos % g) * c + local
+
+    def teams(self) -> list[tuple[int, ...]]:
+        """Global ranks of every team, in team order (the process groups for the team collectives)."""
+        c = self.ring_count
+        return [self.ranks[t * c : (t + 1) * c] for t in range(self.num_teams)]
+
+    def place_of_rank(self, rank: int) -> RankPlace:
+        try:
+            return self.places[self.ranks.index(rank)]
+        except ValueError:
+            raise ValueError(f"global rank {rank} is not in this sequence-parallel group {self.ranks}") from None
+
+    def _place(self, index: int) -> RankPlace:
+        c, g = self.ring_count, self.group_size
+        team, local = divmod(index, c)
+        group, pos = divmod(team, g)
+        r = self.ranks
+
+        def at(gr: int, ps: int) -> int:
+            return r[self.index_of(group=gr, pos=ps, local=local)]
+
+        return RankPlace(
+            index=index,
+            rank=r[index],
+            team=team,
+            local=local,
+            group=group,
+            pos=pos,
+            team_ranks=r[team * c : (team + 1) * c],
+            ring_next=at(group, pos + 1),
+            ring_prev=at(group, pos - 1),
+            skew_to=at(group - local, pos),
+            skew_from=at(group + local, pos),
+            home_to=at(group + local, pos + 1),
+            home_from=at(group - local, pos - 1),
+            kv_team=((group + local) % c) * g + pos,
+        )
+
+    # -- placement -------------------------------------------------------------------------------
+    def node_of(self, rank: int) -> int | None:
+        return None if self.ranks_per_node is None else rank // self.ranks_per_node
+
+    def teams_cross_nodes(self) -> bool:
+        """True when some team spans two nodes (its all-gathers then leave the node)."""
+        if self.ranks_per_node is None:
+            return False
+        return any(len({self.node_of(x) for x in team}) > 1 for team in self.teams())
+
+    def describe(self) -> str:
+        """A printable table of the layout: one line per rank."""
+        head = (
+            f"WallFacer layout: P={self.sp_size} C={self.ring_count} G={self.group_size} "
+            f"teams={self.num_teams}" + ("  (a team crosses nodes!)" if self.teams_cross_nodes() else "")
+        )
+        lines = [head, "rank idx team local group pos  prev next  skew_from skew_to  kv_team"]
+        for p in self.places:
+            lines.append(
+                f"{p.rank:4d} {p.index:3d} {p.team:4d} {p.local:5d} {p.group:5d} {p.pos:3d} "
+                f"{p.ring_prev:5d} {p.ring_next:4d}  {p.skew_from:9d} {p.skew_to:7d}  {p.kv_team:7d}"
+            )
+        return "\n".join(lines)
