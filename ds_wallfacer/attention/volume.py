@@ -65,10 +65,12 @@ def wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int, local: i
     return {"forward": fwd, "backward": bwd}
 
 
-def ulysses_bytes(shape: AttnShape, *, degree: int) -> dict[str, dict[str, int]]:
-    """DeepSpeed-Ulysses all-to-all: q, k, v in and the output back, each sending (U-1)/U of its shard."""
+def ulysses_bytes(shape: AttnShape, *, degree: int, sp_size: int | None = None) -> dict[str, dict[str, int]]:
+    """DeepSpeed-Ulysses all-to-all of degree U over shards of N / sp_size tokens (sp_size = U alone, or
+    U * rings in the hybrid): q, k, v in and the output back, each sending (U-1)/U of its shard; backward
+    mirrors it (dO in; dq, dk, dv back)."""
     u = degree
-    n_q, n_kv, _ = shape.per_rank(u)
+    n_q, n_kv, _ = shape.per_rank(sp_size or u)
     s = shape.elem_bytes
     fwd = (u - 1) * ((2 * n_q + 2 * n_kv) * s) // u
     return {"forward": {"all_to_all": fwd}, "backward": {"all_to_all": fwd}}

@@ -1,0 +1,188 @@
+"""Apply MsT to an HF causal LM from outside (torchtitan style): wrap MLP and LM-head forwards per instance.
+
+Parameter names and state_dict keys are unchanged (only instance ``forward`` attributes are set; ``remove()``
+deletes them again); no model class is edited. Call before ``deepspeed.initialize`` (ZeRO-3 hooks are registered
+there and must see the MLPs as leaf modules).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .checkpointing import disable_layer_checkpointing, enable_layer_checkpointing
+from .config import MiniSequenceConfig, ResolvedSizes, resolve_sizes
+from .lm_head import _MST_ATTR, chunked_linear_cross_entropy
+from .mlp import check_position_wise, mini_sequence_mlp
+
+__all__ = ["MiniSequenceHandle", "apply_mini_sequence", "find_decoder_layers"]
+
+_AUTO_MLP_NAMES = ("mlp", "feed_forward", "ffn")
+
+
+class _MlpForward:
+    """Instance ``forward`` of a wrapped MLP: the original forward, run in mini-sequences."""
+
+    def __init__(self, orig: Callable, chunk_tokens: int) -> None:
+        self.orig = orig
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return self.orig(x, *args, **kwargs)
+        params = [p for p in self.orig.__self__.parameters() if p.requires_grad]
+        return mini_sequence_mlp(self.orig, x, params, chunk_tokens=self.chunk_tokens)
+
+
+class _HeadForward:
+    """Instance ``forward`` of the LM head: unchanged, unless called with ``mst_labels`` (then the chunked loss)."""
+
+    def __init__(self, orig: Callable) -> None:
+        self.orig = orig
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        *args: Any,
+        mst_labels: torch.Tensor | None = None,
+        mst_chunk_tokens: int = 0,
+        mst_ignore_index: int = -100,
+        mst_softcap: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if mst_labels is None:
+            return self.orig(x, *args, **kwargs)
+        head = self.orig.__self__
+        return chunked_linear_cross_entropy(
+            x, mst_labels, head.weight, head.bias, chunk_tokens=mst_chunk_tokens, ignore_index=mst_ignore_index,
+            softcap=mst_softcap,
+        )
+
+
+@dataclass
+class MiniSequenceHandle:
+    """What ``apply_mini_sequence`` changed; ``remove()`` undoes it."""
+
+    model: nn.Module
+    """The model that was modified."""
+    config: MiniSequenceConfig
+    """The settings applied."""
+    sizes: ResolvedSizes
+    """Tokens per mini-sequence after "auto" (the *_chunks fields are for hidden_size tokens, informational)."""
+    mlp_modules: list[str] = field(default_factory=list)
+    """Qualified names of the MLPs now run in mini-sequences."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Auto-detected candidates left alone, with the reason (e.g. not position-wise)."""
+    lm_head: str | None = None
+    """Qualified name of the wrapped LM head (None when mini_sequence.lm_head is false)."""
+
+    def remove(self) -> None:
+        """Restore the original forwards and turn layer checkpointing off again (if it was turned on here)."""
+        for name in self.mlp_modules:
+            mod = self.model.get_submodule(name)
+            if "forward" in mod.__dict__:
+                del mod.forward
+        if self.lm_head is not None:
+            head = self.model.get_submodule(self.lm_head)
+            head.__dict__.pop("forward", None)
+            head.__dict__.pop(_MST_ATTR, None)
+        if self.config.activation_checkpointing != "none":
+            disable_layer_checkpointing(self.model)
+        self.mlp_modules, self.lm_head = [], None
+
+
+def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated decoder blocks: HF ``GradientCheckpointingLayer``s, else the items of the largest ModuleList."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    if layers:
+        return layers
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    name, biggest = max(lists, key=lambda nm: len(nm[1]))
+    return [(f"{name}.{i}", m) for i, m in enumerate(biggest)]
+
+
+def _hidden_size(model: nn.Module) -> int:
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(text.hidden_size)
+
+
+def _mark_zero3_leaf(name: str, module: nn.Module) -> None:
+    if any(hasattr(m, "ds_id") for m in module.children()):
+        raise RuntimeError(
+            f"{name} already has ZeRO-3 hooks on its sub-modules: call apply_mini_sequence before "
+            f"deepspeed.initialize"
+        )
+    from deepspeed.utils import set_z3_leaf_module
+
+    # ZeRO-3 then gathers all the MLP's parameters once for all mini-sequences (forward and backward)
+    set_z3_leaf_module(module, True)
+
+
+def apply_mini_sequence(
+    model: nn.Module,
+    config: MiniSequenceConfig | dict[str, Any] | None = None,
+    *,
+    ds_config: dict[str, Any] | None = None,
+) -> MiniSequenceHandle:
+    """Run the MLPs and (via ``mini_sequence_causal_lm_loss``) the LM head of ``model`` in mini-sequences.
+
+    ``config`` is the ``"wallfacer": {"mini_sequence": ...}`` section (dataclass or raw dict); ``ds_config`` the
+    whole DeepSpeed config (its ``"activation_checkpointing"`` section configures DeepSpeed checkpointing).
+    Raises ValueError when a forced MLP (``mlp_module_names``) is missing or not position-wise.
+    """
+    if not isinstance(config, MiniSequenceConfig):
+        config = MiniSequenceConfig.from_dict(config)
+    hidden = _hidden_size(model)
+    head = model.get_output_embeddings()
+    vocab = head.out_features if isinstance(head, nn.Linear) else 1
+    sizes = resolve_sizes(config, tokens=hidden, hidden_size=hidden, vocab_size=vocab)
+    handle = MiniSequenceHandle(model=model, config=config, sizes=sizes)
+
+    if config.mlp:
+        forced = config.mlp_module_names is not None
+        names = config.mlp_module_names or _AUTO_MLP_NAMES
+        layers = find_decoder_layers(model)
+        if not layers:
+            raise ValueError(f"{type(model).__name__}: found no decoder layers to look for MLP modules in")
+        for lname, layer in layers:
+            found = [(n, getattr(layer, n)) for n in names if isinstance(getattr(layer, n, None), nn.Module)]
+            if forced and not found:
+                raise ValueError(f"mini_sequence.mlp_module_names={list(names)}: {lname} has no such child module")
+            for n, mod in found:
+                qual = f"{lname}.{n}"
+                if isinstance(mod.__dict__.get("forward"), _MlpForward):
+                    handle.mlp_modules.append(qual)  # applied twice: keep the first wrapping
+                    continue
+                why = check_position_wise(mod, mod.forward, hidden)
+                if why is not None:
+                    if forced:
+                        raise ValueError(
+                            f"{qual} ({type(mod).__name__}) is not a position-wise MLP: {why}; it cannot run in "
+                            f"mini-sequences (remove it from mini_sequence.mlp_module_names)"
+                        )
+                    handle.skipped[qual] = why
+                    continue
+                _mark_zero3_leaf(qual, mod)
+                mod.forward = _MlpForward(mod.forward, sizes.mlp_chunk_tokens)
+                handle.mlp_modules.append(qual)
+
+    if config.lm_head:
+        if not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"{type(model).__name__}.get_output_embeddings() is {type(head).__name__}; the mini-sequence LM "
+                f"head needs an nn.Linear (set mini_sequence.lm_head to false)"
+            )
+        if not isinstance(head.__dict__.get("forward"), _HeadForward):
+            head.forward = _HeadForward(head.forward)
+        setattr(head, _MST_ATTR, sizes.lm_head_chunk_tokens)
+        handle.lm_head = next(n for n, m in model.named_modules() if m is head)
+
+    enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config)
+    return handle

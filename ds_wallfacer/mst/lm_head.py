@@ -1,0 +1,198 @@
+"""Mini-sequence LM head + cross-entropy (MsT, DESIGN.md section 4; issue 3).
+
+Per mini-sequence of ``chunk_tokens`` tokens: fp32 logits = lm_head(h_c) (plus Gemma-style final soft-capping),
+cross-entropy SUM, and its gradient w.r.t. the logits by autograd; the chunk's gradients w.r.t. h and the head's
+weight/bias are formed right away and the logits are dropped. So full [T, V] logits never exist and the logits are
+computed ONCE per step (no recompute). The autograd function returns these gradients from ``backward`` scaled by
+the incoming gradient: the head weight gets exactly one ordinary gradient (the MsT reference code's 2x bug came from
+also writing ``.grad`` by hand); ZeRO 1/2/3 and gradient accumulation work unchanged.
+
+Normalisation: the function returns (loss_sum, token_count) over labels != ignore_index. A single process divides
+(see ``mini_sequence_lm_loss``). With sequence parallelism every rank holds a shard of the tokens: all-reduce
+loss_sum with a differentiable all-reduce and count with a plain one, and divide — the global token mean, equal on
+every rank, whatever the split. Labels are ALREADY SHIFTED: labels[..., i] is the target of position i (the data
+loader shifts before sequence sharding, so no label crosses a shard boundary).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "chunked_linear_cross_entropy",
+    "mini_sequence_causal_lm_loss",
+    "mini_sequence_lm_loss",
+]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_MST_ATTR = "_wallfacer_mst_lm_head_chunk_tokens"
+_DEFAULT_BUDGET_MIB = 256
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """(sum of CE(softcap(x @ W^T + b)), count) over mini-sequences; gradients formed in forward, returned in backward."""
+
+    @staticmethod
+    def forward(ctx, x, labels, weight, bias, chunk_tokens: int, ignore_index: int, softcap: float | None):
+        need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
+        need_any = need_x or need_w or need_b
+        n = x.shape[0]  # x: [T, d], labels: [T]
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(x) if need_x else None
+        # 16-bit head gradients are summed over mini-sequences in fp32 (one rounding, like one big matmul)
+        acc_dtype = torch.float32 if weight.dtype in _LOW_PRECISION else weight.dtype
+        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        db = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
+        for s in range(0, n, chunk_tokens):
+            xc, yc = x[s : s + chunk_tokens], labels[s : s + chunk_tokens]  # [c, d], [c]
+            z = F.linear(xc, weight, bias).float()  # [c, V] fp32: the only logits alive
+            with torch.enable_grad():
+                z.requires_grad_(need_any)
+                zz = torch.tanh(z / softcap) * softcap if softcap else z
+                lc = F.cross_entropy(zz, yc, ignore_index=ignore_index, reduction="sum")
+                gz = torch.autograd.grad(lc, z)[0] if need_any else None  # [c, V] fp32
+            loss += lc.detach()
+            del zz, z
+            if gz is None:
+                continue
+            g = gz.to(weight.dtype)
+            del gz
+            if need_x:
+                torch.matmul(g, weight, out=dx[s : s + xc.shape[0]])  # [c, V] @ [V, d] -> [c, d]
+            if need_w:
+                if dw.dtype == g.dtype:
+                    dw.addmm_(g.t(), xc)  # [V, c] @ [c, d] -> [V, d]
+                else:
+                    dw.add_(g.t() @ xc)
+            if need_b:
+                db.add_(g.sum(0))
+            del g
+        count = (labels != ignore_index).sum()
+        ctx.mark_non_differentiable(count)
+        ctx.save_for_backward(dx, dw, db)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return loss, count
+
+    @staticmethod
+    def backward(ctx, g_loss: torch.Tensor, _g_count: Any):
+        dx, dw, db = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        gx = dx * g_loss.to(dx.dtype) if dx is not None else None
+        gw = (dw * g_loss.to(dw.dtype)).to(w_dtype) if dw is not None else None
+        gb = (db * g_loss.to(db.dtype)).to(b_dtype) if db is not None else None
+        return gx, None, gw, gb, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_tokens: int,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 loss sum, int64 token count) of CE(hidden @ weight^T + bias, labels) in mini-sequences.
+
+    hidden: [..., S, d]; labels: [..., S] already shifted, ``ignore_index`` marks padding / no target.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree on [..., S]; labels are "
+            f"already shifted (labels[..., i] is the target of position i)"
+        )
+    if weight.numel() == 0 and hasattr(weight, "ds_id"):
+        raise RuntimeError(
+            "LM-head weight is ZeRO-3 partitioned here: call apply_mini_sequence(model, ...) before "
+            "deepspeed.initialize so the loss runs inside the lm_head module call (which gathers the weight)"
+        )
+    x = hidden.reshape(-1, hidden.shape[-1])  # [..., S, d] -> [T, d]
+    y = labels.reshape(-1).to(device=x.device, dtype=torch.long)  # [..., S] -> [T]
+    return _ChunkedLinearCrossEntropy.apply(x, y, weight, bias, int(chunk_tokens), int(ignore_index), softcap)
+
+
+def _softcap(model: nn.Module) -> float | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for key, neutral in (("logit_scale", 1.0), ("logits_scaling", 1.0)):
+        v = getattr(text, key, None)
+        if v is not None and v != neutral:
+            raise NotImplementedError(
+                f"{type(model).__name__} scales its logits ({key}={v}); the mini-sequence LM head supports plain "
+                f"lm_head logits and final_logit_softcapping only"
+            )
+    return getattr(text, "final_logit_softcapping", None) or None
+
+
+def _auto_chunk(head: nn.Linear) -> int:
+    return max(1, (_DEFAULT_BUDGET_MIB << 20) // (4 * head.out_features))
+
+
+def mini_sequence_causal_lm_loss(
+    model: nn.Module,
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_sum, token_count) of the causal-LM head over ``hidden_states`` [..., S, d] (the backbone's output).
+
+    ``labels`` [..., S] are ALREADY SHIFTED. ``chunk_tokens`` None uses the size set by ``apply_mini_sequence``
+    (else the "auto" rule with a 256 MiB fp32-logits budget). Token mean = loss_sum / token_count; across
+    sequence-parallel ranks all-reduce both first (module docstring).
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"{type(model).__name__}.get_output_embeddings() is {type(head).__name__}; the mini-sequence LM head "
+            f"needs an nn.Linear head"
+        )
+    if chunk_tokens is None:
+        chunk_tokens = getattr(head, _MST_ATTR, None) or _auto_chunk(head)
+    softcap = _softcap(model)
+    if getattr(head, _MST_ATTR, None) is not None:
+        # through the module call, so ZeRO-3 hooks gather the (possibly tied) weight for the whole loss
+        return head(hidden_states, mst_labels=labels, mst_chunk_tokens=chunk_tokens, mst_ignore_index=ignore_index,
+                    mst_softcap=softcap)
+    return chunked_linear_cross_entropy(
+        hidden_states, labels, head.weight, head.bias, chunk_tokens=chunk_tokens, ignore_index=ignore_index,
+        softcap=softcap,
+    )
+
+
+def mini_sequence_lm_loss(
+    model: nn.Module,
+    *,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+    ignore_index: int = -100,
+    **backbone_kwargs: Any,
+) -> torch.Tensor:
+    """Token-mean causal-LM loss of an HF ``*ForCausalLM`` without materialising full logits.
+
+    Runs the backbone (``model.get_decoder()``) with ``backbone_kwargs`` (input_ids, attention_mask, position_ids,
+    ...), then the mini-sequence head. Give exactly one of ``labels`` (HF convention, unshifted: shifted here) or
+    ``shift_labels`` (already shifted). A batch with no target token gives 0 (not NaN). Single-process mean: with
+    sequence parallelism use ``mini_sequence_causal_lm_loss`` and reduce across ranks.
+    """
+    if (labels is None) == (shift_labels is None):
+        raise ValueError("give exactly one of labels (unshifted) or shift_labels (already shifted)")
+    if shift_labels is None:
+        # [..., S] -> [..., S]: position i predicts token i+1; the last position has no target
+        shift_labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    out = model.get_decoder()(**backbone_kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    loss_sum, count = mini_sequence_causal_lm_loss(
+        model, hidden, shift_labels, chunk_tokens=chunk_tokens, ignore_index=ignore_index
+    )
+    return loss_sum / count.clamp(min=1)

@@ -1,0 +1,168 @@
+"""Mini-sequence MLP (MsT, DESIGN.md section 4; issue 3).
+
+Forward: the model's own MLP runs over mini-sequences of ``chunk_tokens`` tokens under no_grad; only the input is
+saved. Backward: each mini-sequence is recomputed with grad and differentiated with ``torch.autograd.grad``; the
+parameter gradients are summed over mini-sequences and RETURNED by the autograd function (the parameters are its
+inputs), so every parameter gets exactly one ordinary gradient per backward: ZeRO 1/2/3 reduction hooks and
+gradient accumulation see nothing unusual (no hand-written ``.grad``, no DeepSpeed ``ds_grad_is_ready`` flags).
+
+ZeRO-3: the wrapped MLP module is marked a DeepSpeed "z3 leaf" module, so its pre-forward and pre-backward hooks
+gather all of its parameters once for all mini-sequences (instead of one all-gather per mini-sequence and
+sub-module, as with TiledMLP). This must happen before ``deepspeed.initialize`` registers the hooks.
+
+Recompute count per step: the MLP forward runs twice (forward, then once more with grad in backward), three times
+when its decoder layer is also checkpointed (the layer's recompute re-runs it under no_grad, because a generic
+layer may need its output, e.g. Gemma's post-feed-forward norm). Never more.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MiniSequenceMLPFunction", "check_position_wise", "mini_sequence_mlp"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _rng_devices(x: torch.Tensor) -> list[int]:
+    return [x.device.index if x.device.index is not None else torch.cuda.current_device()] if x.is_cuda else []
+
+
+def _capture_rng(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    # Dropout inside an MLP must draw the same mask in the recompute as in the forward.
+    cuda = [torch.cuda.get_rng_state(d) for d in _rng_devices(x)]
+    return torch.get_rng_state(), cuda
+
+
+def _chunks(n: int, chunk_tokens: int) -> range:
+    # ceil(n / chunk) mini-sequences; the last one is shorter; n < chunk gives one (issue 3: no dropped tail)
+    return range(0, n, chunk_tokens)
+
+
+def _run_chunks_no_grad(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_tokens: int):
+    flat = x.reshape(-1, x.shape[-1])  # [..., S, d] -> [T, d], T = tokens of the whole local batch
+    out: torch.Tensor | None = None
+    with torch.no_grad():
+        for s in _chunks(flat.shape[0], chunk_tokens):
+            y = run(flat[s : s + chunk_tokens])  # [c, d] -> [c, d_out]
+            if out is None:
+                out = y.new_empty(flat.shape[0], y.shape[-1])
+            out[s : s + y.shape[0]] = y
+    assert out is not None
+    return out.view(*x.shape[:-1], out.shape[-1])  # [T, d_out] -> [..., S, d_out]
+
+
+class MiniSequenceMLPFunction(torch.autograd.Function):
+    """y = run(x) computed in mini-sequences; saves x only; parameter gradients are returned, not accumulated."""
+
+    @staticmethod
+    def forward(ctx, run, x: torch.Tensor, chunk_tokens: int, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        ctx.chunk_tokens = chunk_tokens
+        # parameters are kept by reference, not saved: ZeRO-3 swaps their .data between gathered and partitioned
+        ctx.params = params
+        ctx.rng = _capture_rng(x)
+        ctx.save_for_backward(x)
+        return _run_chunks_no_grad(run, x, chunk_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[1]
+        need_p = ctx.needs_input_grad[3:]
+        params = [p for p, need in zip(ctx.params, need_p) if need]
+        flat = x.detach().reshape(-1, x.shape[-1])  # [T, d]
+        g = grad_out.reshape(-1, grad_out.shape[-1])  # [T, d_out]
+        dx = torch.empty_like(flat) if need_x else None
+        # summing mini-sequence gradients of 16-bit parameters in fp32 keeps one rounding, like one big matmul
+        acc: list[torch.Tensor | None] = [None] * len(params)
+        cpu_rng, cuda_rng = ctx.rng
+        devices = _rng_devices(x)
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(cpu_rng)
+            for d, state in zip(devices, cuda_rng):
+                torch.cuda.set_rng_state(state, d)
+            for s in _chunks(flat.shape[0], ctx.chunk_tokens):
+                xc = flat[s : s + ctx.chunk_tokens].requires_grad_(need_x)
+                with torch.enable_grad():
+                    y = ctx.run(xc)  # intermediates of one mini-sequence only: [c, I]
+                    inputs = ([xc] if need_x else []) + params
+                    grads = torch.autograd.grad(y, inputs, g[s : s + xc.shape[0]], allow_unused=True)
+                if need_x:
+                    dx[s : s + xc.shape[0]] = grads[0]
+                    grads = grads[1:]
+                for i, gp in enumerate(grads):
+                    if gp is None:
+                        continue
+                    if acc[i] is None:
+                        acc[i] = gp.float() if gp.dtype in _LOW_PRECISION else gp
+                    else:
+                        acc[i].add_(gp)
+                del y, grads
+        it = iter(acc)
+        param_grads = []
+        for p, need in zip(ctx.params, need_p):
+            gp = next(it) if need else None
+            param_grads.append(gp.to(p.dtype) if gp is not None else None)
+        dx_out = dx.view_as(x) if need_x else None
+        return (None, dx_out, None, *param_grads)
+
+
+def mini_sequence_mlp(
+    run: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    *,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """Apply the position-wise ``run`` (whose trainable tensors are ``params``) to x: [..., S, d] in mini-sequences."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
+    for p in params:
+        if p.numel() == 0 and hasattr(p, "ds_id"):
+            raise RuntimeError(
+                "mini-sequence MLP got a ZeRO-3 partitioned parameter: call apply_mini_sequence(model, ...) "
+                "before deepspeed.initialize so that the MLP is registered as a ZeRO-3 leaf module"
+            )
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
+        return _run_chunks_no_grad(run, x, chunk_tokens)
+    return MiniSequenceMLPFunction.apply(run, x, chunk_tokens, *params)
+
+
+def check_position_wise(
+    module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor], hidden_size: int, *, tokens: int = 5
+) -> str | None:
+    """Return why ``run`` (the module's forward) is not position-wise on [1, tokens, hidden_size], or None if it is.
+
+    Cheap probe: the output at every position must equal the output of that position alone. Returns None without
+    probing when parameters are ZeRO-3 partitioned (nothing to run on).
+    """
+    ref = next(module.parameters(), None)
+    if ref is not None and ref.numel() == 0:
+        return None
+    device = ref.device if ref is not None else torch.device("cpu")
+    dtype = ref.dtype if ref is not None and ref.is_floating_point() else torch.float32
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, tokens, hidden_size, generator=gen).to(device=device, dtype=dtype)
+    was_training = module.training
+    module.eval()  # dropout would make any module look non-position-wise
+    try:
+        with torch.no_grad():
+            y = run(x)
+            if not isinstance(y, torch.Tensor):
+                return f"its forward returns {type(y).__name__}, not one tensor"
+            if y.shape[:-1] != x.shape[:-1]:
+                return f"its forward maps {tuple(x.shape)} to {tuple(y.shape)}, not [..., S, d] -> [..., S, d']"
+            alone = torch.cat([run(x[:, i : i + 1]) for i in range(tokens)], dim=1)
+            err = (y.float() - alone.float()).abs().max().item()
+            scale = max(1.0, y.float().abs().max().item())
+            if not err <= tol * scale:
+                return f"a position's output depends on other positions (max difference {err:.3g})"
+    except Exception as e:  # noqa: BLE001 - any failure on a plain [1, S, d] input means "not an MLP we can chunk"
+        return f"its forward raised {type(e).__name__}: {e} on a [1, {tokens}, {hidden_size}] input"
+    finally:
+        module.train(was_training)
+    return None
