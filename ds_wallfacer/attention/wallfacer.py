@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm import CommLayer, WallFacerGroups
+from ..comm import CommLayer, RankLayout, WallFacerGroups
 from ..data.sharding import SCHEMES, BlockCall, block_calls, call_work, team_chunk_order
 from .kernels import BlockKernel, get_kernel
 
-__all__ = ["WallFacerAttention", "wallfacer_attention"]
+__all__ = ["WallFacerAttention", "attention_work", "plan_steps", "wallfacer_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -170,23 +170,37 @@ class _Plan:
     """Static facts of one call on this rank: chunk orders, peers, block calls per ring step."""
 
     perm: list[int]
-    q_chunks: list[int]
     steps: list[list[BlockCall]]
     chunk_len: int
 
 
-def _plan(attn: WallFacerAttention, s_local: int, causal: bool) -> _Plan:
-    lay, place = attn.groups.layout, attn.groups.place
-    c, g, p = lay.ring_count, lay.group_size, lay.sp_size
-    members = lambda team: range(team * c, (team + 1) * c)  # noqa: E731 - sp indices of a team
-    q_chunks, perm = team_chunk_order(members(place.team), p, attn.sharding)
+def plan_steps(layout: RankLayout, index: int, *, sharding: str, causal: bool) -> tuple[list[int], list[list[BlockCall]]]:
+    """Pure: for sequence-parallel rank ``index``, the team-order permutation of its gathered chunks and
+    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, DESIGN.md 2)."""
+    c, g, p = layout.ring_count, layout.group_size, layout.sp_size
+    place = layout.places[index]
+    q_chunks, perm = team_chunk_order(range(place.team * c, (place.team + 1) * c), p, sharding)
     kv_group = (place.group + place.local) % c
     steps = []
     for s in range(g):
         kv_team = kv_group * g + (place.pos - s) % g
-        k_chunks, _ = team_chunk_order(members(kv_team), p, attn.sharding)
+        k_chunks, _ = team_chunk_order(range(kv_team * c, (kv_team + 1) * c), p, sharding)
         steps.append(block_calls(q_chunks, k_chunks, causal=causal))
-    return _Plan(perm=perm, q_chunks=q_chunks, steps=steps, chunk_len=s_local // 2)
+    return perm, steps
+
+
+def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len: int = 1) -> list[int]:
+    """Pure: score entries each rank computes in one forward (per batch and head), by rank index."""
+    return [
+        sum(call_work(call, chunk_len) for calls in plan_steps(layout, i, sharding=sharding, causal=causal)[1]
+            for call in calls)
+        for i in range(layout.sp_size)
+    ]
+
+
+def _plan(attn: WallFacerAttention, s_local: int, causal: bool) -> _Plan:
+    perm, steps = plan_steps(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding, causal=causal)
+    return _Plan(perm=perm, steps=steps, chunk_len=s_local // 2)
 
 
 def _sl(call: BlockCall, L: int) -> tuple[slice, slice]:

@@ -1,0 +1,41 @@
+"""Reference computations for checking sequence-parallel attention (tests and benchmarks share them).
+
+Every rank builds the same full-sequence inputs from a seed, runs the single-process reference on them,
+and compares its own shard of the result with what the distributed attention returned.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["full_inputs", "reference_attention", "shard_errors"]
+
+
+def full_inputs(
+    *, batch: int, q_heads: int, kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unit-scale q, k, v and an output gradient dO for the full sequence, identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+
+    def mk(h: int) -> torch.Tensor:
+        return torch.randn(batch, h, seq_len, head_dim, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    return mk(q_heads), mk(kv_heads), mk(kv_heads), mk(q_heads)
+
+
+def reference_attention(q, k, v, dout, *, causal: bool, scale: float | None = None, dtype=torch.float64):
+    """Full attention by autograd in ``dtype`` (float64: the ground truth): (out, dq, dk, dv)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    s = torch.matmul(q, k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    out = torch.matmul(torch.softmax(s, -1), v.repeat_interleave(rep, 1))
+    out.backward(dout.to(dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def shard_errors(got: list[torch.Tensor], want_full: list[torch.Tensor], shard_fn) -> list[float]:
+    """Max abs error of each local result against ``shard_fn(full reference)``."""
+    return [(g.double() - shard_fn(w).double()).abs().max().item() for g, w in zip(got, want_full)]

@@ -1,0 +1,83 @@
+"""Block kernels against the plain-PyTorch reference and against torch autograd, in one process."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_wallfacer.attention.kernels import KERNELS, get_kernel
+
+CPU_KERNELS = ["reference", "cpu_flash"]
+
+
+def _inputs(hq, hk, sq, sk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return mk(2, hq, sq, d), mk(2, hk, sk, d), mk(2, hk, sk, d), mk(2, hq, sq, d)
+
+
+def _autograd_ref(q, k, v, do, causal, scale):
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    s = torch.matmul(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.matmul(torch.softmax(s, -1), v.repeat_interleave(q.shape[1] // k.shape[1], 1))
+    o.backward(do.double())
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("name", CPU_KERNELS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hk,d", [(4, 4, 64), (8, 2, 128), (4, 1, 64)])
+def test_kernel_matches_autograd_fp32(name, causal, hq, hk, d):
+    sq, sk = (24, 24) if causal else (16, 40)
+    q, k, v, do = _inputs(hq, hk, sq, sk, d, torch.float32)
+    scale = 0.7 / d**0.5
+    kern = get_kernel(name, q)
+    out, lse = kern.forward(q, k, v, causal=causal, scale=scale)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = _autograd_ref(q, k, v, do, causal, scale)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (2, hq, sq)
+    torch.testing.assert_close(out.double(), o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=0)
+    dq, dk, dv = kern.backward(do, q, k, v, out, lse, causal=causal, scale=scale)
+    for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_flash_low_precision_close_to_reference(dtype):
+    q, k, v, do = _inputs(4, 2, 32, 32, 64, dtype)
+    o_ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    out, _ = get_kernel("cpu_flash", q).forward(q, k, v, causal=True, scale=64**-0.5)
+    assert out.dtype == dtype
+    assert (out.double() - o_ref).abs().max() < 2e-2
+
+
+def test_registry_auto_and_errors():
+    cpu = torch.zeros(1, 1, 2, 8)
+    assert get_kernel("auto", cpu).name == "cpu_flash"
+    assert set(KERNELS) == {"reference", "cpu_flash", "cuda_sdpa", "flash_attn"}
+    with pytest.raises(ValueError, match="unknown attention kernel 'nope'"):
+        get_kernel("nope")
+    with pytest.raises(ValueError, match="does not support"):
+        get_kernel("cuda_sdpa", cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_kernels_match_reference(dtype, causal):
+    q, k, v, do = (x.cuda() for x in _inputs(8, 2, 256, 256, 128, dtype))
+    ref = get_kernel("reference")
+    o_ref, lse_ref = ref.forward(q, k, v, causal=causal, scale=128**-0.5)
+    g_ref = ref.backward(do, q, k, v, o_ref, lse_ref, causal=causal, scale=128**-0.5)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    for name in ("cuda_sdpa", "flash_attn"):
+        kern = KERNELS[name]()
+        if not kern.supports(q):
+            continue
+        out, lse = kern.forward(q, k, v, causal=causal, scale=128**-0.5)
+        torch.testing.assert_close(out.float(), o_ref.float(), atol=tol, rtol=0)
+        torch.testing.assert_close(lse, lse_ref, atol=tol, rtol=0)
+        for got, want in zip(kern.backward(do, q, k, v, out, lse, causal=causal, scale=128**-0.5), g_ref):
+            torch.testing.assert_close(got.float(), want.float(), atol=5 * tol, rtol=0)

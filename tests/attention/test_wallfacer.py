@@ -1,0 +1,126 @@
+"""WallFacer attention on several gloo ranks against a single-process float64 reference.
+
+One process launch per P runs every case for that P (ring counts, causal or not, GQA, batch 2, head dims
+64 and 128, fp32 and bf16, zigzag and contiguous), and also asserts the exact bytes each rank sent.
+"""
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+SEQ_PER_RANK = 16
+
+
+def _cases(world):
+    for c in [1, 2, 4]:
+        if world % (c * c):
+            continue
+        for causal in (True, False):
+            for hq, hk, d in ((4, 4, 64), (4, 2, 128), (8, 2, 64)):
+                yield dict(c=c, causal=causal, hq=hq, hk=hk, d=d, dtype=torch.float32, sharding="zigzag")
+        yield dict(c=c, causal=True, hq=4, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag")
+        yield dict(c=c, causal=True, hq=4, hk=2, d=64, dtype=torch.float32, sharding="contiguous")
+
+
+def _run_cases(rank, world, cases):
+    from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
+    from ds_wallfacer.attention.kernels import get_kernel
+    from ds_wallfacer.attention.testing import full_inputs, reference_attention, shard_errors
+    from ds_wallfacer.comm import RankLayout, build_groups
+    from ds_wallfacer.data import shard
+
+    groups = {c: build_groups([RankLayout(tuple(range(world)), c)]) for c in {case["c"] for case in cases}}
+    results = []
+    for case in cases:
+        n = SEQ_PER_RANK * world
+        q, k, v, do = full_inputs(batch=2, q_heads=case["hq"], kv_heads=case["hk"], seq_len=n, head_dim=case["d"],
+                                  dtype=case["dtype"], seed=len(results))
+        sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=case["sharding"])  # noqa: E731
+        attn = WallFacerAttention(groups[case["c"]], kernel="cpu_flash", sharding=case["sharding"])
+        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+        out = attn(ql, kl, vl, causal=case["causal"])
+        out.backward(sh(do))
+        truth = reference_attention(q, k, v, do, causal=case["causal"])
+        errs = shard_errors([out, ql.grad, kl.grad, vl.grad], list(truth), sh)
+        # The same kernel in one process on the full sequence, for the low-precision bound.
+        kern = get_kernel("cpu_flash", q)
+        scale = case["d"] ** -0.5
+        o1, lse1 = kern.forward(q, k, v, causal=case["causal"], scale=scale)
+        g1 = kern.backward(do, q, k, v, o1, lse1, causal=case["causal"], scale=scale)
+        single = [(a.double() - b).abs().max().item() for a, b in zip([o1, *g1], truth)]
+        shape = AttnShape(2, n, case["hq"], case["hk"], case["d"], elem_bytes=q.element_size())
+        want = wallfacer_bytes(shape, sp_size=world, ring_count=case["c"], local=groups[case["c"]].place.local)
+        got = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd in want[ph]} for ph in want}
+        others = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd not in want[ph]} for ph in want}
+        results.append(dict(case=case, errs=errs, single=single, bytes=got, want=want, others=others,
+                            work=attn.work["forward"]))
+    return results
+
+
+def _check(results_by_rank, world):
+    for i, case in enumerate(results_by_rank[0]):
+        c = case["case"]
+        label = f"P={world} {c}"
+        for r in results_by_rank:
+            res = r[i]
+            assert res["bytes"] == res["want"], f"{label}: bytes sent {res['bytes']} != derived {res['want']}"
+            assert res["others"]["forward"] == {"all_to_all": 0, "check": res["others"]["forward"]["check"]}
+            assert res["others"]["backward"] == {"all_to_all": 0, "check": 0}
+            if c["dtype"] == torch.float32:
+                assert max(res["errs"]) <= 1e-5, f"{label}: errors {res['errs']}"
+            else:  # bf16: no worse than twice the same kernel run on the full sequence in one process
+                for name, e, e1 in zip("o dq dk dv".split(), res["errs"], res["single"]):
+                    assert e <= 2 * e1, f"{label}: bf16 {name} error {e:.3g} > 2 x single-process {e1:.3g}"
+        work = [r[i]["work"] for r in results_by_rank]
+        if c["causal"] and c["sharding"] == "zigzag" and world > 1:
+            assert max(work) / (sum(work) / world) <= 1.05, f"{label}: work {work}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_wallfacer_matches_single_process(world):
+    cases = list(_cases(world))
+    _check(run_distributed(_run_cases, world, cases, timeout_s=600), world)
+
+
+def test_wallfacer_p16_c4():
+    cases = [dict(c=4, causal=True, hq=4, hk=2, d=64, dtype=torch.float32, sharding="zigzag"),
+             dict(c=2, causal=True, hq=4, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag")]
+    _check(run_distributed(_run_cases, 16, cases, timeout_s=600), 16)
+
+
+def _bad_inputs(rank, world):
+    from ds_wallfacer.attention import WallFacerAttention
+    from ds_wallfacer.comm import RankLayout, build_groups
+
+    attn = WallFacerAttention(build_groups([RankLayout(tuple(range(world)), 2)]), kernel="cpu_flash")
+    mk = lambda s, h=2, dt=torch.float32: torch.randn(1, h, s, 16, dtype=dt)  # noqa: E731
+    messages = []
+    bad_cases = [
+        # (q, k, v) per rank: one rank differs from the others
+        lambda: (mk(8), mk(8), mk(8)) if rank != 1 else (mk(12), mk(12), mk(12)),  # sequence length
+        lambda: (mk(8), mk(8), mk(8)) if rank != 2 else tuple(mk(8, dt=torch.bfloat16) for _ in range(3)),  # dtype
+        lambda: (mk(8), mk(8), mk(8)) if rank != 3 else (mk(7), mk(7), mk(7)),  # odd local length
+        lambda: (mk(8, h=3), mk(8), mk(8)),  # heads not a multiple of kv heads, on every rank
+    ]
+    for make in bad_cases:
+        try:
+            attn(*make(), causal=True)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    out = attn(mk(8), mk(8), mk(8), causal=True)  # the group is still usable afterwards
+    messages.append(tuple(out.shape))
+    return messages
+
+
+def test_bad_input_is_a_clear_error_on_every_rank():
+    res = run_distributed(_bad_inputs, 4, timeout_s=120)
+    for rank, msgs in enumerate(res):
+        assert "local seq len differs across sequence-parallel ranks: [8, 12, 8, 8]" in msgs[0]
+        assert "dtype differs" in msgs[1] and "torch.bfloat16" in msgs[1]
+        if rank == 3:
+            assert "local sequence length 7 is odd" in msgs[2] and "divisible by 2P" in msgs[2]
+        else:
+            assert "rank(s) [3] rejected their inputs" in msgs[2]
+        assert "query heads (3) must be a multiple of kv heads (2)" in msgs[3]
+        assert msgs[4] == (1, 2, 8, 16)
