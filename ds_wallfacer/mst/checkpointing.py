@@ -41,13 +41,18 @@ class _DeepSpeedCheckpoint:
                     '(deepspeed.initialize / deepspeed.init_distributed); use "torch" in a plain single process'
                 )
             deepspeed.init_distributed(dist_backend=dist.get_backend())
+        from deepspeed.accelerator import get_accelerator
+
         s = self.settings
+        # On the CPU accelerator the saved inputs already live in host memory, and DeepSpeed 0.19's blocking
+        # cpu_checkpointing path there empties the saved input before keeping it (it is its own "copy"): off.
+        offload = bool(s.cpu_checkpointing) and get_accelerator().device_name() != "cpu"
         deepspeed.checkpointing.configure(
             None,
             partition_activations=bool(s.partition_activations),
             contiguous_checkpointing=bool(s.contiguous_memory_optimization),
             num_checkpoints=s.number_checkpoints,
-            checkpoint_in_cpu=bool(s.cpu_checkpointing),
+            checkpoint_in_cpu=offload,
             synchronize=bool(s.synchronize_checkpoint_boundary),
             profile=bool(s.profile),
         )
