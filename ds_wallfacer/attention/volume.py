@@ -68,9 +68,12 @@ def wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int, local: i
 def ulysses_bytes(shape: AttnShape, *, degree: int, sp_size: int | None = None) -> dict[str, dict[str, int]]:
     """DeepSpeed-Ulysses all-to-all of degree U over shards of N / sp_size tokens (sp_size = U alone, or
     U * rings in the hybrid): q, k, v in and the output back, each sending (U-1)/U of its shard; backward
-    mirrors it (dO in; dq, dk, dv back)."""
+    mirrors it (dO in; dq, dk, dv back). When U exceeds the kv heads (U a multiple of hk), each kv head is
+    replicated U / hk times before the all-to-all (``ulysses.py``), so k and v travel with U heads."""
     u = degree
     n_q, n_kv, _ = shape.per_rank(sp_size or u)
+    if shape.kv_heads % u:
+        n_kv = n_kv // shape.kv_heads * u
     s = shape.elem_bytes
     fwd = (u - 1) * ((2 * n_q + 2 * n_kv) * s) // u
     return {"forward": {"all_to_all": fwd}, "backward": {"all_to_all": fwd}}

@@ -1,0 +1,165 @@
+"""DeepSpeed-Ulysses sequence parallelism (DESIGN.md section 3) over our counted comm layer.
+
+Dimensions: B batch, hq / hk query / kv heads, d head dim, U Ulysses degree (group size), S_l tokens per
+rank (two pieces of S_l / 2, see ``ds_wallfacer.data.loader.sequence_chunk_ids``), S_u = U * S_l tokens
+after the all-to-all. Tensors are [B, h, S, d] (the HF attention layout).
+
+Like ``deepspeed.sequence.layer.DistributedAttention``, ``UlyssesAttention`` wraps any attention over the
+gathered sequence and takes its process group explicitly: one all-to-all turns sequence shards into head
+shards, the inner attention runs, a second all-to-all turns the output back. DeepSpeed's
+``_SeqAllToAll`` calls ``dist.all_to_all_single`` directly; ours (``all_to_all``) does the same through
+``CommLayer.all_to_all`` so every byte is counted, and packs q, k and v into ONE collective.
+
+Grouped-query attention: kv heads are split U ways when U divides hk; when hk divides U they are first
+replicated U / hk times (each rank then receives the one kv head its query heads use), as DeepSpeed's
+``UlyssesSPAttentionHF`` does. The replication's gradient is summed back by autograd.
+
+Sequence order: rank u holds pieces (u, U + u) of its 2U-piece span (its two chunks, each split U ways), so
+the gathered [U, 2, S_l/2] pieces, transposed to [2, U, S_l/2], are the span's two chunks in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..comm import CommLayer
+from .kernels import get_kernel
+
+__all__ = ["InnerAttention", "LocalAttention", "UlyssesAttention", "all_to_all", "heads_to_seq", "seq_to_heads"]
+
+
+class InnerAttention(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+    ) -> torch.Tensor: ...
+
+
+class _AllToAll(torch.autograd.Function):
+    """[U, n] -> [U, n]: row i goes to group rank i, row j of the result came from rank j. Its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: CommLayer, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        with comm.phase("forward"):
+            return comm.all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        with ctx.comm.phase("backward"):
+            return ctx.comm.all_to_all(g.contiguous(), ctx.group), None, None
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, comm: CommLayer) -> torch.Tensor:
+    """Differentiable, counted all-to-all of a [U, ...] tensor over ``group`` (U ranks)."""
+    return _AllToAll.apply(x, comm, group)
+
+
+def _replicate_kv(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """[B, hk, S, d] -> [B, max(hk, U), S, d]: each kv head repeated U / hk times when hk < U."""
+    hk = x.shape[1]
+    return x if hk % degree == 0 else x.repeat_interleave(degree // hk, dim=1)
+
+
+def seq_to_heads(
+    xs: list[torch.Tensor], *, group: dist.ProcessGroup, comm: CommLayer, degree: int
+) -> list[torch.Tensor]:
+    """Sequence shards -> head shards, all tensors in one all-to-all.
+
+    Each x: [B, h, S_l, d] (h divisible by U) -> [B, h/U, U*S_l, d], pieces put in sequence order.
+    """
+    u = degree
+    shapes = [x.shape for x in xs]
+    # [B, h, S_l, d] -> [U, B, h/U, S_l, d] -> [U, n_x]; packed: [U, sum n_x]
+    rows = [x.reshape(s[0], u, s[1] // u, s[2], s[3]).transpose(0, 1).reshape(u, -1) for x, s in zip(xs, shapes)]
+    recv = all_to_all(torch.cat(rows, dim=1), group, comm)
+    out, i = [], 0
+    for s in shapes:
+        b, h, sl, d = s[0], s[1] // u, s[2], s[3]
+        n = b * h * sl * d
+        y = recv[:, i : i + n].reshape(u, b, h, 2, sl // 2, d)  # [U(src), B, h/U, 2, S_l/2, d]
+        # -> [B, h/U, 2, U, S_l/2, d] -> [B, h/U, U*S_l, d]: chunk-major, pieces of each chunk by rank
+        out.append(y.permute(1, 2, 3, 0, 4, 5).reshape(b, h, u * sl, d))
+        i += n
+    return out
+
+
+def heads_to_seq(x: torch.Tensor, *, group: dist.ProcessGroup, comm: CommLayer, degree: int) -> torch.Tensor:
+    """Inverse of ``seq_to_heads`` for one tensor: [B, h/U, U*S_l, d] -> [B, h, S_l, d]."""
+    u = degree
+    b, h, su, d = x.shape
+    sl = su // u
+    # [B, h/U, 2, U, S_l/2, d] -> [U(dst), B, h/U, 2, S_l/2, d] -> [U, n]
+    rows = x.reshape(b, h, 2, u, sl // 2, d).permute(3, 0, 1, 2, 4, 5).reshape(u, -1)
+    recv = all_to_all(rows, group, comm)  # row j: head group j of my tokens
+    # [U, B, h/U, S_l, d] -> [B, U*(h/U), S_l, d]
+    return recv.reshape(u, b, h, sl, d).transpose(0, 1).reshape(b, u * h, sl, d)
+
+
+class _LocalFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, causal: bool, scale: float):
+        with torch.no_grad():
+            out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.causal, ctx.scale = kernel, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            dq, dk, dv = ctx.kernel.backward(
+                dout.to(q.dtype).contiguous(), q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale
+            )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+@dataclass(eq=False)
+class LocalAttention:
+    """Attention over the whole (gathered) sequence on one rank, with a block kernel from the registry."""
+
+    kernel: str = "auto"
+    """Kernel backend name (``ds_wallfacer.attention.KERNELS``) or "auto"."""
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+    ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return _LocalFn.apply(q, k, v, get_kernel(self.kernel, q), causal, scale)
+
+
+@dataclass(eq=False)
+class UlyssesAttention:
+    """Ulysses over ``group`` (U ranks) around ``inner`` attention: ``attn(q, k, v, causal=..., scale=...)``
+    with q [B, hq, S_l, d], k/v [B, hk, S_l, d] (this rank's two pieces) -> out [B, hq, S_l, d]."""
+
+    group: dist.ProcessGroup
+    inner: Callable
+    """Attention over the gathered sequence: ``LocalAttention`` (Ulysses alone) or a ``WallFacerAttention``
+    over the ring ranks (hybrid)."""
+    comm: CommLayer = field(default_factory=CommLayer)
+
+    @property
+    def degree(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+    ) -> torch.Tensor:
+        u = self.degree
+        hq, hk = q.shape[1], k.shape[1]
+        if hq % u or (hk % u and u % hk):
+            raise ValueError(
+                f"Ulysses degree {u} must divide the {hq} query heads and divide or be a multiple of the {hk} kv heads"
+            )
+        if q.shape[2] % 2:
+            raise ValueError(f"local sequence length {q.shape[2]} is odd: the full length must be divisible by 2P")
+        if u == 1:
+            return self.inner(q, k, v, causal=causal, scale=scale)
+        k, v = _replicate_kv(k, u), _replicate_kv(v, u)
+        qh, kh, vh = seq_to_heads([q, k, v], group=self.group, comm=self.comm, degree=u)
+        out = self.inner(qh, kh, vh, causal=causal, scale=scale)  # [B, hq/U, U*S_l, d]
+        return heads_to_seq(out, group=self.group, comm=self.comm, degree=u)

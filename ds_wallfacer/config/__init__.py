@@ -1,0 +1,15 @@
+"""Configuration: the ds_config ``"wallfacer"`` section parsed once into frozen dataclasses, and the resolved,
+validated parallel layout (issue 4). Pure Python: no torch import."""
+from .resolve import ParallelLayout, resolve_auto, valid_ulysses_degrees
+from .schema import MODES, SHARDINGS, RunConfig, WallFacerConfig, parse_ds_config
+
+__all__ = [
+    "MODES",
+    "SHARDINGS",
+    "ParallelLayout",
+    "RunConfig",
+    "WallFacerConfig",
+    "parse_ds_config",
+    "resolve_auto",
+    "valid_ulysses_degrees",
+]

@@ -1,0 +1,203 @@
+"""The ``"wallfacer"`` section of a ds_config JSON, parsed ONCE into frozen dataclasses (issue 4).
+
+Everything else in the package reads these dataclasses, never the raw dict. Pure Python: no torch import.
+
+Example (every key optional; the defaults are the dataclass defaults below)::
+
+    "wallfacer": {
+        "sequence_parallel_size": 4,
+        "mode": "hybrid",
+        "ulysses_degree": 2,
+        "ring_count": "auto",
+        "sharding": "zigzag",
+        "kernel": "auto",
+        "mini_sequence": {"mlp": true, "lm_head": true}
+    }
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Mapping, Union
+
+__all__ = ["MODES", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]
+
+MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
+SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
+AutoInt = Union[int, Literal["auto"]]
+
+
+def _is_pos_int(v: Any) -> bool:
+    # bool is an int subclass; ``true`` as a size is a mistake, not 1
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_auto_int(key: str, value: Any) -> None:
+    if value != "auto" and not _is_pos_int(value):
+        raise ValueError(f'wallfacer.{key} = {value!r} is invalid: allowed is a positive integer or "auto"')
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"wallfacer.{key} = {value!r} is invalid: allowed are {', '.join(map(repr, choices))}")
+
+
+@dataclass(frozen=True)
+class WallFacerConfig:
+    """The ``"wallfacer"`` section: how sequences are split and how attention crosses ranks."""
+
+    sequence_parallel_size: AutoInt = "auto"
+    """P: ranks that share one sequence; "auto" = the whole world (no data parallelism beside it)."""
+    mode: Literal["wallfacer", "ulysses", "hybrid"] = "wallfacer"
+    """Attention across ranks: WallFacer multi-ring, DeepSpeed-style Ulysses all-to-all, or Ulysses inside
+    WallFacer (hybrid)."""
+    ring_count: AutoInt = "auto"
+    """C: WallFacer ring count (team size); C*C must divide the ring dimension P/U. "auto" = chosen at start-up."""
+    ulysses_degree: AutoInt = "auto"
+    """U: Ulysses all-to-all degree over consecutive ranks; must divide the query heads and divide (or be a
+    multiple of) the kv heads. "auto": 1 for wallfacer, P for ulysses, chosen for hybrid."""
+    sharding: Literal["zigzag", "contiguous"] = "zigzag"
+    """Load balancing of the ring dimension: zigzag (balanced causal work) or contiguous chunks."""
+    kernel: str = "auto"
+    """Block-attention kernel backend (``ds_wallfacer.attention.KERNELS``) or "auto" (by device and dtype)."""
+    ranks_per_node: AutoInt = "auto"
+    """Ranks per node, for keeping teams / Ulysses groups inside a node; "auto" = LOCAL_WORLD_SIZE."""
+    mini_sequence: Any = None
+    """Mini-Sequence Transformer settings (``ds_wallfacer.mst.MiniSequenceConfig``); absent/null = MsT off,
+    ``{}`` = MsT on with its defaults."""
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel_size != "auto" and not _is_pos_int(self.sequence_parallel_size):
+            raise ValueError(
+                f'wallfacer.sequence_parallel_size = {self.sequence_parallel_size!r} is invalid: allowed is a '
+                f'positive integer or "auto"'
+            )
+        _check_choice("mode", self.mode, MODES)
+        _check_auto_int("ring_count", self.ring_count)
+        _check_auto_int("ulysses_degree", self.ulysses_degree)
+        _check_auto_int("ranks_per_node", self.ranks_per_node)
+        _check_choice("sharding", self.sharding, SHARDINGS)
+        if not isinstance(self.kernel, str) or not self.kernel:
+            raise ValueError(f"wallfacer.kernel = {self.kernel!r} is invalid: allowed is a kernel name or \"auto\"")
+        if self.mode == "wallfacer" and self.ulysses_degree not in ("auto", 1):
+            raise ValueError(
+                f'wallfacer.ulysses_degree = {self.ulysses_degree} needs mode "hybrid" (or "ulysses"); mode '
+                f'"wallfacer" has no Ulysses dimension (use 1 or "auto")'
+            )
+        if self.mode == "ulysses" and self.ring_count not in ("auto", 1):
+            raise ValueError(
+                f'wallfacer.ring_count = {self.ring_count} needs mode "wallfacer" or "hybrid"; mode "ulysses" has no '
+                f'ring dimension (use 1 or "auto")'
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "WallFacerConfig":
+        """Parse and validate the section (None or {} gives the defaults). Unknown keys are an error."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f'ds_config "wallfacer" must be a JSON object, got {type(d).__name__}: {d!r}')
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(allowed))
+        if unknown:
+            raise ValueError(f"wallfacer: unknown key(s) {unknown}; valid keys are {allowed}")
+        kwargs = dict(d)
+        if "mini_sequence" in kwargs and kwargs["mini_sequence"] is not None:
+            kwargs["mini_sequence"] = _parse_mini_sequence(kwargs["mini_sequence"])
+        return cls(**kwargs)
+
+
+def _parse_mini_sequence(d: Any) -> Any:
+    """The ``mini_sequence`` sub-dict belongs to the MsT component: its own dataclass parses it."""
+    from ..mst.config import MiniSequenceConfig  # pure module (no torch import)
+
+    return MiniSequenceConfig.from_dict(d)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole ds_config: our section parsed, plus what DeepSpeed gets and the batch sizes we need."""
+
+    wallfacer: WallFacerConfig
+    """The parsed ``"wallfacer"`` section."""
+    deepspeed: dict = field(repr=False)
+    """The ds_config without the ``"wallfacer"`` key (a private copy; ``deepspeed_dict`` hands out copies)."""
+    micro_batch_size: int | None = None
+    """``train_micro_batch_size_per_gpu``: sequences per step per sequence-parallel group (None: derived)."""
+    gradient_accumulation_steps: int = 1
+    """``gradient_accumulation_steps`` (default 1)."""
+    train_batch_size: int | None = None
+    """``train_batch_size`` as the user wrote it: sequences per optimizer step over all data-parallel replicas."""
+
+    def micro_batch(self, *, dp_size: int) -> int:
+        """Sequences per micro-step per sequence-parallel group (DeepSpeed's rule when only the total is given)."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        if self.train_batch_size is None:
+            return 1
+        per = self.gradient_accumulation_steps * dp_size
+        if self.train_batch_size % per:
+            raise ValueError(
+                f"train_batch_size = {self.train_batch_size} is not divisible by gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) x data-parallel size ({dp_size})"
+            )
+        return self.train_batch_size // per
+
+    def deepspeed_dict(self, *, world_size: int, sp_size: int) -> dict:
+        """The dict for ``deepspeed.initialize``. DeepSpeed sees every rank as a data-parallel replica (see
+        ``integration/deepspeed.py``), so a user's ``train_batch_size`` (sequences) is checked against the
+        data-parallel size and multiplied by P for DeepSpeed's own arithmetic."""
+        d = copy.deepcopy(self.deepspeed)
+        dp = world_size // sp_size
+        micro = self.micro_batch(dp_size=dp)
+        want = micro * self.gradient_accumulation_steps * dp
+        if self.train_batch_size is not None and self.train_batch_size != want:
+            raise ValueError(
+                f"train_batch_size = {self.train_batch_size} must equal train_micro_batch_size_per_gpu "
+                f"({micro}) x gradient_accumulation_steps ({self.gradient_accumulation_steps}) x "
+                f"data-parallel size ({dp} = {world_size} ranks / sequence_parallel_size {sp_size}) = {want}: the "
+                f"{sp_size} ranks of a sequence-parallel group share each sequence"
+            )
+        d["train_micro_batch_size_per_gpu"] = micro
+        d["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        d["train_batch_size"] = want * sp_size
+        return d
+
+
+def _batch_int(ds: Mapping[str, Any], key: str) -> int | None:
+    v = ds.get(key)
+    if v is None or v == "auto":
+        return None
+    if not _is_pos_int(v):
+        raise ValueError(f"ds_config {key} = {v!r} is invalid: allowed is a positive integer")
+    return v
+
+
+def parse_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> RunConfig:
+    """Read a ds_config (path to JSON, or dict) and parse its ``"wallfacer"`` section. Pure; deterministic, so
+    every rank raises the same error at start-up."""
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if not path.is_file():
+            raise FileNotFoundError(f"ds_config file {str(path)!r} does not exist")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"ds_config file {str(path)!r} is not valid JSON: {e}") from None
+    elif isinstance(config, Mapping):
+        raw = copy.deepcopy(dict(config))
+    else:
+        raise TypeError(f"config must be a path to a ds_config JSON or a dict, got {type(config).__name__}")
+    if not isinstance(raw, dict):
+        raise ValueError(f"a ds_config must be a JSON object, got {type(raw).__name__}")
+    wf = WallFacerConfig.from_dict(raw.pop("wallfacer", None))
+    return RunConfig(
+        wallfacer=wf,
+        deepspeed=raw,
+        micro_batch_size=_batch_int(raw, "train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps=_batch_int(raw, "gradient_accumulation_steps") or 1,
+        train_batch_size=_batch_int(raw, "train_batch_size"),
+    )
