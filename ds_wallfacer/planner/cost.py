@@ -1,0 +1,196 @@
+"""Cost model: bytes, communication and compute time per layer and per training step (issue 5).
+
+Byte volumes are NOT derived here: they are ``attention.volume``'s exact counts of what the implementation
+sends (``wallfacer_bytes``, ``ulysses_bytes``), taken for the rank that sends most (a team member with
+local != 0 also sends the skew). Times come from the links ``placement.analyse_links`` finds for the candidate's
+rank placement. Per layer and rank, with S = N / P local tokens and F = peak FLOP/s x MFU:
+
+- projections + MLP: 2 S x (layer matmul params) / F forward, twice that backward
+- causal block attention, balanced by zigzag sharding: 2 B hq d N^2 / P / F forward, 2.5x that backward
+- ring: G steps; with overlap (double buffering, as implemented) (G-1) max(a, hop) + a, else G a + (G-1) hop,
+  where a is one step's attention compute
+- team all-gathers / reduce-scatters, skew / home sends and Ulysses all-to-alls are not overlapped
+- activation checkpointing reruns the layer forward (attention and its communication too, unless
+  ``Workload.recompute_attention`` is off); MsT reruns the MLP forward once more
+Per step: all layers, the LM head (6 B S H V / F), ZeRO traffic (2x the bf16 parameters per rank, 3x with
+stage 3), exposed only beyond the backward compute when overlapped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..attention.volume import AttnShape, paper_ring_bytes, paper_wallfacer_bytes, ulysses_bytes, wallfacer_bytes
+from .candidate import Candidate, Workload
+from .cluster import ClusterSpec
+from .model import ModelSpec
+from .placement import Links, LinkStats, analyse_links
+
+__all__ = ["CostBreakdown", "attention_shapes", "estimate", "kv_heads_on_wire", "layer_bytes", "paper_figures"]
+
+_BWD_ATTN = 2.5
+"""Backward / forward FLOPs of block attention (flash-attention: 5 matmuls vs 2)."""
+
+
+def kv_heads_on_wire(model: ModelSpec, ulysses_degree: int, *, kv_replication: bool) -> int | None:
+    """kv heads that the Ulysses all-to-all spreads over U ranks: the model's, or U when they are replicated
+    (U a multiple of them); None when U is not allowed (U must divide the query heads)."""
+    u, hk = ulysses_degree, model.kv_heads
+    if model.heads % u:
+        return None
+    if hk % u == 0:
+        return hk
+    return u if kv_replication and u % hk == 0 else None
+
+
+def attention_shapes(model: ModelSpec, cand: Candidate, work: Workload) -> tuple[AttnShape, AttnShape | None]:
+    """(full attention shape, the WallFacer shape over the R ring ranks: hq / U and hk / U heads per rank)."""
+    hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=work.kv_replication)
+    if hk is None:
+        raise ValueError(f"Ulysses degree {cand.ulysses_degree} does not fit {model.heads} heads / {model.kv_heads} kv heads")
+    full = AttnShape(work.batch, work.seq_len, model.heads, hk, model.head_dim, work.elem_bytes)
+    if cand.ring_size == 1:
+        return full, None
+    u = cand.ulysses_degree
+    return full, AttnShape(work.batch, work.seq_len, model.heads // u, hk // u, model.head_dim, work.elem_bytes)
+
+
+def layer_bytes(model: ModelSpec, cand: Candidate, work: Workload) -> dict[str, dict[str, int]]:
+    """Bytes one rank (the busiest) sends per layer, by phase and kind, as the implementation counts them."""
+    full, ring = attention_shapes(model, cand, work)
+    out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    if cand.ulysses_degree > 1:
+        for phase, kinds in ulysses_bytes(full, degree=cand.ulysses_degree, sp_size=cand.sp_size).items():
+            out[phase].update(kinds)
+    if ring is not None:
+        local = 1 if cand.ring_count > 1 else 0
+        wf = wallfacer_bytes(ring, sp_size=cand.ring_size, ring_count=cand.ring_count, local=local)
+        for phase, kinds in wf.items():
+            out[phase].update(kinds)
+    return out
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Predicted per-rank figures of one training step (one micro-batch of ``batch`` sequences per SP group)."""
+
+    fwd_bytes: dict[str, int]
+    """Attention bytes sent per layer forward, by kind."""
+    bwd_bytes: dict[str, int]
+    step_bytes: int
+    """Attention bytes sent per step: all layers, forward + backward + recomputed forward."""
+    zero_bytes: int
+    """ZeRO gradient / parameter traffic per step."""
+    compute_s: float
+    """Pure compute per step."""
+    comm_s: float
+    """Attention communication per step, all of it (before overlap)."""
+    zero_s: float
+    step_s: float
+    """Predicted step time, overlap applied."""
+    tokens_per_s: float
+    """All data-parallel replicas together."""
+    links: Links
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(0.0, self.step_s - self.compute_s)
+
+
+def _t(nbytes: float, link: LinkStats | None, messages: float) -> float:
+    if nbytes <= 0 or link is None:
+        return 0.0
+    return nbytes / link.bw + messages * link.latency
+
+
+def estimate(
+    model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work: Workload, *, links: Links | None = None
+) -> CostBreakdown:
+    """Predict one training step of ``cand`` on ``cluster`` (``links``: a cached ``analyse_links`` result)."""
+    links = links or analyse_links(cand, cluster)
+    w, p = cluster.world_size, cand.sp_size
+    b, n, s = work.batch, work.seq_len, work.seq_len // p
+    flops = cluster.flops * cluster.mfu
+    c, g = cand.ring_count, cand.group_size
+    t_lin = b * model.layer_matmul_flops(s) / flops
+    t_mlp = 2.0 * b * s * model.mlp_matrices * model.hidden * model.intermediate / flops
+    t_attn = 2.0 * b * model.heads * model.head_dim * n * n / p / flops
+    by = layer_bytes(model, cand, work)
+    fb, bb = by["forward"], by["backward"]
+
+    def attention_time(kinds: dict[str, int], attn: float, *, backward: bool) -> tuple[float, float]:
+        """(wall time of the attention call, its communication time before overlap)."""
+        a2a = _t(kinds.get("all_to_all", 0), links.a2a, 4)
+        if cand.ring_size == 1:
+            return a2a + attn, a2a
+        coll = _t(kinds["all_gather"], links.team, (1 if backward else 2) * (c - 1))
+        coll += _t(kinds["reduce_scatter"], links.team, c - 1)
+        skew_fwd = fb["skew"]
+        skew = _t(skew_fwd, links.skew, 1)
+        if backward:
+            skew += _t(kinds["skew"] - skew_fwd, links.home, 1)
+        hop = _t(kinds["ring"] / (g - 1), links.ring, 1) if g > 1 else 0.0
+        step = attn / g
+        ring = (g - 1) * max(step, hop) + step if work.overlap else g * step + (g - 1) * hop
+        comm = a2a + coll + skew + (g - 1) * hop
+        return a2a + coll + skew + ring, comm
+
+    fwd_attn, fwd_comm = attention_time(fb, t_attn, backward=False)
+    bwd_attn, bwd_comm = attention_time(bb, _BWD_ATTN * t_attn, backward=True)
+    layer_fwd = t_lin + fwd_attn
+    recompute, re_comm, re_bytes, re_compute = 0.0, 0.0, 0, 0.0
+    if cand.checkpointing:
+        if work.recompute_attention:
+            recompute, re_comm, re_bytes, re_compute = layer_fwd, fwd_comm, sum(fb.values()), t_lin + t_attn
+        else:
+            recompute, re_compute = t_lin, t_lin
+    if cand.mini_sequence:
+        recompute += t_mlp
+        re_compute += t_mlp
+    t_head = 6.0 * b * s * model.hidden * model.vocab / flops
+    compute = model.layers * (3 * t_lin + (1 + _BWD_ATTN) * t_attn + re_compute) + t_head
+    comm = model.layers * (fwd_comm + bwd_comm + re_comm)
+    # ZeRO: reduce-scatter gradients + all-gather parameters (+ one more gather per pass with stage 3)
+    zero_bytes = 0
+    zero_s = 0.0
+    if w > 1:
+        zero_bytes = int((2 if work.zero_stage < 3 else 3) * work.elem_bytes * model.params * (w - 1) / w)
+        # NCCL runs one ring per NIC: the per-rank bytes cross each node boundary spread over all NICs
+        bw = cluster.intra_bw if cluster.nodes == 1 else min(cluster.intra_bw, cluster.nic_bw * cluster.nics_per_node)
+        zero_s = zero_bytes / bw
+    bwd_total = model.layers * (2 * t_lin + bwd_attn)
+    exposed_zero = max(0.0, zero_s - bwd_total) if work.overlap else zero_s
+    step = model.layers * (layer_fwd + bwd_attn + 2 * t_lin + recompute) + t_head + exposed_zero
+    return CostBreakdown(
+        fwd_bytes=dict(fb), bwd_bytes=dict(bb),
+        step_bytes=model.layers * (sum(fb.values()) + sum(bb.values()) + re_bytes),
+        zero_bytes=zero_bytes, compute_s=compute, comm_s=comm, zero_s=zero_s, step_s=step,
+        tokens_per_s=(w // p) * b * n / step, links=links,
+    )
+
+
+def paper_figures(shape: AttnShape, *, sp_size: int, ring_count: int) -> dict[str, float]:
+    """The paper's forward bytes per rank per layer (DESIGN.md section 2), three ways:
+
+    - ``*_formula``: ``volume.paper_*_bytes``, (P-1) ring hops and (P/C^2 - 1) sub-ring hops
+    - ``*_printed``: the figures as the paper prints them, which count P and P/C^2 hops (leading order);
+      with Llama-30B, N = 64Ki, P = 64, C = 4 these are exactly 1.625, 0.15234 and 0.40625 GiB (2^30 bytes)
+    - ``impl_*``: what our implementation sends (``volume.wallfacer_bytes``, busiest rank)
+    """
+    p, c = sp_size, ring_count
+    g = p // (c * c)
+    ring = paper_ring_bytes(shape, sp_size=p)
+    wf = paper_wallfacer_bytes(shape, sp_size=p, ring_count=c)
+    impl_ring = wallfacer_bytes(shape, sp_size=p, ring_count=1, local=0)["forward"]
+    impl_wf = wallfacer_bytes(shape, sp_size=p, ring_count=c, local=1 if c > 1 else 0)["forward"]
+    return {
+        "ring_formula": ring,
+        "collective_formula": wf["collective"],
+        "wf_ring_formula": wf["ring"],
+        "ring_printed": ring * p / (p - 1) if p > 1 else 0.0,
+        "collective_printed": wf["collective"],
+        "wf_ring_printed": wf["ring"] * g / (g - 1) if g > 1 else 0.0,
+        "impl_ring": sum(impl_ring.values()),
+        "impl_collective": impl_wf["all_gather"] + impl_wf["reduce_scatter"],
+        "impl_skew": impl_wf["skew"],
+        "impl_wf_ring": impl_wf["ring"],
+    }

@@ -1,0 +1,122 @@
+"""Memory model: peak bytes per rank of one training step (issue 5; DESIGN.md sections 2 and 4).
+
+Peak = model states + checkpointed activations + the larger of (one decoder layer's working set during its
+recomputation and backward) and (the LM head + loss working set). Per rank, S = N / P local tokens, s the
+element size, psi the parameter count, W the world size (ZeRO shards over every rank; SP ranks are DP ranks):
+
+- weights s*psi (stage 3: s*psi/W plus two gathered layers); gradients s*psi (stage >= 2: s*psi/W); optimizer
+  16 psi / W with ZeRO >= 1 (fp32 master, Adam m and v, fp32 gradient partition), 16 psi with stage 0, 0 offloaded
+- checkpoints: layers x B S H s (only each layer's input, MsT + checkpointing); without checkpointing every
+  layer keeps its activations (the MLP intermediates only without MsT)
+- attention working set: WallFacer's team copies of q, k, v (3 (C-1) B N H / P s with multi-head attention,
+  DESIGN.md section 2), double-buffered k/v blocks, fp32 accumulators and the fp32 reduce-scatter buffers;
+  Ulysses' all-to-all buffers
+- MLP: 7 I s per token (gate, up, activation, product and their gradients), over one mini-sequence with MsT
+- LM head: fp32 logits, softmax and gradient (3 x 4 V bytes per token), over one mini-sequence with MsT
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .candidate import Candidate, Workload
+from .cluster import ClusterSpec
+from .cost import kv_heads_on_wire
+from .model import ModelSpec
+
+__all__ = ["MemoryBreakdown", "memory_breakdown", "GIB"]
+
+GIB = 1024**3
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank at the step's peak."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    checkpoints: float
+    """Activations kept across the forward for the backward."""
+    attention: float
+    """Attention working set of one layer (includes ``team_copies``)."""
+    team_copies: float
+    """WallFacer's extra team copies of q, k, v: (C-1) x the local q, k, v."""
+    layer: float
+    """Rest of one layer's working set: 8 hidden-size activations and gradients, the MLP (one mini-sequence with MsT)."""
+    lm_head: float
+    """LM head + loss working set (one mini-sequence with MsT)."""
+    usable: float
+    """Device memory minus the framework's reserve and the fragmentation headroom."""
+
+    @property
+    def total(self) -> float:
+        states = self.weights + self.grads + self.optimizer + self.checkpoints
+        return states + max(self.attention + self.layer, self.lm_head)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    def largest(self) -> str:
+        """Name of the biggest term (for rejection reasons)."""
+        terms = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("usable", "team_copies")}
+        return max(terms, key=terms.get)
+
+    def describe(self) -> str:
+        keys = ("weights", "grads", "optimizer", "checkpoints", "attention", "layer", "lm_head")
+        return ", ".join(f"{k} {getattr(self, k) / GIB:.1f}" for k in keys) + f" GiB; usable {self.usable / GIB:.1f} GiB"
+
+
+def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work: Workload) -> MemoryBreakdown:
+    """Peak memory per rank of ``cand`` (raises ``ValueError`` when its Ulysses degree does not fit the heads)."""
+    w, s, psi = cluster.world_size, work.elem_bytes, model.params
+    b, n, p = work.batch, work.seq_len, cand.sp_size
+    tokens = b * (n // p)  # local tokens of this rank
+    h, d, i, v = model.hidden, model.head_dim, model.intermediate, model.vocab
+    hq = model.heads
+    hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=work.kv_replication)
+    if hk is None:
+        raise ValueError(f"Ulysses degree {cand.ulysses_degree} does not fit {hq} heads / {model.kv_heads} kv heads")
+    stage = work.zero_stage
+    weights = s * psi if stage < 3 else s * psi / w + 2 * s * max(model.layer_params, v * h)
+    grads = s * psi if stage < 2 else s * psi / w
+    optimizer = 0.0 if work.offload_optimizer else 16.0 * psi / (w if stage >= 1 else 1)
+
+    # attention working set, per rank: U q/kv heads groups of hq/U over N/R tokens = same element counts
+    qkv = tokens * (hq + 2 * hk) * d  # elements of this rank's q, k, v (after any all-to-all: same count)
+    kv, q = tokens * 2 * hk * d, tokens * hq * d
+    c = cand.ring_count
+    a2a = 3 * qkv * s if cand.ulysses_degree > 1 else 0.0  # in/out buffers of q, k, v (or dO, dq, dk, dv)
+    if cand.ring_size == 1:
+        attn = a2a + 2 * qkv * s + q * s + tokens * hq * _FP32
+        team_copies = 0.0
+    else:
+        team_copies = (c - 1) * qkv * s
+        fwd = c * qkv * s + 3 * c * kv * s + 2 * c * q * _FP32
+        bwd = (c * (qkv + 2 * q) * s  # gathered q, k, v, out, dO
+               + 2 * c * kv * s  # k/v block and the next one in flight
+               + 3 * c * kv * _FP32  # dk/dv of the held block, the one in flight, the received one
+               + c * q * _FP32  # dq accumulator
+               + c * (q + kv) * _FP32)  # packed fp32 reduce-scatter input
+        attn = a2a + max(fwd, bwd) + c * tokens * hq * _FP32 + qkv * s
+    mlp_tokens = min(tokens, cand.mlp_chunk_tokens) if cand.mini_sequence else tokens
+    layer = 8 * tokens * h * s + 7 * mlp_tokens * i * s
+    head_tokens = min(tokens, cand.lm_head_chunk_tokens) if cand.mini_sequence else tokens
+    lm_head = 3 * head_tokens * v * _FP32 + 2 * tokens * h * s
+
+    if cand.checkpointing:
+        kept = 2 if work.offload_checkpoints else model.layers
+        checkpoints = kept * tokens * h * s
+    else:
+        per_layer = tokens * ((4 * h + (2 * hq + 2 * hk) * d) * s + c * hq * _FP32)
+        if not cand.mini_sequence:
+            per_layer += 3 * tokens * i * s
+        else:
+            per_layer += tokens * h * s
+        checkpoints = model.layers * per_layer
+    usable = cluster.mem_bytes * (1 - work.mem_headroom) - cluster.mem_reserved
+    return MemoryBreakdown(
+        weights=weights, grads=grads, optimizer=optimizer, checkpoints=checkpoints, attention=attn,
+        team_copies=team_copies, layer=layer, lm_head=lm_head, usable=usable,
+    )

@@ -1,0 +1,353 @@
+"""The planner: enumerate valid configurations, reject what does not fit memory, rank the rest (issue 5).
+
+``plan`` returns every row (ranked, rejected ones last with their reason); ``resolve`` is the start-up entry
+point for ``"auto"`` values in the ``"wallfacer"`` config section: it respects the user's fixed values and
+chooses the rest. Ranking is by predicted training throughput (tokens/s over the world), i.e. the step time per
+sequence: a smaller SP group leaves data-parallel replicas that process other sequences in the same step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from ..comm.layout import valid_ring_counts
+from ..mst.config import auto_lm_head_chunk_tokens, auto_mlp_chunk_tokens
+from .candidate import MODES, PLACEMENTS, Candidate, Workload
+from .cluster import ClusterSpec, get_cluster
+from .cost import CostBreakdown, estimate, kv_heads_on_wire
+from .memory import GIB, MemoryBreakdown, memory_breakdown
+from .model import ModelSpec, get_model
+from .placement import analyse_links
+
+__all__ = ["FIXED_KEYS", "Plan", "PlanChoice", "PlanError", "Row", "enumerate_candidates", "plan", "resolve"]
+
+FIXED_KEYS = ("mode", "sp_size", "ring_count", "ulysses_degree", "placement", "mini_sequence", "mlp_chunk_tokens",
+              "lm_head_chunk_tokens", "activation_checkpointing")
+"""Keys of ``fixed``: a value, or "auto" / None for the planner to choose."""
+
+
+class PlanError(ValueError):
+    """No configuration satisfies the request; ``suggestions`` name the nearest feasible settings."""
+
+    def __init__(self, message: str, suggestions: Iterable[str] = ()) -> None:
+        self.suggestions = tuple(suggestions)
+        text = message + "".join(f"\n  - {s}" for s in self.suggestions)
+        super().__init__(text)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One evaluated configuration."""
+
+    candidate: Candidate
+    memory: MemoryBreakdown
+    cost: CostBreakdown
+    reason: str = ""
+    """Why it was rejected ("" when it fits)."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.reason
+
+    def as_dict(self) -> dict[str, Any]:
+        c, m, k = self.candidate, self.memory, self.cost
+        return {
+            "config": c.label, "mode": c.mode, "sp_size": c.sp_size, "ring_count": c.ring_count,
+            "ulysses_degree": c.ulysses_degree, "placement": c.placement, "mini_sequence": c.mini_sequence,
+            "mlp_chunk_tokens": c.mlp_chunk_tokens, "lm_head_chunk_tokens": c.lm_head_chunk_tokens,
+            "activation_checkpointing": c.checkpointing, "fits": self.fits, "reason": self.reason,
+            "comm_bytes_per_step": k.step_bytes, "layer_fwd_bytes": k.fwd_bytes, "layer_bwd_bytes": k.bwd_bytes,
+            "comm_s": k.comm_s, "compute_s": k.compute_s, "zero_s": k.zero_s, "step_s": k.step_s,
+            "tokens_per_s": k.tokens_per_s, "memory_bytes": m.total, "memory_usable_bytes": m.usable,
+            "links": k.links.describe(),
+        }
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The chosen configuration, in the ``"wallfacer"`` config vocabulary, with the reasons."""
+
+    mode: str
+    sp_size: int
+    dp_size: int
+    ring_count: int
+    ulysses_degree: int
+    placement: str
+    mini_sequence: bool
+    mlp_chunk_tokens: int
+    lm_head_chunk_tokens: int
+    activation_checkpointing: bool
+    step_s: float
+    tokens_per_s: float
+    memory_bytes: float
+    reasons: tuple[str, ...]
+    candidate: Candidate = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat values for logs and wandb (``planner/...`` keys are the caller's business)."""
+        return {k: v for k, v in vars(self).items() if k != "candidate"} | {"reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: ClusterSpec
+    model: ModelSpec
+    workload: Workload
+    rows: tuple[Row, ...]
+    """Fitting rows by predicted throughput, then rejected rows by memory."""
+    skipped: tuple[str, ...]
+    """Settings that are not valid at all here (head caps, divisibility), one line each."""
+    choice: PlanChoice
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": vars(self.cluster), "model": vars(self.model), "workload": vars(self.workload),
+            "choice": self.choice.as_dict(), "rows": [r.as_dict() for r in self.rows], "skipped": list(self.skipped),
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _free(fixed: Mapping[str, Any], key: str) -> bool:
+    return fixed.get(key) in (None, "auto")
+
+
+def _check_fixed(fixed: Mapping[str, Any]) -> None:
+    unknown = sorted(set(fixed) - set(FIXED_KEYS))
+    if unknown:
+        raise ValueError(f"planner: unknown fixed key(s) {unknown}; allowed are {list(FIXED_KEYS)}")
+    mode = fixed.get("mode")
+    if not _free(fixed, "mode") and mode not in MODES:
+        raise ValueError(f"planner: mode={mode!r}; expected one of {MODES} or 'auto'")
+    if not _free(fixed, "placement") and fixed["placement"] not in PLACEMENTS:
+        raise ValueError(f"planner: placement={fixed['placement']!r}; expected one of {PLACEMENTS} or 'auto'")
+
+
+def _mode_ok(fixed_mode: Any, cand_mode: str) -> bool:
+    # "wallfacer" includes C = 1 (plain ring is WallFacer with one ring)
+    return fixed_mode in (None, "auto", cand_mode) or (fixed_mode == "wallfacer" and cand_mode == "ring")
+
+
+def enumerate_candidates(
+    model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any] | None = None
+) -> tuple[list[Candidate], list[str]]:
+    """Every valid candidate for the world size that respects ``fixed``, and why other settings are invalid."""
+    fixed = dict(fixed or {})
+    _check_fixed(fixed)
+    w, n = cluster.world_size, work.seq_len
+    skipped: list[str] = []
+    out: list[Candidate] = []
+    mst_opts = [True, False] if _free(fixed, "mini_sequence") else [bool(fixed["mini_sequence"])]
+    if not (_free(fixed, "mlp_chunk_tokens") and _free(fixed, "lm_head_chunk_tokens")) and _free(fixed, "mini_sequence"):
+        mst_opts = [True]  # a chunk size implies MsT on
+    ac_opts = [True, False] if _free(fixed, "activation_checkpointing") else [bool(fixed["activation_checkpointing"])]
+    mlp_chunk = auto_mlp_chunk_tokens(model.hidden) if _free(fixed, "mlp_chunk_tokens") else int(fixed["mlp_chunk_tokens"])
+    head_chunk = (auto_lm_head_chunk_tokens(model.vocab, work.lm_head_budget_mib) if _free(fixed, "lm_head_chunk_tokens")
+                  else int(fixed["lm_head_chunk_tokens"]))
+    for p in _divisors(w):
+        if not _free(fixed, "sp_size") and p != fixed["sp_size"]:
+            continue
+        for u in _divisors(p):
+            if not _free(fixed, "ulysses_degree") and u != fixed["ulysses_degree"]:
+                continue
+            if u > 1 and kv_heads_on_wire(model, u, kv_replication=work.kv_replication) is None:
+                if p == w:
+                    why = (f"{model.heads} query heads" if model.heads % u else
+                           f"{model.kv_heads} kv heads" + ("" if work.kv_replication else " (kv replication off)"))
+                    skipped.append(f"Ulysses U={u}: does not divide {why}")
+                continue
+            r = p // u
+            need = 2 * p if r > 1 else p
+            if n % need:
+                if p == w:
+                    skipped.append(f"P={p} U={u}: seq_len {n} not divisible by {need}")
+                continue
+            for c in valid_ring_counts(r):
+                if not _free(fixed, "ring_count") and c != fixed["ring_count"]:
+                    continue
+                for pl in PLACEMENTS:
+                    if not _free(fixed, "placement") and pl != fixed["placement"]:
+                        continue
+                    if pl != "team-inner" and (c == 1 or r // (c * c) == 1) and _free(fixed, "placement"):
+                        continue  # the same ranks as team-inner
+                    for mst in mst_opts:
+                        for ac in ac_opts:
+                            cand = Candidate(p, c, u, pl, mst, mlp_chunk if mst else 0, head_chunk if mst else 0, ac)
+                            if _mode_ok(fixed.get("mode"), cand.mode):
+                                out.append(cand)
+    return out, skipped
+
+
+def _evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cands: list[Candidate], *,
+              dedupe: bool) -> list[Row]:
+    links: dict[tuple, Any] = {}
+    rows = []
+    for cand in cands:
+        key = (cand.sp_size, cand.ulysses_degree, cand.ring_count, cand.placement)
+        if key not in links:
+            links[key] = analyse_links(cand, cluster)
+        if dedupe and cand.placement != "team-inner" and links[key] == links.get(key[:3] + ("team-inner",)):
+            continue  # another placement with the same links: the same predictions
+        mem = memory_breakdown(model, cluster, cand, work)
+        cost = estimate(model, cluster, cand, work, links=links[key])
+        reason = "" if mem.fits else (
+            f"out of memory: needs {mem.total / GIB:.1f} GiB > {mem.usable / GIB:.1f} GiB usable "
+            f"(largest: {mem.largest()} {getattr(mem, mem.largest()) / GIB:.1f} GiB)")
+        rows.append(Row(cand, mem, cost, reason))
+    return rows
+
+
+def _rank_key(row: Row) -> tuple:
+    c = row.candidate
+    # ties: prefer ring traffic inside nodes, then the simpler setting
+    return (-row.cost.tokens_per_s, c.placement != "team-inner", c.mini_sequence, c.checkpointing)
+
+
+def plan(
+    cluster: ClusterSpec | str, model: ModelSpec | str | Mapping[str, Any] | Any, seq_len: int, *,
+    world_size: int | None = None, fixed: Mapping[str, Any] | None = None, workload: Workload | None = None,
+) -> Plan:
+    """Evaluate every configuration for ``seq_len`` tokens; raise ``PlanError`` when none is valid or fits."""
+    cluster = get_cluster(cluster)
+    if world_size is not None:
+        cluster = cluster.with_world_size(world_size)
+    model = get_model(model)
+    work = replace(workload, seq_len=seq_len) if workload else Workload(seq_len=seq_len)
+    fixed = {k: v for k, v in (fixed or {}).items() if v not in (None, "auto")}
+    cands, skipped = enumerate_candidates(model, cluster, work, fixed)
+    if not cands:
+        raise PlanError(f"no valid configuration for {_request(cluster, model, work, fixed)}",
+                        _nearest_valid(model, cluster, work, fixed, skipped))
+    rows = _evaluate(model, cluster, work, cands, dedupe="placement" not in fixed)
+    fitting = sorted((r for r in rows if r.fits), key=_rank_key)
+    rejected = sorted((r for r in rows if not r.fits), key=lambda r: r.memory.total)
+    if not fitting:
+        raise PlanError(
+            f"nothing fits in memory for {_request(cluster, model, work, fixed)}: the leanest configuration "
+            f"({rejected[0].candidate.label}) needs {rejected[0].memory.total / GIB:.1f} GiB per rank, "
+            f"{rejected[0].memory.usable / GIB:.1f} GiB usable ({rejected[0].memory.describe()})",
+            _nearest_fitting(model, cluster, work, fixed),
+        )
+    choice = _choose(fitting, rejected, fixed, cluster)
+    return Plan(cluster, model, work, tuple(fitting + rejected), tuple(skipped), choice)
+
+
+def resolve(
+    cluster: ClusterSpec | str, model: ModelSpec | str | Mapping[str, Any] | Any, seq_len: int,
+    world_size: int | None = None, fixed: Mapping[str, Any] | None = None, *, workload: Workload | None = None,
+) -> PlanChoice:
+    """Start-up entry point: choose the "auto" values of the ``"wallfacer"`` section.
+
+    ``fixed`` maps ``FIXED_KEYS`` to the user's values ("auto" / None / absent: the planner chooses). Returns
+    the best fitting ``PlanChoice`` (its ``reasons`` and ``as_dict()`` are meant for the log and wandb); raises
+    ``PlanError`` naming the nearest feasible settings. Pure and fast (well under a second up to 1024 ranks).
+    """
+    return plan(cluster, model, seq_len, world_size=world_size, fixed=fixed, workload=workload).choice
+
+
+# -- explanations --------------------------------------------------------------------------------------
+
+
+def _request(cluster: ClusterSpec, model: ModelSpec, work: Workload, fixed: Mapping[str, Any]) -> str:
+    given = ", ".join(f"{k}={v}" for k, v in fixed.items())
+    return (f"{model.name} at seq_len {work.seq_len} on {cluster.world_size} ranks ({cluster.name}, "
+            f"{cluster.ranks_per_node}/node)" + (f" with {given}" if given else ""))
+
+
+def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], cluster: ClusterSpec) -> PlanChoice:
+    best = fitting[0]
+    c, k = best.candidate, best.cost
+    reasons = [f"fastest of {len(fitting)} fitting configurations ({len(rejected)} rejected for memory): "
+               f"{k.step_s * 1e3:.1f} ms/step, {k.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/rank"]
+    for mode in ("ring", "wallfacer", "ulysses", "hybrid"):
+        other = next((r for r in fitting if r.candidate.mode == mode), None)
+        if other is not None and other is not best and mode != c.mode:
+            reasons.append(f"{k.tokens_per_s / other.cost.tokens_per_s:.2f}x the best {mode} ({other.candidate.label})")
+        elif other is None and any(r.candidate.mode == mode for r in rejected):
+            reasons.append(f"every {mode} configuration runs out of memory")
+    if k.links.describe():
+        reasons.append(f"placement {c.placement}: {k.links.describe()} ({cluster.ranks_per_node} ranks/node)")
+    smaller = [r for r in rejected if r.candidate.sp_size < c.sp_size]
+    if c.sp_size > 1 and smaller and _free(fixed, "sp_size"):
+        reasons.append(f"SP size {c.sp_size} (data parallel {cluster.world_size // c.sp_size}): smaller SP groups "
+                       "run out of memory or are slower")
+    if _free(fixed, "mini_sequence"):
+        reasons.append("MsT on: needed to fit, or no slower here" if c.mini_sequence else
+                       "MsT off: fits without it and saves the MLP recomputation")
+    given = [f"{key}={v}" for key, v in fixed.items()]
+    if given:
+        reasons.append("fixed by the user: " + ", ".join(given))
+    return PlanChoice(
+        mode=c.mode, sp_size=c.sp_size, dp_size=cluster.world_size // c.sp_size, ring_count=c.ring_count,
+        ulysses_degree=c.ulysses_degree, placement=c.placement, mini_sequence=c.mini_sequence,
+        mlp_chunk_tokens=c.mlp_chunk_tokens, lm_head_chunk_tokens=c.lm_head_chunk_tokens,
+        activation_checkpointing=c.checkpointing, step_s=k.step_s, tokens_per_s=k.tokens_per_s,
+        memory_bytes=best.memory.total, reasons=tuple(reasons), candidate=c,
+    )
+
+
+def _nearest(values: Iterable[int], target: int, k: int = 4) -> list[int]:
+    return sorted(sorted(set(values), key=lambda v: (abs(v - target), v))[:k])
+
+
+def _nearest_valid(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any],
+                   skipped: list[str]) -> list[str]:
+    """For each fixed value, the values of that key that would be valid with the others kept."""
+    out = list(dict.fromkeys(skipped))[:6]
+    for key in ("sp_size", "ring_count", "ulysses_degree", "mode", "placement"):
+        if key not in fixed:
+            continue
+        rest = {k: v for k, v in fixed.items() if k != key}
+        cands, _ = enumerate_candidates(model, cluster, work, rest)
+        values = sorted({getattr(c, key) if key != "mode" else c.mode for c in cands}, key=str)
+        if values:
+            shown = _nearest(values, fixed[key]) if isinstance(fixed[key], int) else values
+            out.append(f"{key}={fixed[key]!r} is not possible here; feasible {key} values: {shown}")
+    w = cluster.world_size
+    n = work.seq_len
+    step = cluster.ranks_per_node if cluster.nodes > 1 else 1
+    worlds = [x for x in range(step, 4 * w + 1, step) if x != w and x >= 1]
+    ok_worlds = [x for x in worlds if enumerate_candidates(model, cluster.with_world_size(x), work, fixed)[0]]
+    if ok_worlds:
+        out.append(f"world sizes where {dict(fixed)} is valid: {_nearest(ok_worlds, w)}")
+    p = fixed.get("sp_size", w)
+    if isinstance(p, int) and n % (2 * p):
+        lo = n - n % (2 * p)
+        out.append(f"seq_len must be a multiple of 2*P = {2 * p}: use {lo + 2 * p}" + (f" or {lo}" if lo else ""))
+    return out or [f"no setting of {dict(fixed)} is valid at world size {w}: drop the fixed values"]
+
+
+def _fits_any(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any]) -> bool:
+    cands, _ = enumerate_candidates(model, cluster, work, fixed)
+    return any(memory_breakdown(model, cluster, c, work).fits for c in cands)
+
+
+def _nearest_fitting(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any]) -> list[str]:
+    """The longest sequence that fits at this world size, and the smallest world size that fits this one."""
+    out = []
+    w, n = cluster.world_size, work.seq_len
+    unit = 2 * w
+    lo, hi = 0, n // unit  # multiples of 2W tokens: valid for every SP size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _fits_any(model, cluster, replace(work, seq_len=mid * unit), fixed):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo:
+        out.append(f"seq_len <= {lo * unit} fits on these {w} ranks")
+    step = cluster.ranks_per_node if cluster.nodes > 1 else 1
+    for x in (w * 2**k for k in range(1, 7)):
+        x = -(-x // step) * step
+        if n % (2 * x) == 0 or n % x == 0:
+            if _fits_any(model, cluster.with_world_size(x), work, fixed):
+                out.append(f"{x} ranks ({x // cluster.ranks_per_node if cluster.nodes > 1 else 1} nodes) fit "
+                           f"seq_len {n}")
+                break
+    if not work.offload_optimizer or not work.offload_checkpoints:
+        out.append("offloading the optimizer state / checkpointed activations to the CPU lowers the need")
+    if fixed:
+        out.append(f"or drop the fixed values {dict(fixed)}")
+    return out
