@@ -1,0 +1,29 @@
+"""HF transformers + DeepSpeed integration (issue 4): ``attn_implementation="wallfacer"`` (WallFacer, Ulysses or
+the hybrid, chosen by the ds_config ``"wallfacer"`` section), the entry point around ``deepspeed.initialize``,
+the global token-mean loss. Importing this package registers the attention function with transformers."""
+from .deepspeed import SequenceParallel, initialize, model_heads
+from .hf import ATTN_IMPLEMENTATION, attach, attention_modules, detach, register, wallfacer_attention_forward
+from .loss import LocalLoss, SequenceParallelCausalLM, global_token_mean, logits_loss, mini_sequence_loss
+from .parallel import SequenceParallelGroups, build_sequence_parallel, check_same_batch
+
+register()
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "LocalLoss",
+    "SequenceParallel",
+    "SequenceParallelCausalLM",
+    "SequenceParallelGroups",
+    "attach",
+    "attention_modules",
+    "build_sequence_parallel",
+    "check_same_batch",
+    "detach",
+    "global_token_mean",
+    "initialize",
+    "logits_loss",
+    "mini_sequence_loss",
+    "model_heads",
+    "register",
+    "wallfacer_attention_forward",
+]

@@ -1,0 +1,176 @@
+"""The one entry point around ``deepspeed.initialize`` (issue 4).
+
+    engine, sp = initialize(model=hf_causal_lm, config="ds_configs/hybrid.json", optimizer=...)
+    for batch in sp.dataloader(dataset):
+        loss = engine(**batch)          # global token-mean loss, the number a non-parallel run prints
+        engine.backward(loss)
+        engine.step()
+
+Start-up order: parse the ds_config and resolve the layout (pure and identical on every rank, so a bad config
+raises the same error everywhere before any collective), build every process group once, attach this rank's
+attention to the model's attention layers, apply Mini-Sequence chunking when configured, then hand DeepSpeed the
+model wrapped with the loss. DeepSpeed gets no sequence-parallel mpu: see ``loss.py`` for why every ZeRO stage
+then normalises gradients correctly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import CommLayer
+from ..config import ParallelLayout, RunConfig, parse_ds_config, resolve_auto
+from ..data.loader import SequenceParallelLoader, prepare_batch
+from . import hf
+from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
+from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch
+
+__all__ = ["SequenceParallel", "initialize", "model_heads"]
+
+log = logging.getLogger("ds_wallfacer")
+
+
+@dataclass(eq=False)
+class SequenceParallel:
+    """What the training loop needs beside the engine: layout, groups, the data loader and the loss wrapper."""
+
+    config: RunConfig
+    """The parsed ds_config."""
+    layout: ParallelLayout
+    """The resolved layout (what "auto" chose is in ``layout.notes``)."""
+    groups: SequenceParallelGroups
+    """This rank's process groups."""
+    comm: CommLayer
+    """The counted comm layer used by attention and loss (``comm.by_kind("forward")`` etc.)."""
+    attention: Any
+    """This rank's sequence-parallel attention object (attached to every attention layer)."""
+    module: SequenceParallelCausalLM
+    """The module DeepSpeed wraps: ``module.lm`` is the HF model."""
+    mini_sequence: Any = None
+    """``ds_wallfacer.mst.MiniSequenceHandle`` when mini-sequence chunking is on, else None."""
+    pad_token_id: int = 0
+    ignore_index: int = -100
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def model(self) -> nn.Module:
+        """The HF model (parameters as DeepSpeed holds them)."""
+        return self.module.lm
+
+    def shard(self, batch: Mapping[str, Any], *, pad: bool = True) -> dict[str, torch.Tensor]:
+        """One full batch -> this rank's ``input_ids``, ``position_ids``, ``shift_labels``."""
+        return prepare_batch(
+            batch, self.groups.shard_spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad
+        )
+
+    def dataloader(
+        self,
+        source: Any,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = True,
+        pad: bool = True,
+        verify: bool = True,
+    ) -> SequenceParallelLoader:
+        """Wrap a map-style dataset or an iterable of full batches (see ``SequenceParallelLoader``).
+        ``batch_size`` defaults to ``train_micro_batch_size_per_gpu``; ``verify`` checks each batch is the same
+        on all ranks of the sequence-parallel group (one tiny all-gather per batch)."""
+        spec = self.groups.shard_spec
+        bs = batch_size or self.config.micro_batch(dp_size=self.layout.dp_size)
+        check = None
+        if verify and self.layout.sp_size > 1:
+            group, comm = self.groups.sp_group, self.comm
+
+            def check(batch: Mapping[str, Any]) -> None:
+                check_same_batch(batch, group=group, comm=comm)
+
+        return SequenceParallelLoader(
+            source, spec, batch_size=bs, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad, verify=check,
+        )
+
+
+def model_heads(model: nn.Module) -> tuple[int, int]:
+    """(query heads, kv heads) from an HF model's (text) config."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    hq = int(text.num_attention_heads)
+    hk = int(getattr(text, "num_key_value_heads", None) or hq)
+    return hq, hk
+
+
+def _init_distributed() -> None:
+    import deepspeed
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    elif not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+
+
+def initialize(
+    *,
+    model: nn.Module,
+    config: str | Mapping[str, Any],
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    lr_scheduler: Any = None,
+    local_loss: LocalLoss | None = None,
+    pad_token_id: int | None = None,
+    ignore_index: int = -100,
+    ranks_per_node: int | None = None,
+    **deepspeed_kwargs: Any,
+) -> tuple[Any, SequenceParallel]:
+    """Set up sequence parallelism for an HF causal LM and call ``deepspeed.initialize``.
+
+    ``config``: a ds_config path or dict with a ``"wallfacer"`` section. ``optimizer`` / ``model_parameters`` /
+    ``lr_scheduler`` are passed to DeepSpeed (a client optimizer must be built over ``model.parameters()``).
+    ``local_loss``: (loss_sum, count) on this rank's shard; default: the Mini-Sequence LM head when
+    ``mini_sequence.lm_head`` is on, else the model's logits. Returns (engine, ``SequenceParallel``); the engine's
+    forward takes a loader batch and returns the global token-mean loss.
+    """
+    import deepspeed
+
+    run = parse_ds_config(config)
+    _init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hq, hk = model_heads(model)
+    layout = resolve_auto(run.wallfacer, world_size=world, num_heads=hq, num_kv_heads=hk, ranks_per_node=ranks_per_node)
+    ds_dict = run.deepspeed_dict(world_size=world, sp_size=layout.sp_size)
+    if rank == 0:
+        log.warning("%s", layout.describe())
+
+    groups = build_sequence_parallel(layout)
+    comm = CommLayer()
+    attention = attention_for(groups, comm=comm)
+    hf.attach(model, attention, sp_size=layout.sp_size)
+
+    mst_handle = None
+    ms = run.wallfacer.mini_sequence
+    if ms is not None:
+        from ..mst import apply_mini_sequence
+
+        mst_handle = apply_mini_sequence(model, ms, ds_config=ds_dict)
+    if local_loss is None:
+        local_loss = mini_sequence_loss if (ms is not None and ms.lm_head) else logits_loss
+    module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
+                                      ignore_index=ignore_index)
+    if optimizer is None and model_parameters is None:
+        model_parameters = [p for p in module.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+        config=ds_dict, **deepspeed_kwargs,
+    )
+    if pad_token_id is None:
+        pad_token_id = getattr(model.config, "pad_token_id", None) or 0
+    sp = SequenceParallel(
+        config=run, layout=layout, groups=groups, comm=comm, attention=attention, module=module,
+        mini_sequence=mst_handle, pad_token_id=int(pad_token_id), ignore_index=ignore_index,
+    )
+    return engine, sp

@@ -1,0 +1,102 @@
+"""``attn_implementation="wallfacer"`` for HF transformers models, through the public extension point.
+
+``register()`` adds ``wallfacer_attention_forward`` to ``transformers.AttentionInterface`` (idempotent; done on
+import of ``ds_wallfacer.integration``). No mask function is registered on purpose: for an implementation
+missing from ``AttentionMaskInterface``, transformers skips mask creation (``_preprocess_mask_arguments``), so
+no [N, N] causal mask is ever materialised and zigzag position ids are not mistaken for packed sequences. The
+causal structure comes from ``module.is_causal``; right padding needs no mask (padded positions come after
+every real token and carry no label, ``data/loader.py``).
+
+The function finds this rank's sequence-parallel attention on the attention module itself (``attach``), so
+model code and classes stay untouched and there is no module-level state.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ATTN_IMPLEMENTATION", "attach", "attention_modules", "detach", "register", "wallfacer_attention_forward"]
+
+ATTN_IMPLEMENTATION = "wallfacer"
+_ATTR = "_wallfacer_attention"
+_SP_SIZE = "_wallfacer_sp_size"
+
+
+def wallfacer_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention function: q [B, hq, S_l, d], k/v [B, hk, S_l, d] (this rank's shard) -> ([B, S_l, hq, d], None)."""
+    attn = module.__dict__.get(_ATTR)
+    if attn is None:
+        raise RuntimeError(
+            f'{type(module).__name__} uses attn_implementation="wallfacer" but has no sequence-parallel attention '
+            "attached: build the engine with ds_wallfacer.integration.initialize(model=..., config=...)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "wallfacer attention got an explicit attention mask; only causal (or bidirectional) attention over "
+            "right-padded sequences is supported: pass attention_mask to the sequence-parallel loader, not the model"
+        )
+    if dropout:
+        raise ValueError(f"attention dropout ({dropout}) is not supported by wallfacer attention; set it to 0")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attention logit soft-capping is not supported by wallfacer attention")
+    window = kwargs.get("sliding_window")
+    full = query.shape[2] * module.__dict__[_SP_SIZE]
+    if window is not None and window < full:
+        raise ValueError(
+            f"sliding-window attention (window {window} < sequence length {full}) is not supported by wallfacer "
+            "attention; set sliding_window to null in the model config"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = attn(query, key, value, causal=causal, scale=scaling)  # [B, hq, S_l, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="wallfacer"`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, wallfacer_attention_forward)
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules that call the attention interface: HF attention layers (they carry ``is_causal``,
+    ``scaling`` and the model ``config``)."""
+    return [
+        (n, m) for n, m in model.named_modules()
+        if hasattr(m, "is_causal") and hasattr(m, "scaling") and hasattr(m, "config")
+    ]
+
+
+def attach(model: nn.Module, attention: Any, *, sp_size: int) -> list[str]:
+    """Give every attention layer of ``model`` this rank's sequence-parallel attention; switch the model to
+    ``attn_implementation="wallfacer"``. Returns the layer names."""
+    register()
+    mods = attention_modules(model)
+    if not mods:
+        raise ValueError(f"{type(model).__name__}: found no attention layers (modules with is_causal/scaling/config)")
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for _, m in mods:
+        # plain attributes (not sub-modules): no parameters, no state_dict entries
+        m.__dict__[_ATTR] = attention
+        m.__dict__[_SP_SIZE] = sp_size
+    return [n for n, _ in mods]
+
+
+def detach(model: nn.Module) -> None:
+    """Remove what ``attach`` set (the attn_implementation stays)."""
+    for _, m in attention_modules(model):
+        m.__dict__.pop(_ATTR, None)
+        m.__dict__.pop(_SP_SIZE, None)

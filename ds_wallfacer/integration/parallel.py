@@ -1,0 +1,113 @@
+"""Process groups of a ``ParallelLayout``, built once on every rank, and this rank's attention and shard spec.
+
+``dist.new_group`` is collective over the world, so every rank creates every group in the same order:
+the sequence-parallel groups (loss reduction, batch checks), the Ulysses groups (consecutive ranks) and, through
+``comm.build_groups``, the WallFacer groups over the ring ranks.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..attention.hybrid import sequence_parallel_attention
+from ..comm import CommLayer, RankLayout, WallFacerGroups, build_groups
+from ..comm.groups import DEFAULT_TIMEOUT
+from ..config import ParallelLayout
+from ..data.loader import ShardSpec
+
+__all__ = ["SequenceParallelGroups", "build_sequence_parallel", "check_same_batch"]
+
+
+@dataclass(frozen=True)
+class SequenceParallelGroups:
+    """This rank's place and process groups."""
+
+    layout: ParallelLayout
+    rank: int
+    """Global rank."""
+    sp_index: int
+    """Index in the sequence-parallel group (r * U + u)."""
+    dp_index: int
+    """Data-parallel replica."""
+    sp_group: dist.ProcessGroup
+    """The P ranks sharing this rank's sequences."""
+    ulysses_group: dist.ProcessGroup | None
+    """This rank's U consecutive Ulysses ranks (None when U = 1)."""
+    wallfacer: WallFacerGroups | None
+    """This rank's WallFacer groups over the R ring ranks (None when R = 1)."""
+
+    @property
+    def shard_spec(self) -> ShardSpec:
+        lay = self.layout
+        return ShardSpec(
+            index=self.sp_index, sp_size=lay.sp_size, ulysses_degree=lay.ulysses_degree, scheme=lay.sharding,
+            dp_rank=self.dp_index, dp_size=lay.dp_size,
+        )
+
+
+def build_sequence_parallel(
+    layout: ParallelLayout, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> SequenceParallelGroups:
+    """Create all groups of ``layout`` (call on every rank, identically) and return this rank's."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() first")
+    me, world = dist.get_rank(), dist.get_world_size()
+    if world != layout.world_size:
+        raise ValueError(f"layout is for {layout.world_size} ranks, but the world has {world}")
+    d_me, i_me = layout.dp_index(me), layout.sp_index(me)
+    r_me, u_me = divmod(i_me, layout.ulysses_degree)
+
+    sp_group = None
+    for d in range(layout.dp_size):
+        g = dist.new_group(ranks=list(layout.sp_ranks(d)), timeout=timeout)
+        if d == d_me:
+            sp_group = g
+    ulysses_group = None
+    if layout.ulysses_degree > 1:
+        for d in range(layout.dp_size):
+            for r in range(layout.ring_size):
+                g = dist.new_group(ranks=list(layout.ulysses_ranks(d, r)), timeout=timeout)
+                if (d, r) == (d_me, r_me):
+                    ulysses_group = g
+    wallfacer = None
+    if layout.ring_size > 1:
+        layouts = [
+            RankLayout(layout.ring_ranks(d, u), layout.ring_count, ranks_per_node=layout.ranks_per_node)
+            for d in range(layout.dp_size)
+            for u in range(layout.ulysses_degree)
+        ]
+        wallfacer = build_groups(layouts, timeout=timeout)
+    assert sp_group is not None
+    return SequenceParallelGroups(
+        layout=layout, rank=me, sp_index=i_me, dp_index=d_me, sp_group=sp_group, ulysses_group=ulysses_group,
+        wallfacer=wallfacer,
+    )
+
+
+def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> Any:
+    """This rank's sequence-parallel attention object (``attn(q, k, v, causal=, scale=)``)."""
+    lay = groups.layout
+    return sequence_parallel_attention(
+        ulysses_group=groups.ulysses_group, wallfacer_groups=groups.wallfacer, comm=comm, kernel=lay.kernel,
+        sharding=lay.sharding,
+    )
+
+
+def check_same_batch(batch: Mapping[str, Any], *, group: dist.ProcessGroup, comm: CommLayer) -> None:
+    """Raise on every rank of ``group`` when its ranks do not hold the same full batch (a data pipeline that
+    is not seeded identically would otherwise train on garbage silently)."""
+    ids = torch.as_tensor(batch["input_ids"]).long().reshape(-1)
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1_000_003
+    sig = torch.tensor([ids.numel(), int((ids * weights).sum()), int(ids.sum())], dtype=torch.int64)
+    with comm.phase("data"):
+        rows = comm.all_gather(sig, group, kind="check")
+    if not bool((rows == rows[0]).all()):
+        raise ValueError(
+            "the ranks of a sequence-parallel group received different batches (signatures by rank index: "
+            f"{rows.tolist()}); every rank of the group must iterate the same data in the same order (same seed, "
+            "no per-rank shuffling)"
+        )
