@@ -23,7 +23,7 @@ from ..attention.volume import AttnShape, paper_ring_bytes, paper_wallfacer_byte
 from .candidate import Candidate, Workload
 from .cluster import ClusterSpec
 from .model import ModelSpec
-from .placement import Links, LinkStats, analyse_links
+from .placement import Links, LinkStats, analyse_links, ring_offset
 
 __all__ = ["CostBreakdown", "attention_shapes", "estimate", "kv_heads_on_wire", "layer_bytes", "paper_figures"]
 
@@ -43,26 +43,36 @@ def kv_heads_on_wire(model: ModelSpec, ulysses_degree: int, *, kv_replication: b
 
 
 def attention_shapes(model: ModelSpec, cand: Candidate, work: Workload) -> tuple[AttnShape, AttnShape | None]:
-    """(full attention shape, the WallFacer shape over the R ring ranks: hq / U and hk / U heads per rank)."""
+    """(full attention shape, the WallFacer shape over the R ring ranks: hq / U and hk / U heads per rank, kv
+    heads replicated to U first when U is a multiple of them, as ``ulysses.py`` does)."""
     hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=work.kv_replication)
     if hk is None:
         raise ValueError(f"Ulysses degree {cand.ulysses_degree} does not fit {model.heads} heads / {model.kv_heads} kv heads")
-    full = AttnShape(work.batch, work.seq_len, model.heads, hk, model.head_dim, work.elem_bytes)
+    full = AttnShape(work.batch, work.seq_len, model.heads, model.kv_heads, model.head_dim, work.elem_bytes)
     if cand.ring_size == 1:
         return full, None
     u = cand.ulysses_degree
     return full, AttnShape(work.batch, work.seq_len, model.heads // u, hk // u, model.head_dim, work.elem_bytes)
 
 
-def layer_bytes(model: ModelSpec, cand: Candidate, work: Workload) -> dict[str, dict[str, int]]:
-    """Bytes one rank (the busiest) sends per layer, by phase and kind, as the implementation counts them."""
+def layer_bytes(
+    model: ModelSpec, cand: Candidate, work: Workload, *, sp_index: int | None = None
+) -> dict[str, dict[str, int]]:
+    """Bytes a rank sends per layer (attention call), by phase and kind, as the implementation counts them:
+    the rank at index ``sp_index`` of its SP group, or (None) the busiest one (a team member with local != 0
+    also sends the skew)."""
     full, ring = attention_shapes(model, cand, work)
     out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     if cand.ulysses_degree > 1:
         for phase, kinds in ulysses_bytes(full, degree=cand.ulysses_degree, sp_size=cand.sp_size).items():
             out[phase].update(kinds)
     if ring is not None:
-        local = 1 if cand.ring_count > 1 else 0
+        if sp_index is None:
+            local = 1 if cand.ring_count > 1 else 0
+        else:  # sp index = ring offset * U + u; the ring offset is the placement's image of the WallFacer index
+            offs = [ring_offset(i, ring_size=cand.ring_size, ring_count=cand.ring_count, placement=cand.placement)
+                    for i in range(cand.ring_size)]
+            local = offs.index(sp_index // cand.ulysses_degree) % cand.ring_count
         wf = wallfacer_bytes(ring, sp_size=cand.ring_size, ring_count=cand.ring_count, local=local)
         for phase, kinds in wf.items():
             out[phase].update(kinds)

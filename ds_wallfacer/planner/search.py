@@ -159,7 +159,7 @@ def enumerate_candidates(
                     skipped.append(f"Ulysses U={u}: does not divide {why}")
                 continue
             r = p // u
-            need = 2 * p if r > 1 else p
+            need = 2 * p  # two chunks of 2P per rank, Ulysses included (ulysses.py)
             if n % need:
                 if p == w:
                     skipped.append(f"P={p} U={u}: seq_len {n} not divisible by {need}")
