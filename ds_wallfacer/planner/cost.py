@@ -99,6 +99,8 @@ class CostBreakdown:
     """Predicted step time, overlap applied."""
     tokens_per_s: float
     """All data-parallel replicas together."""
+    attn_layer_s: float
+    """One layer's attention forward + backward (communication included, overlap applied)."""
     links: Links
 
     @property
@@ -174,7 +176,7 @@ def estimate(
         fwd_bytes=dict(fb), bwd_bytes=dict(bb),
         step_bytes=model.layers * (sum(fb.values()) + sum(bb.values()) + re_bytes),
         zero_bytes=zero_bytes, compute_s=compute, comm_s=comm, zero_s=zero_s, step_s=step,
-        tokens_per_s=(w // p) * b * n / step, links=links,
+        tokens_per_s=(w // p) * b * n / step, attn_layer_s=fwd_attn + bwd_attn, links=links,
     )
 
 

@@ -58,7 +58,7 @@ class Row:
             "activation_checkpointing": c.checkpointing, "fits": self.fits, "reason": self.reason,
             "comm_bytes_per_step": k.step_bytes, "layer_fwd_bytes": k.fwd_bytes, "layer_bwd_bytes": k.bwd_bytes,
             "comm_s": k.comm_s, "compute_s": k.compute_s, "zero_s": k.zero_s, "step_s": k.step_s,
-            "tokens_per_s": k.tokens_per_s, "memory_bytes": m.total, "memory_usable_bytes": m.usable,
+            "tokens_per_s": k.tokens_per_s, "attn_layer_s": k.attn_layer_s, "memory_bytes": m.total, "memory_usable_bytes": m.usable,
             "links": k.links.describe(),
         }
 
@@ -83,9 +83,15 @@ class PlanChoice:
     reasons: tuple[str, ...]
     candidate: Candidate = field(repr=False)
 
+    @property
+    def config_mode(self) -> str:
+        """The ``"wallfacer"`` config section's mode: ring and single-rank plans are "wallfacer" with C = 1."""
+        return self.mode if self.mode in ("ulysses", "hybrid") else "wallfacer"
+
     def as_dict(self) -> dict[str, Any]:
         """Flat values for logs and wandb (``planner/...`` keys are the caller's business)."""
-        return {k: v for k, v in vars(self).items() if k != "candidate"} | {"reasons": list(self.reasons)}
+        d = {k: v for k, v in vars(self).items() if k != "candidate"}
+        return d | {"config_mode": self.config_mode, "reasons": list(self.reasons)}
 
 
 @dataclass(frozen=True)
@@ -261,6 +267,10 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
     c, k = best.candidate, best.cost
     reasons = [f"fastest of {len(fitting)} fitting configurations ({len(rejected)} rejected for memory): "
                f"{k.step_s * 1e3:.1f} ms/step, {k.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/rank"]
+    close = [r for r in fitting[1:] if r.cost.tokens_per_s >= 0.99 * k.tokens_per_s]
+    if close:
+        reasons.append(f"{len(close)} other configurations within 1% (below the model's accuracy), e.g. "
+                       + "; ".join(r.candidate.label for r in close[:3]))
     for mode in ("ring", "wallfacer", "ulysses", "hybrid"):
         other = next((r for r in fitting if r.candidate.mode == mode), None)
         if other is not None and other is not best and mode != c.mode:

@@ -1,0 +1,77 @@
+"""The paper's worked example and configurations, through the planner's cost model (issue 5).
+
+``worked_example`` reproduces DESIGN.md section 2's figures (Llama-30B, N = 64Ki, P = 64, C = 4, bf16): the
+paper prints GiB (2^30 bytes) and counts P ring hops (and P/C^2 sub-ring hops), one more than its own formulas.
+``comparisons`` predicts ring vs WallFacer C = 2 / 4 vs Ulysses vs the hybrid on the paper's clusters.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..attention.volume import AttnShape
+from .candidate import Workload
+from .cost import paper_figures
+from .model import MODELS
+from .search import PlanError, plan
+
+__all__ = ["PAPER_SETTINGS", "comparisons", "worked_example"]
+
+PAPER_SETTINGS = (
+    # (cluster, model, P, N): 8x8 H100 + IB and 4x8 A100 + Ethernet at 64K-128K; one NVLink node for contrast
+    ("h100x64", "llama-30b-like", 64, 65536),
+    ("h100x64", "llama-30b-like", 64, 131072),
+    ("h100x64", "llama-30b-like", 32, 65536),
+    ("h100x64", "llama-30b-like", 32, 131072),
+    ("h100x64", "llama-30b-like", 8, 65536),  # one SP group per node (data parallel 8): NVLink only
+    ("a100x32-eth", "llama-30b-like", 32, 65536),
+    ("a100x32-eth", "llama-30b-like", 32, 131072),
+    ("h100x64", "llama3-8b", 64, 131072),
+    ("h100x64", "llama3-8b", 8, 131072),
+)
+
+
+def worked_example() -> dict[str, float]:
+    """Forward bytes per rank per layer of the paper's example (see ``cost.paper_figures``)."""
+    m = MODELS["llama-30b-like"]
+    shape = AttnShape(batch=1, seq_len=65536, q_heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim, elem_bytes=2)
+    return paper_figures(shape, sp_size=64, ring_count=4)
+
+
+def _family(row: Any) -> str:
+    c = row.candidate
+    if c.mode in ("ring", "ulysses", "none"):
+        return c.mode
+    if c.mode == "wallfacer":
+        return f"wallfacer C={c.ring_count}"
+    return "hybrid"
+
+
+def comparisons(*, overlap: bool = True, settings=PAPER_SETTINGS) -> list[dict[str, Any]]:
+    """Per setting, the best fitting row of each family (ring, wallfacer C=2, C=4, ..., ulysses, hybrid) at
+    SP size P (MsT and checkpointing on, as in long-sequence training), with its speedup over ring."""
+    out = []
+    for cluster, model, p, n in settings:
+        work = Workload(seq_len=n, overlap=overlap)
+        fixed = {"sp_size": p, "mini_sequence": True, "activation_checkpointing": True}
+        try:
+            pl = plan(cluster, model, n, world_size=None, fixed=fixed, workload=work)
+        except PlanError as e:
+            out.append({"cluster": cluster, "model": model, "sp_size": p, "seq_len": n, "error": str(e)})
+            continue
+        best: dict[str, Any] = {}
+        for row in pl.rows:
+            best.setdefault(_family(row), row)
+        ring = best.get("ring")
+        fams = {}
+        for fam, row in best.items():
+            k = row.cost
+            fams[fam] = {
+                "config": row.candidate.label, "fits": row.fits, "reason": row.reason, "step_s": k.step_s,
+                "attn_layer_s": k.attn_layer_s, "comm_bytes_per_step": k.step_bytes,
+                "speedup_vs_ring": ring.cost.step_s / k.step_s if ring and row.fits else None,
+                "attn_speedup_vs_ring": ring.cost.attn_layer_s / k.attn_layer_s if ring and row.fits else None,
+            }
+        winner = pl.rows[0].candidate.label
+        out.append({"cluster": cluster, "model": model, "sp_size": p, "seq_len": n, "overlap": overlap,
+                    "families": fams, "best": winner, "skipped": list(pl.skipped)})
+    return out
