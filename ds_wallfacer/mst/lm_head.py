@@ -30,6 +30,7 @@ __all__ = [
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _MST_ATTR = "_wallfacer_mst_lm_head_chunk_tokens"
 _DEFAULT_BUDGET_MIB = 256
+_SLICE_BYTES = 64 << 20
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -66,7 +67,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if dw.dtype == g.dtype:
                     dw.addmm_(g.t(), xc)  # [V, c] @ [c, d] -> [V, d]
                 else:
-                    dw.add_(g.t() @ xc)
+                    # 16-bit product in vocabulary slices: the temporary is [V/k, d], not another [V, d]
+                    step = max(1, (_SLICE_BYTES // max(1, 2 * xc.shape[1])))
+                    for v in range(0, dw.shape[0], step):
+                        dw[v : v + step].add_(g[:, v : v + step].t() @ xc)  # [v', c] @ [c, d]
             if need_b:
                 db.add_(g.sum(0))
             del g
@@ -81,8 +85,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dx, dw, db = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         gx = dx * g_loss.to(dx.dtype) if dx is not None else None
-        gw = (dw * g_loss.to(dw.dtype)).to(w_dtype) if dw is not None else None
-        gb = (db * g_loss.to(db.dtype)).to(b_dtype) if db is not None else None
+        # cast first, then scale: one [V, d] temporary in the weight's dtype, not an fp32 one as well
+        gw = dw.to(w_dtype, copy=True).mul_(g_loss.to(w_dtype)) if dw is not None else None
+        gb = db.to(b_dtype, copy=True).mul_(g_loss.to(b_dtype)) if db is not None else None
         return gx, None, gw, gb, None, None, None
 
 
