@@ -8,8 +8,9 @@ Methods, all on the same Llama-shaped HF model (random weights), one step = forw
   ours      ds_wallfacer.mst: mini-sequence MLP + LM head, DeepSpeed activation checkpointing
 
 CPU: every (method, length) runs in a fresh process; memory = ru_maxrss of the step minus ru_maxrss after a warm-up
-step at 16 tokens (the model's own: parameters, gradients, optimizer states). A method stops at the first length
-over --budget-gib. CUDA: one process per method, torch.cuda.max_memory_allocated per length (resettable), a method
+step at 16 tokens (the model's own: parameters, gradients, optimizer states); --budget-gib bounds this activation
+memory. A method stops at the first length over budget, or before a length whose memory, projected linearly from the
+last two lengths, is over budget (activation memory is linear in S with SDPA attention; saves the slowest runs). CUDA: one process per method, torch.cuda.max_memory_allocated per length (resettable), a method
 stops at the first out-of-memory or when the next step would exceed --max-step-s.
 
 Prints a table, saves a plot and JSON under results/, and prints one JSON object as the last line.
@@ -52,7 +53,7 @@ PRESETS = {
     "llama3-8b": Shape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
 }
 DEFAULT_LENGTHS = {
-    "cpu": [1024, 2048, 4096, 6144, 8192, 12288, 16384],
+    "cpu": [1024, 2048, 3072, 4096, 8192, 12288],
     "cuda": [4096, 8192, 16384, 24576, 32768, 49152, 65536, 98304, 131072, 163840, 196608],
 }
 
@@ -225,7 +226,7 @@ def _run_worker(args, method: str, lengths: list[int]) -> list[dict]:
 
 def _max_fit(rows: list[dict], budget: float, device: str) -> int:
     ok = [r["seq_len"] for r in rows if not r.get("oom") and "act_gib" in r
-          and (device == "cuda" or r["peak_gib"] <= budget)]
+          and (device == "cuda" or r["act_gib"] <= budget)]
     return max(ok, default=0)
 
 
@@ -248,9 +249,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (tokens), increasing")
-    p.add_argument("--budget-gib", type=float, default=6.0,
-                   help="CPU: peak resident memory budget per process (GiB); default fits a shared 24 GiB machine")
-    p.add_argument("--logits-budget-mib", type=int, default=256, help="fp32 logits per chunk (ours and alst)")
+    p.add_argument("--budget-gib", type=float, default=1.0,
+                   help="CPU: activation-memory budget (peak minus the model's own, GiB); the default keeps the "
+                        "default run near 20 min on 2 cores and under 5 GiB resident on this shared 24 GiB machine")
+    p.add_argument("--logits-budget-mib", type=int, default=None,
+                   help="fp32 logits per chunk, ours and alst alike (default 64 on cpu-small, else 256 = ours' default)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="measured steps per length (median time)")
     p.add_argument("--max-step-s", type=float, default=60.0, help="CUDA: stop a method when the next step would "
@@ -259,6 +262,8 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.logits_budget_mib is None:
+        args.logits_budget_mib = 64 if args.preset == "cpu-small" else 256
     lengths = args.lengths or ",".join(map(str, DEFAULT_LENGTHS[args.device]))
     args.lengths = [int(x) for x in str(lengths).split(",")]
     if args.worker:
@@ -273,11 +278,20 @@ def main() -> None:
         if args.device == "cuda":  # peaks are resettable: one process per method
             rows += _run_worker(args, method, args.lengths)
             continue
+        done: list[dict] = []
         for seq_len in args.lengths:  # ru_maxrss is not: one fresh process per configuration
+            if len(done) >= 2:
+                (l1, a1), (l2, a2) = [(r["seq_len"], r["act_gib"]) for r in done[-2:]]
+                projected = a2 + (a2 - a1) * (seq_len - l2) / (l2 - l1)
+                if projected > 1.05 * args.budget_gib:
+                    rows.append(dict(method=method, seq_len=seq_len, oom=False, skipped="projected over budget",
+                                     projected_act_gib=round(projected, 3)))
+                    break
             r = _run_worker(args, method, [seq_len])
             rows += r
-            if "peak_gib" not in r[-1] or r[-1]["peak_gib"] > args.budget_gib:
+            if "act_gib" not in r[-1] or r[-1]["act_gib"] > args.budget_gib:
                 break
+            done.append(r[-1])
     _report(args, shape, methods, rows, time.time() - t_start)
 
 
@@ -299,7 +313,7 @@ def _report(args, shape: Shape, methods: list[str], rows: list[dict], wall_s: fl
             if r is None:
                 cells.append(f"{'-':>22}")
             elif "peak_gib" not in r:
-                why = "OOM" if r.get("oom") else "skipped (time)" if r.get("skipped") else "error"
+                why = "OOM" if r.get("oom") else f"skip: {r['skipped']}"[:22] if r.get("skipped") else "error"
                 cells.append(f"{why:>22}")
             else:
                 cells.append(f"{r['peak_gib']:7.2f} {r['act_gib']:6.2f} {r['step_s']:7.1f}")
@@ -324,7 +338,7 @@ def _report(args, shape: Shape, methods: list[str], rows: list[dict], wall_s: fl
         if common:
             summary["ours_over_alst_step_time_at_common_max"] = round(
                 table["ours"][max(common)]["step_s"] / table["alst"][max(common)]["step_s"], 3)
-    print(f"\nlongest length within budget ({'%.1f GiB peak' % budget if args.device == 'cpu' else 'device memory'}): "
+    print(f"\nlongest length within budget ({'%.2f GiB activations' % budget if args.device == 'cpu' else 'device memory'}): "
           + ", ".join(f"{m} {max_len[m]}" for m in methods))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -343,14 +357,15 @@ def _plot(path: Path, table, methods, budget, title: str, what: str) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    key = "act_gib" if budget else "peak_gib"
     for m in methods:
-        pts = sorted((L, r["peak_gib"]) for L, r in table[m].items() if "peak_gib" in r)
+        pts = sorted((L, r[key]) for L, r in table[m].items() if key in r)
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m)
     if budget:
         ax.axhline(budget, color="gray", linestyle="--", label=f"budget {budget:g} GiB")
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel(f"peak memory, {what} (GiB)")
+    ax.set_ylabel(f"{'activation' if budget else 'peak'} memory, {what} (GiB)")
     ax.set_title(f"one training step: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
