@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
+
+import numpy as np
 from dataclasses import dataclass
 
 from ..comm.layout import RankLayout
@@ -62,21 +64,28 @@ def ulysses_groups(cand: Candidate, world_size: int) -> list[tuple[int, ...]]:
     return [tuple(range(b, b + u)) for b in range(0, world_size, u)]
 
 
-@lru_cache(maxsize=256)  # pure; memoised because the planner asks for the same (R, C) under many settings
-def peer_indices(ring_size: int, ring_count: int) -> tuple[tuple[int, int, int, int], ...]:
-    """For each WallFacer index: (team_next, ring_next, skew_to, home_to) indices, as ``RankLayout._place``."""
+def _peer_arrays(ring_size: int, ring_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``peer_indices`` as arrays: team_next [R], ring_next [R], kv_dests [R, C], home_dests [R, C]."""
     c = ring_count
     g = ring_size // (c * c)
-    out = []
-    for index in range(ring_size):
-        team, local = divmod(index, c)
-        group, pos = divmod(team, g)
+    index = np.arange(ring_size)
+    team, local = np.divmod(index, c)
+    group, pos = np.divmod(team, g)
+    lane = np.arange(c)[None, :]
 
-        def at(gr: int, ps: int) -> int:
-            return ((gr % c) * g + ps % g) * c + local
+    def at(gr, ps, lc):
+        return ((gr % c) * g + ps % g) * c + lc
 
-        out.append((team * c + (local + 1) % c, at(group, pos + 1), at(group - local, pos), at(group + local, pos + 1)))
-    return tuple(out)
+    return (team * c + (local + 1) % c, at(group, pos + 1, local),
+            at(group[:, None] - lane, pos[:, None], lane), at((group + local)[:, None], (pos + 1)[:, None], lane))
+
+
+def peer_indices(ring_size: int, ring_count: int) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """For each WallFacer index: (team_next, ring_next, kv_dests, home_dests) indices, as ``RankLayout._place``
+    (the skewed gather sends a rank's own k/v shard to ``kv_dests``; the last ring step's dk/dv go to
+    ``home_dests``; the team collectives run as a ring over the team)."""
+    t, r, kv, home = _peer_arrays(ring_size, ring_count)
+    return [(int(t[i]), int(r[i]), tuple(map(int, kv[i])), tuple(map(int, home[i]))) for i in range(ring_size)]
 
 
 @dataclass(frozen=True)
@@ -108,63 +117,45 @@ class Links:
         return " ".join(f"{k}:{s.where}" for k, s in vars(self).items() if s is not None)
 
 
-def _stats(cluster: ClusterSpec, src: list[int], dst: list[int]) -> LinkStats | None:
-    """Point-to-point sends src[i] -> dst[i] that run at the same time (self-sends are local copies)."""
+def _flows(cluster: ClusterSpec, src: np.ndarray, dst: np.ndarray) -> LinkStats | None:
+    """Concurrent sends src[i] -> dst[i, :]: each sender splits its bytes equally over its destinations
+    (self-sends are local copies and dropped). Off-node flows of a node share its NICs; a sender's time is
+    the slower of its intra-node and off-node parts; the slowest sender sets the bandwidth."""
     rpn = cluster.ranks_per_node
-    total, intra = 0, False
-    off: Counter[int] = Counter()
-    for a, b in zip(src, dst):
-        if a == b:
-            continue
-        total += 1
-        if a // rpn != b // rpn:
-            off[a // rpn] += 1
-        else:
-            intra = True
-    if not total:
+    real = dst != src[:, None]
+    ndest = real.sum(axis=1)
+    keep = ndest > 0
+    if not keep.any():
         return None
-    if not off:
-        return LinkStats(bw=cluster.intra_bw, latency=cluster.intra_latency, offnode=0.0)
-    bw = cluster.offnode_bw(max(off.values()))  # the node with the most off-node senders is the slowest
-    bw = min(bw, cluster.intra_bw) if intra else bw
-    return LinkStats(bw=bw, latency=cluster.inter_latency, offnode=sum(off.values()) / total)
-
-
-@lru_cache(maxsize=256)  # pure (ClusterSpec is frozen); shared by every C and placement of one (U, P)
-def _a2a_stats(cluster: ClusterSpec, u: int, p: int) -> LinkStats | None:
-    """All-to-all in groups of U consecutive ranks over one SP group: each rank sends (U-1)/U of its bytes,
-    the off-node part over the shared NICs, the rest over the intra-node links at the same time."""
-    if u == 1:
-        return None
-    rpn = cluster.ranks_per_node
-    far: list[int] = []
-    senders: Counter[int] = Counter()
-    for rank in range(p):
-        base, node = rank - rank % u, rank // rpn
-        near = min(base + u, (node + 1) * rpn) - max(base, node * rpn)  # group members on my node, me included
-        far.append(u - near)
-        if u - near:
-            senders[node] += 1
-    worst = 0.0
-    for rank, f in enumerate(far):
-        frac = f / (u - 1)
-        t = (1 - frac) / cluster.intra_bw
-        if f:
-            t = max(t, frac / cluster.offnode_bw(senders[rank // rpn]))
-        worst = max(worst, t)
-    offnode = sum(1 for f in far if f)
-    lat = cluster.inter_latency if offnode else cluster.intra_latency
-    return LinkStats(bw=1 / worst, latency=lat, offnode=offnode / p)
+    src, dst, real, ndest = src[keep], dst[keep], real[keep], ndest[keep]
+    node = src // rpn
+    far = ((dst // rpn != node[:, None]) & real).sum(axis=1)
+    flows = np.bincount(node, weights=far)
+    frac = far / ndest
+    share = cluster.nic_bw * np.minimum(1.0, cluster.nics_per_node / np.maximum(flows[node], 1))
+    t = np.maximum((1 - frac) / cluster.intra_bw, np.where(far > 0, frac / (np.maximum(far, 1) * share), 0.0))
+    offnode = float((far > 0).mean())
+    return LinkStats(bw=float(1 / t.max()), latency=cluster.inter_latency if offnode else cluster.intra_latency,
+                     offnode=offnode)
 
 
 def analyse_links(cand: Candidate, cluster: ClusterSpec) -> Links:
     """Links of the first SP group (ranks 0..P-1), all its rings and Ulysses groups sending at once."""
     p, u, r, c = cand.sp_size, cand.ulysses_degree, cand.ring_size, cand.ring_count
-    offs = [ring_offset(i, ring_size=r, ring_count=c, placement=cand.placement) for i in range(r)]
-    src = [uu + u * o for uu in range(u) for o in offs]
-    stats = {}
-    for kind, column in zip(("team", "ring", "skew", "home"), zip(*peer_indices(r, c)) if r > 1 else ()):
-        dst = [uu + u * offs[j] for uu in range(u) for j in column]
-        stats[kind] = _stats(cluster, src, dst)
+    stats: dict[str, LinkStats | None] = {}
+    if r > 1:
+        offs = np.array([ring_offset(i, ring_size=r, ring_count=c, placement=cand.placement) for i in range(r)])
+        rank = (np.arange(u)[:, None] + u * offs[None, :])  # [U, R]: global rank of (u, WallFacer index)
+        src = rank.reshape(-1)
+        for kind, peers in zip(("team", "ring", "skew", "home"), _peer_arrays(r, c)):
+            peers = peers.reshape(r, -1)  # [R, k]
+            stats[kind] = _flows(cluster, src, rank[:, peers].reshape(u * r, -1))
     return Links(team=stats.get("team"), ring=stats.get("ring"), skew=stats.get("skew"), home=stats.get("home"),
-                 a2a=_a2a_stats(cluster, u, p))
+                 a2a=_a2a(cluster, u, p) if u > 1 else None)
+
+
+@lru_cache(maxsize=256)  # pure (ClusterSpec is frozen); shared by every C and placement of one (U, P)
+def _a2a(cluster: ClusterSpec, u: int, p: int) -> LinkStats | None:
+    """All-to-all in groups of U consecutive ranks: (U-1)/U of each rank's bytes, split over U-1 peers."""
+    src = np.arange(p)
+    return _flows(cluster, src, (src - src % u)[:, None] + np.arange(u)[None, :])
