@@ -174,8 +174,8 @@ def print_paper(rows: list[dict[str, Any]], example: dict[str, float]) -> None:
     print(f"  {'this implementation (busiest rank)':34} {e['impl_ring']:8.3f} {e['impl_collective']:14.3f} "
           f"{e['impl_wf_ring']:8.3f} {e['impl_skew']:8.3f} "
           f"{e['impl_collective'] + e['impl_wf_ring'] + e['impl_skew']:9.3f}")
-    print("  (implementation: fp32 partial outputs + lse in the reduce-scatter, no separate out all-gather,"
-          " and the skew send)")
+    print("  (implementation: q + fp32 lse all-gathered in the team, k/v by the skewed gather (skew), fp32 partial"
+          " outputs reduce-scattered)")
     print("\npredicted step time (s) and speedup over ring, SP group of P ranks, MsT + checkpointing, ZeRO-3:")
     for r in rows:
         head = f"{r['cluster']} {r['model']} P={r['sp_size']} N={r['seq_len']} overlap={r.get('overlap')}"
