@@ -196,9 +196,12 @@ def worker(args) -> list[dict]:
             res["capacity_gib"] = torch.cuda.get_device_properties(0).total_memory / (1 << 30)
         results.append(res)
         print(json.dumps(res), flush=True)
-        if cuda and seq_len != args.lengths[-1]:
+        timed = [r for r in results if "step_s" in r]
+        if cuda and seq_len != args.lengths[-1] and len(timed) >= 2:  # the first length also pays warm-up
             nxt = args.lengths[args.lengths.index(seq_len) + 1]
-            if res["step_s"] * (nxt / seq_len) ** 2 > args.max_step_s:
+            (l1, t1), (l2, t2) = [(r["seq_len"], r["step_s"]) for r in timed[-2:]]
+            expo = min(2.0, max(1.0, math.log(max(t2 / t1, 1.0)) / math.log(l2 / l1)))
+            if t2 * (nxt / l2) ** expo > args.max_step_s:
                 results.append(dict(method=args.method, seq_len=nxt, oom=False, skipped="time"))
                 break
     return results
