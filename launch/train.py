@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv_heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate when the ds_config has no optimizer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default=str(ROOT / "runs"), help="wandb files go here")
     p.add_argument("--wandb_project", default="ds_wallfacer")
@@ -84,8 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import ds_wallfacer.integration as wfi  # registers attn_implementation="wallfacer"
 
+    from ds_wallfacer.config import parse_ds_config
+
     model = build_model(args)
-    engine, sp = wfi.initialize(model=model, config=args.deepspeed_config)
+    optimizer = None
+    if not parse_ds_config(args.deepspeed_config).has_optimizer:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    engine, sp = wfi.initialize(model=model, config=args.deepspeed_config, optimizer=optimizer)
     rank = torch.distributed.get_rank()
     loader = sp.dataloader(ByteWindows(load_text(args.data), args.seq_len), shuffle=True, seed=args.seed)
 

@@ -132,6 +132,11 @@ class RunConfig:
     train_batch_size: int | None = None
     """``train_batch_size`` as the user wrote it: sequences per optimizer step over all data-parallel replicas."""
 
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether the ds_config names an optimizer (else the caller must pass one to ``initialize``)."""
+        return bool(self.deepspeed.get("optimizer"))
+
     def micro_batch(self, *, dp_size: int) -> int:
         """Sequences per micro-step per sequence-parallel group (DeepSpeed's rule when only the total is given)."""
         if self.micro_batch_size is not None:
