@@ -15,7 +15,7 @@ then normalises gradients correctly.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -54,7 +54,6 @@ class SequenceParallel:
     """``ds_wallfacer.mst.MiniSequenceHandle`` when mini-sequence chunking is on, else None."""
     pad_token_id: int = 0
     ignore_index: int = -100
-    extra: dict = field(default_factory=dict)
 
     @property
     def model(self) -> nn.Module:
@@ -143,6 +142,10 @@ def initialize(
     hq, hk = model_heads(model)
     layout = resolve_auto(run.wallfacer, world_size=world, num_heads=hq, num_kv_heads=hk, ranks_per_node=ranks_per_node)
     ds_dict = run.deepspeed_dict(world_size=world, sp_size=layout.sp_size)
+    from ..attention.kernels import KERNELS
+
+    if layout.kernel != "auto" and layout.kernel not in KERNELS:
+        raise ValueError(f"wallfacer.kernel = {layout.kernel!r} is invalid: allowed are {['auto', *KERNELS]}")
     if rank == 0:
         log.warning("%s", layout.describe())
 

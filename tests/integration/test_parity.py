@@ -8,7 +8,6 @@ batch > 1, gradient accumulation, data parallelism beside sequence parallelism a
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import pytest
