@@ -5,12 +5,14 @@ comm layer counted. Symbols as in ``wallfacer.py``: n_q = B*hq*S_l*d and n_kv = 
 rank, S_l = N / P, s = input element size, a = element size of the summed partials/gradients (fp32 = 4).
 
 Differences from the paper's formulas (DESIGN.md section 2), all deliberate:
-- the skew moves the team's k/v once before the ring (C*2*n_kv*s, ranks with local != 0 only); the paper's
-  ring term starts counting after it
+- k/v are not all-gathered in the team: a skewed gather sends each rank's k/v shard straight to the C lanes
+  that start with its team (C*2*n_kv*s; (C-1)*2*n_kv*s for local 0), so the paper's two k/v all-gathers
+  are replaced by this one step; the paper's ring term starts counting after it
 - the forward reduce-scatter carries fp32 partial outputs (a = 4) plus an all-gather of the fp32 partial
   lse (C*B*hq*S_l*4 per rank), so bf16 outputs are merged without rounding the partials
-- k/v rotate in backward (their gradients travel behind them in fp32, and go home in one final send that
-  also undoes the skew); q, k, v, out and dO are re-gathered in the team instead of being kept
+- k/v rotate in backward (their gradients travel behind them in fp32, and each rank's slice goes home in
+  one final send that also undoes the skew, replacing the team reduce-scatter of dk/dv); q, out and dO are
+  re-gathered in the team and k/v re-fetched by the skewed gather instead of being kept
 """
 from __future__ import annotations
 
@@ -47,20 +49,19 @@ def wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int, local: i
     g = p // (c * c)
     s, a = shape.elem_bytes, shape.accum_bytes
     n_q, n_kv, n_l = shape.per_rank(p)
-    team_kv = 2 * c * n_kv  # the team's k and v
-    skew = team_kv * s if local != 0 else 0
+    kv_dests = c - (1 if local == 0 else 0)  # the skewed gather sends the own k/v shard to each lane
+    home_dests = c - (1 if local == 0 and g == 1 else 0)  # dk/dv slices returned to the block's team
     fwd = {
-        "all_gather": (c - 1) * ((n_q + 2 * n_kv) * s + c * n_l * 4),
+        "all_gather": (c - 1) * (n_q * s + c * n_l * 4),
         "reduce_scatter": (c - 1) * n_q * a,
-        "skew": skew,
-        "ring": (g - 1) * team_kv * s,
+        "skew": kv_dests * 2 * n_kv * s,
+        "ring": (g - 1) * 2 * c * n_kv * s,
     }
-    home = 0 if (local == 0 and g == 1) else team_kv * a
     bwd = {
-        "all_gather": (c - 1) * (3 * n_q + 2 * n_kv) * s,
-        "reduce_scatter": (c - 1) * (n_q + 2 * n_kv) * a,
-        "skew": skew + home,
-        "ring": (g - 1) * team_kv * (s + a),
+        "all_gather": (c - 1) * 3 * n_q * s,
+        "reduce_scatter": (c - 1) * n_q * a,
+        "skew": kv_dests * 2 * n_kv * s + home_dests * 2 * n_kv * a,
+        "ring": (g - 1) * 2 * c * n_kv * (s + a),
     }
     return {"forward": fwd, "backward": bwd}
 

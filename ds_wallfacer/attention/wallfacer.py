@@ -5,14 +5,16 @@ size), G = P / C^2 ring steps, S_l = N / P tokens per rank (two chunks of L = S_
 tokens per team. Tensors are [B, h, S, d] (the HF attention layout).
 
 Forward, per call:
- 1. all-gather q, k, v in the team (one packed collective)          [B, h, S_l, d] -> [B, h, S_t, d]
- 2. skew: member j of team (g, t) receives the team k/v of (g + j, t)
+ 1. all-gather q in the team                                      [B, h, S_l, d] -> [B, h, S_t, d]
+ 2. skewed gather: member j of team (g, t) receives the k/v of team (g + j, t) straight from its C
+    members (point-to-point, overlapping step 1), so no team copy of k/v is ever made
  3. G ring steps: k/v move one hop along the sub-ring (double-buffered, overlapping the block kernel);
     (out, lse) merged into fp32 accumulators by log-sum-exp
  4. all-gather the partial lse in the team, weight the partial outputs, reduce-scatter them (fp32)
 Backward rotates k/v with their dk/dv accumulators (not q, dO, dq): with grouped-query attention this moves
-hk/hq of the bytes, and it mirrors the forward. q, k, v, out and dO are re-gathered rather than saved, so a
-layer keeps only its own shards (plus the team's fp32 lse) between forward and backward.
+hk/hq of the bytes, and it mirrors the forward. After the last step each dk/dv slice goes straight to its
+owner (a skewed reduce-scatter). q, k, v, out and dO are re-gathered rather than saved, so a layer keeps
+only its own shards (plus the team's fp32 lse) between forward and backward.
 """
 from __future__ import annotations
 
@@ -210,20 +212,34 @@ def _sl(call: BlockCall, L: int) -> tuple[slice, slice]:
 # -- forward / backward ----------------------------------------------------------------------------
 
 
+def _gather_kv(attn, plan: _Plan, k: torch.Tensor, v: torch.Tensor):
+    """Skewed all-gather: start receiving the C shards of this rank's first k/v team straight from its
+    members, and sending this rank's own shard to the C ranks (one per lane) whose first team is ours."""
+    place = attn.groups.place
+    own = torch.stack([k, v])  # [2, B, hk, S_l, d]
+    bufs = torch.empty((len(place.kv_sources), *own.shape), dtype=own.dtype, device=own.device)
+    pending = attn.comm.exchange(
+        [(own, dst) for dst in place.kv_dests], list(zip(bufs, place.kv_sources)), kind="skew", group=attn.groups.sp_group
+    )
+    return pending, bufs
+
+
+def _team_kv(bufs: torch.Tensor, perm: list[int]) -> torch.Tensor:
+    """[C, 2, B, hk, S_l, d] member shards -> [2, B, hk, S_t, d] in team order."""
+    return torch.stack([_to_team(bufs[:, 0], perm), _to_team(bufs[:, 1], perm)])
+
+
 def _forward(attn, kernel: BlockKernel, plan: _Plan, q, k, v, causal: bool, scale: float):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c = grp.layout.ring_count
     b, hq, sl, d = q.shape
-    hk = k.shape[1]
     acc_dtype = attn.accum_comm_dtype or q.dtype
 
-    # 1. team all-gather of q, k, v: [B, h, S_l, d] x3 -> [C, n] -> [B, h, S_t, d] x3
-    gq, gk, gv = _unpack(comm.all_gather(_pack(q, k, v), grp.team_group), [q.shape, k.shape, v.shape])
-    q_t, k_t, v_t = (_to_team(x, plan.perm) for x in (gq, gk, gv))
-    # 2. skew: kv of team (g + j, t) arrives; [2, B, hk, S_t, d]
-    kv = torch.stack([k_t, v_t])
-    cur = torch.empty_like(kv)
-    comm.exchange([(kv, place.skew_to)], [(cur, place.skew_from)], kind="skew", group=grp.sp_group).wait()
+    # 1-2. skewed gather of k/v (point-to-point, in flight) and team all-gather of q: [B, h, S_l, d] -> [B, h, S_t, d]
+    kv_pending, bufs = _gather_kv(attn, plan, k, v)
+    q_t = _to_team(comm.all_gather(q, grp.team_group), plan.perm)
+    kv_pending.wait()
+    cur = _team_kv(bufs, plan.perm)  # [2, B, hk, S_t, d]
     # 3. ring steps, double-buffered
     acc_out = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((b, hq, c * sl), float("-inf"), dtype=torch.float32, device=q.device)
@@ -253,18 +269,15 @@ def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_te
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c = grp.layout.ring_count
     b, hq, sl, d = q.shape
-    hk = k.shape[1]
     acc_dtype = attn.accum_comm_dtype or q.dtype
     dout = dout.to(q.dtype)
 
-    # 1. re-gather q, k, v, out, dO in the team (adjoint of the forward reduce-scatter for dO)
-    shapes = [q.shape, k.shape, v.shape, out.shape, dout.shape]
-    gathered = _unpack(comm.all_gather(_pack(q, k, v, out, dout), grp.team_group), shapes)
-    q_t, k_t, v_t, o_t, do_t = (_to_team(x, plan.perm) for x in gathered)
-    # 2. skew
-    kv = torch.stack([k_t, v_t])
-    cur = torch.empty_like(kv)
-    comm.exchange([(kv, place.skew_to)], [(cur, place.skew_from)], kind="skew", group=grp.sp_group).wait()
+    # 1-2. skewed gather of k/v again, team all-gather of q, out, dO (dO: adjoint of the forward reduce-scatter)
+    kv_pending, bufs = _gather_kv(attn, plan, k, v)
+    gathered = _unpack(comm.all_gather(_pack(q, out, dout), grp.team_group), [q.shape, out.shape, dout.shape])
+    q_t, o_t, do_t = (_to_team(x, plan.perm) for x in gathered)
+    kv_pending.wait()
+    cur = _team_kv(bufs, plan.perm)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     dq_acc = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
     L = plan.chunk_len
@@ -289,20 +302,20 @@ def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_te
         if dkv_pending is not None:
             dkv += dkv_pending.wait()[0]
         dkv = dkv.to(acc_dtype)
-        recv = torch.empty_like(dkv)
         if s < last:
+            recv = torch.empty_like(dkv)
             dkv_pending = comm.exchange([(dkv, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
-        else:
-            dkv_pending = comm.exchange([(dkv, place.home_to)], [(recv, place.home_from)], kind="skew", group=grp.sp_group)
+        else:  # skewed reduce-scatter: each member of the block's team gets its slice, one per lane
+            slices = torch.stack([_from_team(dkv[0], plan.perm, c), _from_team(dkv[1], plan.perm, c)], dim=1)
+            homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
+            dkv_pending = comm.exchange(list(zip(slices, place.home_dests)), list(zip(homes, place.home_sources)),
+                                        kind="skew", group=grp.sp_group)
         if kv_pending is not None:
             cur = kv_pending.wait()[0]
-    dkv_team = dkv_pending.wait()[0]  # [2, B, hk, S_t, d]: all queries' gradient of my team's k/v
-    # 4. one reduce-scatter of dq, dk, dv in the team (adjoint of the all-gather)
-    parts = [_from_team(dq_acc.to(acc_dtype), plan.perm, c), _from_team(dkv_team[0], plan.perm, c),
-             _from_team(dkv_team[1], plan.perm, c)]
-    flat = torch.cat([x.reshape(c, -1) for x in parts], dim=1)
-    dq, dk, dv = _unpack(comm.reduce_scatter(flat, grp.team_group), [q.shape, k.shape, v.shape])
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # 4. sum the lanes' dk/dv of this rank's shard; reduce-scatter dq in the team (adjoint of the all-gather)
+    dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0)  # [2, B, hk, S_l, d]
+    dq = comm.reduce_scatter(_from_team(dq_acc.to(acc_dtype), plan.perm, c), grp.team_group)
+    return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
 
 
 class _WallFacerFn(torch.autograd.Function):

@@ -8,7 +8,8 @@ Glossary (one sequence-parallel group of P ranks, ring count C, C*C dividing P):
 - ``team group``  G = P / C^2 adjacent teams; ``team = group * G + pos``
 - ``sub-ring``    the G ranks with the same (group, local): k/v blocks travel along it
 - ``skew``        member ``local = j`` of a team in group g iterates over the keys of group (g + j) mod C;
-                  it receives its first block from the same (pos, local) in that group
+                  its first block is the team at the same position there, gathered straight from that
+                  team's C members (a skewed all-gather: no team copy of k/v is made first)
 
 C = 1 gives one team per rank, one team group and one sub-ring of all P ranks: plain ring attention.
 Nothing here imports ``torch.distributed``; ``groups.py`` turns a layout into process groups.
@@ -45,14 +46,14 @@ class RankPlace:
     """Sub-ring neighbour that k/v blocks are sent to."""
     ring_prev: int
     """Sub-ring neighbour that k/v blocks are received from."""
-    skew_to: int
-    """Rank this rank sends its team's k/v to before the ring starts (itself when local == 0)."""
-    skew_from: int
-    """Rank this rank receives its first k/v block from (itself when local == 0)."""
-    home_to: int
-    """Rank the dk/dv of the block held after the last ring step belongs to (backward)."""
-    home_from: int
-    """Rank that returns the dk/dv of this rank's own team block (backward)."""
+    kv_sources: tuple[int, ...]
+    """Members of the team whose k/v this rank holds at ring step 0, in ``local`` order (skewed gather)."""
+    kv_dests: tuple[int, ...]
+    """Ranks that gather this rank's own k/v shard, entry j in lane ``local = j`` (itself only if local 0)."""
+    home_dests: tuple[int, ...]
+    """Members of the team whose dk/dv this rank holds after the last ring step (backward)."""
+    home_sources: tuple[int, ...]
+    """Ranks that return this rank's dk/dv slice after the last ring step, entry j from lane j."""
     kv_team: int
     """Team whose k/v this rank holds at ring step 0."""
 
@@ -127,8 +128,8 @@ class RankLayout:
         group, pos = divmod(team, g)
         r = self.ranks
 
-        def at(gr: int, ps: int) -> int:
-            return r[self.index_of(group=gr, pos=ps, local=local)]
+        def at(gr: int, ps: int, lc: int = local) -> int:
+            return r[self.index_of(group=gr, pos=ps, local=lc)]
 
         return RankPlace(
             index=index,
@@ -140,10 +141,10 @@ class RankLayout:
             team_ranks=r[team * c : (team + 1) * c],
             ring_next=at(group, pos + 1),
             ring_prev=at(group, pos - 1),
-            skew_to=at(group - local, pos),
-            skew_from=at(group + local, pos),
-            home_to=at(group + local, pos + 1),
-            home_from=at(group - local, pos - 1),
+            kv_sources=tuple(at(group + local, pos, m) for m in range(c)),
+            kv_dests=tuple(at(group - j, pos, j) for j in range(c)),
+            home_dests=tuple(at(group + local, pos + 1, m) for m in range(c)),
+            home_sources=tuple(at(group - j, pos - 1, j) for j in range(c)),
             kv_team=((group + local) % c) * g + pos,
         )
 
@@ -163,10 +164,10 @@ class RankLayout:
             f"WallFacer layout: P={self.sp_size} C={self.ring_count} G={self.group_size} "
             f"teams={self.num_teams}" + ("  (a team crosses nodes!)" if self.teams_cross_nodes() else "")
         )
-        lines = [head, "rank idx team local group pos  prev next  skew_from skew_to  kv_team"]
+        lines = [head, "rank idx team local group pos  prev next  kv_team  kv_sources"]
         for p in self.places:
             lines.append(
                 f"{p.rank:4d} {p.index:3d} {p.team:4d} {p.local:5d} {p.group:5d} {p.pos:3d} "
-                f"{p.ring_prev:5d} {p.ring_next:4d}  {p.skew_from:9d} {p.skew_to:7d}  {p.kv_team:7d}"
+                f"{p.ring_prev:5d} {p.ring_next:4d}  {p.kv_team:7d}  {list(p.kv_sources)}"
             )
         return "\n".join(lines)

@@ -23,25 +23,26 @@ def test_every_query_team_meets_every_key_team_exactly_once(p, c):
 @pytest.mark.parametrize("p,c", [(4, 2), (8, 2), (16, 4), (16, 1)])
 def test_neighbours_skew_and_home_are_permutations(p, c):
     lay = RankLayout(tuple(range(10, 10 + p)), c)  # global ranks need not start at 0
-    for field_to, field_from in [("ring_next", "ring_prev"), ("skew_to", "skew_from"), ("home_to", "home_from")]:
-        dst = [getattr(x, field_to) for x in lay.places]
-        assert sorted(dst) == list(lay.ranks), field_to
-        for x in lay.places:  # what I send to y, y receives from me
-            y = lay.place_of_rank(getattr(x, field_to))
-            assert getattr(y, field_from) == x.rank
-    for x in lay.places:
+    assert sorted(x.ring_next for x in lay.places) == list(lay.ranks)
+    for x in lay.places:  # what x sends to y, y expects from x
+        assert lay.place_of_rank(x.ring_next).ring_prev == x.rank
+        for m, y in enumerate(x.kv_sources):
+            py = lay.place_of_rank(y)
+            assert py.local == m and py.team == x.kv_team and py.kv_dests[x.local] == x.rank
+        for m, y in enumerate(x.home_dests):
+            py = lay.place_of_rank(y)
+            assert py.local == m and py.home_sources[x.local] == x.rank
         assert len({lay.place_of_rank(r).team for r in x.team_ranks}) == 1
         nxt = lay.place_of_rank(x.ring_next)
         assert (nxt.group, nxt.local) == (x.group, x.local)  # the sub-ring stays in its group and lane
-        if x.local == 0:
-            assert x.skew_to == x.skew_from == x.rank
+        assert (x.kv_dests[0] == x.rank) == (x.local == 0)
 
 
 def test_c1_is_plain_ring():
     lay = RankLayout(tuple(range(8)), 1)
     assert lay.group_size == 8 and lay.num_teams == 8
     assert [p.ring_next for p in lay.places] == [1, 2, 3, 4, 5, 6, 7, 0]
-    assert all(p.skew_to == p.rank for p in lay.places)
+    assert all(p.kv_sources == p.kv_dests == (p.rank,) for p in lay.places)
 
 
 def test_teams_are_consecutive_and_placement_report():
