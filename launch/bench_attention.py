@@ -87,9 +87,9 @@ def run_method(args, device, c: int, sharding: str, full, reference) -> dict:
         sync(device)
         times.append(time.perf_counter() - t0)
     err = max((a.double() - sh(b).double()).abs().max().item() for a, b in zip([out, ql.grad, kl.grad, vl.grad], reference))
-    t = torch.tensor(times[1:], dtype=torch.float64)
+    t = torch.tensor(times[1:], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
-    stats = torch.tensor([err, attn.work["forward"]], dtype=torch.float64)
+    stats = torch.tensor([err, attn.work["forward"]], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats)
     sent = {ph: attn.comm.by_kind(ph) for ph in ("forward", "backward")}
