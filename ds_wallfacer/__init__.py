@@ -10,3 +10,14 @@ The paper's components, one sub-package each:
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "initialize"]
+
+
+def __getattr__(name: str):
+    # ``ds_wallfacer.initialize`` without importing DeepSpeed and transformers for users of the core alone.
+    if name == "initialize":
+        from .integration import initialize
+
+        return initialize
+    raise AttributeError(f"module 'ds_wallfacer' has no attribute {name!r}")

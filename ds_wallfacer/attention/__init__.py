@@ -1,13 +1,20 @@
-"""Sequence-parallel attention: WallFacer multi-ring (C = 1: ring), kernel backends, volume formulas."""
+"""Sequence-parallel attention: WallFacer multi-ring (C = 1: ring), DeepSpeed-Ulysses all-to-all, the
+hybrid of both, the block-kernel backends, and the exact byte formulas of each."""
+from .hybrid import sequence_parallel_attention
 from .kernels import KERNELS, get_kernel
-from .volume import AttnShape, wallfacer_bytes
+from .ulysses import LocalAttention, UlyssesAttention
+from .volume import AttnShape, ulysses_bytes, wallfacer_bytes
 from .wallfacer import WallFacerAttention, wallfacer_attention
 
-__all__ = ["AttnShape", "KERNELS", "WallFacerAttention", "get_kernel", "wallfacer_attention", "wallfacer_bytes"]
-
-# Ulysses and the hybrid (issue 4)
-from .hybrid import sequence_parallel_attention  # noqa: E402
-from .ulysses import LocalAttention, UlyssesAttention  # noqa: E402
-from .volume import ulysses_bytes  # noqa: E402
-
-__all__ += ["LocalAttention", "UlyssesAttention", "sequence_parallel_attention", "ulysses_bytes"]
+__all__ = [
+    "AttnShape",
+    "KERNELS",
+    "LocalAttention",
+    "UlyssesAttention",
+    "WallFacerAttention",
+    "get_kernel",
+    "sequence_parallel_attention",
+    "ulysses_bytes",
+    "wallfacer_attention",
+    "wallfacer_bytes",
+]
