@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = None
     if not parse_ds_config(args.deepspeed_config).has_optimizer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    engine, sp = wfi.initialize(model=model, config=args.deepspeed_config, optimizer=optimizer)
+    # seq_len lets the planner resolve the config's "auto" values for this run's sequences
+    engine, sp = wfi.initialize(model=model, config=args.deepspeed_config, optimizer=optimizer, seq_len=args.seq_len)
     rank = torch.distributed.get_rank()
     loader = sp.dataloader(ByteWindows(load_text(args.data), args.seq_len), shuffle=True, seed=args.seed)
 
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         run = wandb.init(project=args.wandb_project, dir=args.output_dir, config={
             **vars(args), "layout": sp.layout.describe(), "world_size": sp.layout.world_size})
+        run.config.update(sp.layout.log_dict())  # resolved "auto" values, the planner's choice and reasons
 
     losses: list[float] = []
     step, micro, epoch, t0 = 0, 0, 0, time.time()
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = all(math.isfinite(x) for x in losses)
         print(json.dumps({"steps": step, "first_loss": losses[0], "final_loss": losses[-1], "finite": ok,
                           "mode": sp.layout.mode, "sequence_parallel_size": sp.layout.sp_size,
-                          "ulysses_degree": sp.layout.ulysses_degree, "ring_count": sp.layout.ring_count}), flush=True)
+                          "ulysses_degree": sp.layout.ulysses_degree, "ring_count": sp.layout.ring_count,
+                          "placement": sp.layout.placement}), flush=True)
     engine.destroy()
     return 0
 

@@ -3,18 +3,22 @@
 Rank arithmetic (pure; no torch): world = D data-parallel replicas x P sequence-parallel ranks; rank
 ``d * P + i`` is index i of replica d. In a sequence-parallel group, index ``i = r * U + u``: U consecutive
 ranks form a Ulysses group (inner, one node), R = P / U ring ranks with the same ``u`` form a WallFacer
-group of ring count C (outer). mode "wallfacer" is U = 1, mode "ulysses" is U = P (R = 1).
+group of ring count C (outer). mode "wallfacer" is U = 1, mode "ulysses" is U = P (R = 1). Which ring
+rank r holds WallFacer index i (team * C + local) is the placement's: r = i for "team-inner" (teams of
+consecutive ranks), ``planner.placement.ring_offset`` for "ring-inner" (sub-rings of consecutive ranks).
 
-``resolve_auto`` is the one place where "auto" values are chosen; the topology planner plugs in there.
+``resolve_auto`` is the one place where "auto" values are chosen: by the topology planner (issue 5) when it has
+a model and a sequence length, else (or when the planner finds nothing) by the safe rule of issue 4.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
-from .schema import MODES, SHARDINGS, WallFacerConfig
+from .schema import MODES, PLACEMENTS, SHARDINGS, WallFacerConfig
 
-__all__ = ["ParallelLayout", "resolve_auto", "valid_ulysses_degrees"]
+__all__ = ["ParallelLayout", "PlanInputs", "resolve_auto", "valid_ulysses_degrees"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -59,8 +63,12 @@ class ParallelLayout:
     """Block-attention kernel name."""
     ranks_per_node: int | None = None
     """Ranks per node (None: unknown)."""
+    placement: str = "team-inner"
+    """Which ring rank holds which WallFacer index ("team-inner" | "ring-inner", ``schema.PLACEMENTS``)."""
     notes: tuple[str, ...] = ()
     """What "auto" chose and why (logged at start-up)."""
+    plan: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The planner's choice (``PlanChoice.as_dict()`` plus cluster, model, seq_len) when it chose; for wandb."""
 
     def __post_init__(self) -> None:
         w, p, u, c = self.world_size, self.sp_size, self.ulysses_degree, self.ring_count
@@ -69,6 +77,8 @@ class ParallelLayout:
             raise ValueError(f"mode {self.mode!r} is invalid: allowed are {MODES}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding {self.sharding!r} is invalid: allowed are {SHARDINGS}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"wallfacer.placement = {self.placement!r} is invalid: allowed are {PLACEMENTS}")
         if w < 1 or p < 1 or w % p:
             raise ValueError(
                 f"wallfacer.sequence_parallel_size = {p} does not divide the world size {w}: valid sizes for "
@@ -128,10 +138,27 @@ class ParallelLayout:
         base = dp * self.sp_size + ring * self.ulysses_degree
         return tuple(range(base, base + self.ulysses_degree))
 
+    def ring_order(self) -> tuple[int, ...]:
+        """Ring rank r (position among the ring ranks, before the Ulysses stride) of each WallFacer index."""
+        r, c = self.ring_size, self.ring_count
+        if self.placement == "team-inner" or c == 1 or r == c * c:
+            return tuple(range(r))  # every placement is the identity here
+        # lazily: importing the planner imports torch, and this module is pure; one formula for both packages
+        from ..planner.placement import ring_offset
+
+        return tuple(ring_offset(i, ring_size=r, ring_count=c, placement=self.placement) for i in range(r))
+
     def ring_ranks(self, dp: int, u: int) -> tuple[int, ...]:
-        """Global ranks of the WallFacer group with Ulysses index ``u`` of replica ``dp``, in ring order."""
+        """Global ranks of the WallFacer group with Ulysses index ``u`` of replica ``dp``, in WallFacer index
+        order (``RankLayout.ranks``)."""
         base = dp * self.sp_size
-        return tuple(base + r * self.ulysses_degree + u for r in range(self.ring_size))
+        return tuple(base + r * self.ulysses_degree + u for r in self.ring_order())
+
+    def shard_index(self, rank: int) -> int:
+        """The data shard of ``rank``: i * U + u with i its WallFacer index, the ring chunk its attention expects
+        (``ShardSpec.index``). Equals ``sp_index`` unless the placement permutes the ring ranks."""
+        r, u = divmod(self.sp_index(rank), self.ulysses_degree)
+        return self.ring_order().index(r) * self.ulysses_degree + u
 
     def check_seq_len(self, seq_len: int) -> None:
         """Every rank holds 2 of 2P equal pieces of a sequence: N must be divisible by 2P."""
@@ -146,18 +173,80 @@ class ParallelLayout:
         s = (
             f"ds_wallfacer: mode={self.mode} world={self.world_size} data_parallel={self.dp_size} "
             f"sequence_parallel={self.sp_size} ulysses_degree={self.ulysses_degree} ring_size={self.ring_size} "
-            f"ring_count={self.ring_count} sharding={self.sharding} kernel={self.kernel}"
+            f"ring_count={self.ring_count} placement={self.placement} sharding={self.sharding} kernel={self.kernel}"
         )
         return "\n".join([s, *(f"ds_wallfacer: auto: {n}" for n in self.notes)])
 
+    def log_dict(self) -> dict[str, Any]:
+        """Flat values for wandb's run config: the resolved layout, the notes and the planner's choice."""
+        d: dict[str, Any] = {
+            "wallfacer/mode": self.mode, "wallfacer/world_size": self.world_size,
+            "wallfacer/sequence_parallel_size": self.sp_size, "wallfacer/data_parallel_size": self.dp_size,
+            "wallfacer/ulysses_degree": self.ulysses_degree, "wallfacer/ring_count": self.ring_count,
+            "wallfacer/placement": self.placement, "wallfacer/sharding": self.sharding,
+            "wallfacer/kernel": self.kernel, "wallfacer/auto_notes": list(self.notes),
+            "wallfacer/planner_used": self.plan is not None,
+        }
+        return d | {f"wallfacer/planner/{k}": v for k, v in (self.plan or {}).items()}
 
-def _ranks_per_node(cfg: WallFacerConfig, world_size: int, given: int | None) -> int | None:
+
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the topology planner needs beyond the ``"wallfacer"`` section (``initialize`` gathers it)."""
+
+    model: Any
+    """The HF model config (object or dict), a ``planner.ModelSpec`` or a model preset name."""
+    seq_len: int | None = None
+    """Tokens per training sequence (``wallfacer.seq_len`` wins when set; None and unset: no plan)."""
+    micro_batch: int = 1
+    """Sequences per sequence-parallel group per micro-step."""
+    zero_stage: int = 0
+    """ZeRO stage of the ds_config."""
+    offload_optimizer: bool = False
+    """ZeRO optimizer state on the CPU."""
+    offload_checkpoints: bool = False
+    """Checkpointed activations on the CPU."""
+    elem_bytes: int = 2
+    """Bytes per weight / activation element (2 for bf16 / fp16, 4 for fp32)."""
+    activation_checkpointing: bool = False
+    """Decoder layers checkpointed outside Mini-Sequence (e.g. HF gradient checkpointing)."""
+    default_cluster: str = "h100x64"
+    """The preset whose hardware figures ``"cluster": "auto"`` means (``initialize`` picks it by accelerator)."""
+    environ: Mapping[str, str] | None = None
+    """Launch environment for ``planner.from_env`` and LOCAL_WORLD_SIZE (None: ``os.environ``)."""
+
+
+def _ranks_per_node(cfg: WallFacerConfig, given: int | None, environ: Mapping[str, str]) -> int | None:
     if cfg.ranks_per_node != "auto":
         return int(cfg.ranks_per_node)
     if given is not None:
         return given
-    env = os.environ.get("LOCAL_WORLD_SIZE")
+    env = environ.get("LOCAL_WORLD_SIZE")
     return int(env) if env and env.isdigit() and int(env) > 0 else None
+
+
+def _open_keys(cfg: WallFacerConfig) -> list[str]:
+    """The planner's choices that ``cfg`` leaves open ("auto" that is not already implied by the mode)."""
+    keys = []
+    if cfg.mode == "auto":
+        keys.append("mode")
+    if cfg.sequence_parallel_size == "auto":
+        keys.append("sequence_parallel_size")
+    if cfg.ulysses_degree == "auto" and cfg.mode in ("hybrid", "auto"):
+        keys.append("ulysses_degree")
+    if cfg.ring_count == "auto" and cfg.mode != "ulysses":
+        keys.append("ring_count")
+    if cfg.placement == "auto" and cfg.mode != "ulysses":
+        keys.append("placement")
+    if keys == ["placement"]:  # sizes all fixed: placement only matters with C > 1 teams in G > 1 team groups
+        p = int(cfg.sequence_parallel_size)
+        u = 1 if cfg.mode == "wallfacer" else int(cfg.ulysses_degree)
+        r, c = (p // u if p % u == 0 else 0), int(cfg.ring_count)
+        if not (c > 1 and r % (c * c) == 0 and r > c * c):
+            keys = []
+    return keys
 
 
 def resolve_auto(
@@ -167,25 +256,114 @@ def resolve_auto(
     num_heads: int,
     num_kv_heads: int,
     ranks_per_node: int | None = None,
+    plan: PlanInputs | None = None,
 ) -> ParallelLayout:
-    """Resolve every "auto" of ``cfg`` and validate: the single plug-in point for the topology planner.
+    """Resolve every "auto" of ``cfg`` and validate. Pure and deterministic (same result on every rank).
 
-    Until the planner lands, "auto" picks a safe valid value: P = world size; U = 1 (wallfacer), P (ulysses)
-    or, for hybrid, the largest valid degree below P that fits in a node; C = the largest valid ring count
-    whose team fits in a node. Every choice is recorded in ``ParallelLayout.notes``.
+    With ``plan`` and a sequence length (``cfg.seq_len`` or ``plan.seq_len``), the topology planner chooses the
+    open values (``ds_wallfacer.planner.resolve``) for the cluster (``cfg.cluster`` preset, launch shape from the
+    environment), the model and the length; the user's values are passed to it as fixed. Otherwise, or when the
+    planner raises ``PlanError``, the safe rule of issue 4 applies: P = world size; mode "auto" = wallfacer;
+    U = 1 (wallfacer), P (ulysses) or, for hybrid, the largest valid degree below P that fits in a node;
+    C = the largest valid ring count whose team fits in a node; placement team-inner. Every choice and the
+    planner's reasons (or its error) are recorded in ``ParallelLayout.notes``.
     """
+    environ = os.environ if plan is None or plan.environ is None else plan.environ
+    rpn = _ranks_per_node(cfg, ranks_per_node, environ)
     notes: list[str] = []
-    rpn = _ranks_per_node(cfg, world_size, ranks_per_node)
+    if plan is not None and plan.seq_len is not None and cfg.seq_len is not None and plan.seq_len != cfg.seq_len:
+        raise ValueError(f"wallfacer.seq_len = {cfg.seq_len} but the training sequences have {plan.seq_len} tokens "
+                         f"(initialize(seq_len=...)): drop one or make them equal")
+    open_keys = _open_keys(cfg)
+    if plan is not None and open_keys:
+        seq_len = cfg.seq_len or plan.seq_len
+        if seq_len is None:
+            notes.append("planner not used: no sequence length known (set wallfacer.seq_len or pass "
+                         "initialize(seq_len=...)); the safe rule chose instead")
+        else:
+            layout = _planned(cfg, plan, seq_len, open_keys, world_size=world_size, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=notes)
+            if layout is not None:
+                return layout
+    return _safe_rule(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn,
+                      notes=notes)
+
+
+def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: list[str], *, world_size: int,
+             num_heads: int, num_kv_heads: int, rpn: int | None, environ: Mapping[str, str],
+             notes: list[str]) -> ParallelLayout | None:
+    """The planner's layout, or None (with the reason in ``notes``) when it has no plan."""
+    from .. import planner as pl  # lazily: the planner imports torch (byte formulas); this module stays pure
+
+    base = pl.get_cluster(inputs.default_cluster if cfg.cluster == "auto" else cfg.cluster)  # bad name: error
+    try:
+        cluster = pl.from_env(base, environ)
+        local = min(rpn, world_size) if rpn else None
+        if local and world_size % local == 0:
+            cluster = replace(cluster, nodes=world_size // local, ranks_per_node=local)
+        else:
+            cluster = cluster.with_world_size(world_size)
+    except ValueError as e:
+        notes.append(f"planner not used: the cluster does not fit {world_size} ranks ({e}); the safe rule chose "
+                     "instead")
+        return None
+    ms = cfg.mini_sequence
+    fixed = {
+        "mode": None if cfg.mode == "auto" else cfg.mode,
+        "sp_size": cfg.sequence_parallel_size,
+        "ulysses_degree": cfg.ulysses_degree,
+        "ring_count": cfg.ring_count,
+        "placement": cfg.placement,
+        # no "auto" for these in the config yet: what the run will do is fixed
+        "mini_sequence": ms is not None,
+        "mlp_chunk_tokens": ms.mlp_chunk_tokens if ms is not None and ms.mlp else None,
+        "lm_head_chunk_tokens": ms.lm_head_chunk_tokens if ms is not None and ms.lm_head else None,
+        "activation_checkpointing": inputs.activation_checkpointing
+        or (ms is not None and ms.activation_checkpointing != "none"),
+    }
+    # the loader pads each sequence to a multiple of 2P; plan for a length every P <= world size accepts
+    unit = 2 * world_size
+    n = -(-seq_len // unit) * unit
+    work = pl.Workload(seq_len=n, batch=inputs.micro_batch, elem_bytes=inputs.elem_bytes, zero_stage=inputs.zero_stage,
+                       offload_optimizer=inputs.offload_optimizer, offload_checkpoints=inputs.offload_checkpoints)
+    model = pl.get_model(inputs.model)
+    what = (f"cluster {cluster.name} ({cluster.nodes} x {cluster.ranks_per_node} ranks), model {model.name}, "
+            f"seq_len {n}" + (f" (padded from {seq_len})" if n != seq_len else ""))
+    try:
+        choice = pl.resolve(cluster, model, n, world_size, fixed, workload=work)
+    except pl.PlanError as e:
+        notes.append(f"planner found no configuration for {what}: {e}; the safe rule chose instead")
+        return None
+    values = {"mode": choice.config_mode, "sequence_parallel_size": choice.sp_size,
+              "ulysses_degree": choice.ulysses_degree, "ring_count": choice.ring_count, "placement": choice.placement}
+    chosen = ", ".join(f"{k} = {values[k]}" for k in open_keys)
+    notes.append(f"planner chose {chosen} for {what}")
+    notes.extend(f"planner: {r}" for r in choice.reasons)
+    return ParallelLayout(
+        world_size=world_size, sp_size=choice.sp_size, mode=choice.config_mode, ulysses_degree=choice.ulysses_degree,
+        ring_count=choice.ring_count, num_heads=num_heads, num_kv_heads=num_kv_heads, sharding=cfg.sharding,
+        kernel=cfg.kernel, ranks_per_node=rpn, placement=choice.placement, notes=tuple(notes),
+        plan=choice.as_dict() | {"cluster": cluster.name, "model": model.name, "seq_len": n},
+    )
+
+
+def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_heads: int, rpn: int | None,
+               notes: list[str]) -> ParallelLayout:
+    """Issue 4's rule: valid values that keep teams and Ulysses groups inside a node."""
     node = rpn or world_size
     p = world_size if cfg.sequence_parallel_size == "auto" else int(cfg.sequence_parallel_size)
     if cfg.sequence_parallel_size == "auto":
         notes.append(f"sequence_parallel_size = {p} (the world size)")
+    mode = cfg.mode
+    if mode == "auto":
+        mode = "wallfacer"
+        notes.append("mode = wallfacer (the default when nothing was planned)")
 
     if cfg.ulysses_degree != "auto":
         u = int(cfg.ulysses_degree)
-    elif cfg.mode == "wallfacer":
+    elif mode == "wallfacer":
         u = 1
-    elif cfg.mode == "ulysses":
+    elif mode == "ulysses":
         u = p
         notes.append(f"ulysses_degree = {u} (mode ulysses: the whole sequence-parallel group)")
     else:
@@ -208,7 +386,7 @@ def resolve_auto(
     return ParallelLayout(
         world_size=world_size,
         sp_size=p,
-        mode=cfg.mode,
+        mode=mode,
         ulysses_degree=u,
         ring_count=c,
         num_heads=num_heads,
@@ -216,5 +394,6 @@ def resolve_auto(
         sharding=cfg.sharding,
         kernel=cfg.kernel,
         ranks_per_node=rpn,
+        placement="team-inner" if cfg.placement == "auto" else cfg.placement,
         notes=tuple(notes),
     )

@@ -11,8 +11,13 @@ Example (every key optional; the defaults are the dataclass defaults below)::
         "ring_count": "auto",
         "sharding": "zigzag",
         "kernel": "auto",
+        "cluster": "auto",
+        "seq_len": 131072,
         "mini_sequence": {"mlp": true, "lm_head": true}
     }
+
+"auto" sizes, mode and placement are chosen at start-up by the topology planner (``ds_wallfacer.planner``) for the
+cluster, the model and ``seq_len``; see ``resolve.resolve_auto``.
 """
 from __future__ import annotations
 
@@ -23,10 +28,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Union
 
-__all__ = ["MODES", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]
+__all__ = ["MODES", "PLACEMENTS", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]
 
 MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
 SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
+PLACEMENTS: tuple[str, ...] = ("team-inner", "ring-inner")
+"""Rank placements (``planner.candidate.PLACEMENTS``, repeated here because importing the planner imports torch)."""
 AutoInt = Union[int, Literal["auto"]]
 
 
@@ -51,9 +58,9 @@ class WallFacerConfig:
 
     sequence_parallel_size: AutoInt = "auto"
     """P: ranks that share one sequence; "auto" = the whole world (no data parallelism beside it)."""
-    mode: Literal["wallfacer", "ulysses", "hybrid"] = "wallfacer"
-    """Attention across ranks: WallFacer multi-ring, DeepSpeed-style Ulysses all-to-all, or Ulysses inside
-    WallFacer (hybrid)."""
+    mode: Literal["wallfacer", "ulysses", "hybrid", "auto"] = "wallfacer"
+    """Attention across ranks: WallFacer multi-ring, DeepSpeed-style Ulysses all-to-all, Ulysses inside
+    WallFacer (hybrid), or "auto" (the planner picks; "wallfacer" when it cannot plan)."""
     ring_count: AutoInt = "auto"
     """C: WallFacer ring count (team size); C*C must divide the ring dimension P/U. "auto" = chosen at start-up."""
     ulysses_degree: AutoInt = "auto"
@@ -65,6 +72,14 @@ class WallFacerConfig:
     """Block-attention kernel backend (``ds_wallfacer.attention.KERNELS``) or "auto" (by device and dtype)."""
     ranks_per_node: AutoInt = "auto"
     """Ranks per node, for keeping teams / Ulysses groups inside a node; "auto" = LOCAL_WORLD_SIZE."""
+    placement: Literal["auto", "team-inner", "ring-inner"] = "auto"
+    """Ring ranks on consecutive global ranks: teams ("team-inner") or sub-rings ("ring-inner"); "auto" = planner."""
+    cluster: str = "auto"
+    """Planner hardware figures: a ``planner.CLUSTERS`` preset, or "auto" (cpu / h200x1 / a100x32-eth / h100x64 by
+    the accelerator); ranks and ranks per node always come from the launch environment."""
+    seq_len: int | None = None
+    """Tokens per training sequence that "auto" is planned for; null = ``initialize(seq_len=)``, else unknown (then
+    "auto" follows the safe rule)."""
     mini_sequence: Any = None
     """Mini-Sequence Transformer settings (``ds_wallfacer.mst.MiniSequenceConfig``); absent/null = MsT off,
     ``{}`` = MsT on with its defaults."""
@@ -75,11 +90,18 @@ class WallFacerConfig:
                 f'wallfacer.sequence_parallel_size = {self.sequence_parallel_size!r} is invalid: allowed is a '
                 f'positive integer or "auto"'
             )
-        _check_choice("mode", self.mode, MODES)
+        _check_choice("mode", self.mode, (*MODES, "auto"))
         _check_auto_int("ring_count", self.ring_count)
         _check_auto_int("ulysses_degree", self.ulysses_degree)
         _check_auto_int("ranks_per_node", self.ranks_per_node)
         _check_choice("sharding", self.sharding, SHARDINGS)
+        _check_choice("placement", self.placement, ("auto", *PLACEMENTS))
+        if not isinstance(self.cluster, str) or not self.cluster:
+            raise ValueError(
+                f'wallfacer.cluster = {self.cluster!r} is invalid: allowed is a cluster preset name or "auto"'
+            )
+        if self.seq_len is not None and not _is_pos_int(self.seq_len):
+            raise ValueError(f"wallfacer.seq_len = {self.seq_len!r} is invalid: allowed is a positive integer or null")
         if not isinstance(self.kernel, str) or not self.kernel:
             raise ValueError(f"wallfacer.kernel = {self.kernel!r} is invalid: allowed is a kernel name or \"auto\"")
         if self.mode == "wallfacer" and self.ulysses_degree not in ("auto", 1):
@@ -131,6 +153,28 @@ class RunConfig:
     """``gradient_accumulation_steps`` (default 1)."""
     train_batch_size: int | None = None
     """``train_batch_size`` as the user wrote it: sequences per optimizer step over all data-parallel replicas."""
+
+    @property
+    def zero_stage(self) -> int:
+        """``zero_optimization.stage`` (DeepSpeed's default 0)."""
+        return int((self.deepspeed.get("zero_optimization") or {}).get("stage", 0))
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """ZeRO optimizer state offloaded to the CPU (``zero_optimization.offload_optimizer.device``)."""
+        off = (self.deepspeed.get("zero_optimization") or {}).get("offload_optimizer") or {}
+        return off.get("device", "none") in ("cpu", "nvme")
+
+    @property
+    def cpu_checkpointing(self) -> bool:
+        """Checkpointed activations kept on the CPU (``activation_checkpointing.cpu_checkpointing``)."""
+        return bool((self.deepspeed.get("activation_checkpointing") or {}).get("cpu_checkpointing", False))
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per weight / activation element: 2 with bf16 or fp16 enabled, else 4 (fp32)."""
+        half = any((self.deepspeed.get(k) or {}).get("enabled", False) for k in ("bf16", "fp16", "bfloat16"))
+        return 2 if half else 4
 
     @property
     def has_optimizer(self) -> bool:

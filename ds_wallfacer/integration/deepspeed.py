@@ -6,8 +6,9 @@
         engine.backward(loss)
         engine.step()
 
-Start-up order: parse the ds_config and resolve the layout (pure and identical on every rank, so a bad config
-raises the same error everywhere before any collective), build every process group once, attach this rank's
+Start-up order: parse the ds_config and resolve the layout ("auto" values by the topology planner when the
+sequence length is known; pure and identical on every rank, so a bad config raises the same error everywhere
+before any collective), build every process group once, attach this rank's
 attention to the model's attention layers, apply Mini-Sequence chunking when configured, then hand DeepSpeed the
 model wrapped with the loss. DeepSpeed gets no sequence-parallel mpu: see ``loss.py`` for why every ZeRO stage
 then normalises gradients correctly.
@@ -23,13 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommLayer
-from ..config import ParallelLayout, RunConfig, parse_ds_config, resolve_auto
+from ..config import ParallelLayout, PlanInputs, RunConfig, parse_ds_config, resolve_auto
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from . import hf
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch
 
-__all__ = ["SequenceParallel", "initialize", "model_heads"]
+__all__ = ["SequenceParallel", "cluster_preset", "initialize", "model_heads"]
 
 log = logging.getLogger("ds_wallfacer")
 
@@ -104,6 +105,34 @@ def model_heads(model: nn.Module) -> tuple[int, int]:
     return hq, hk
 
 
+def cluster_preset() -> str:
+    """The planner preset whose hardware figures ``"cluster": "auto"`` uses, by this rank's accelerator (the
+    same answer on every rank of a homogeneous cluster)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().upper()
+    if "H200" in name:
+        return "h200x1"
+    if "A100" in name:
+        return "a100x32-eth"
+    return "h100x64"
+
+
+def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanInputs:
+    cfg = model.config
+    return PlanInputs(
+        model=cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg,
+        seq_len=seq_len,
+        micro_batch=run.micro_batch_size or 1,
+        zero_stage=run.zero_stage,
+        offload_optimizer=run.offload_optimizer,
+        offload_checkpoints=run.cpu_checkpointing,
+        elem_bytes=run.elem_bytes,
+        activation_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+        default_cluster=cluster_preset(),
+    )
+
+
 def _init_distributed() -> None:
     import deepspeed
 
@@ -124,6 +153,7 @@ def initialize(
     pad_token_id: int | None = None,
     ignore_index: int = -100,
     ranks_per_node: int | None = None,
+    seq_len: int | None = None,
     **deepspeed_kwargs: Any,
 ) -> tuple[Any, SequenceParallel]:
     """Set up sequence parallelism for an HF causal LM and call ``deepspeed.initialize``.
@@ -132,7 +162,9 @@ def initialize(
     ``lr_scheduler`` are passed to DeepSpeed (a client optimizer must be built over ``model.parameters()``).
     ``local_loss``: (loss_sum, count) on this rank's shard; default: the Mini-Sequence LM head when
     ``mini_sequence.lm_head`` is on, else the model's logits. Returns (engine, ``SequenceParallel``); the engine's
-    forward takes a loader batch and returns the global token-mean loss.
+    forward takes a loader batch and returns the global token-mean loss. ``seq_len``: tokens per training
+    sequence, for the planner that resolves "auto" values (``wallfacer.seq_len`` in the config does the same);
+    without either, "auto" falls back to the safe rule. Rank 0 logs the layout and the planner's reasons.
     """
     import deepspeed
 
@@ -140,7 +172,8 @@ def initialize(
     _init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     hq, hk = model_heads(model)
-    layout = resolve_auto(run.wallfacer, world_size=world, num_heads=hq, num_kv_heads=hk, ranks_per_node=ranks_per_node)
+    layout = resolve_auto(run.wallfacer, world_size=world, num_heads=hq, num_kv_heads=hk, ranks_per_node=ranks_per_node,
+                          plan=_plan_inputs(model, run, seq_len))
     ds_dict = run.deepspeed_dict(world_size=world, sp_size=layout.sp_size)
     from ..attention.kernels import KERNELS
 

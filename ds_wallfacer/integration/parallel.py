@@ -30,7 +30,8 @@ class SequenceParallelGroups:
     rank: int
     """Global rank."""
     sp_index: int
-    """Index in the sequence-parallel group (r * U + u)."""
+    """Data shard index in the sequence-parallel group: i * U + u with i the WallFacer index (``rank % P``
+    unless the placement permutes the ring ranks; ``ParallelLayout.shard_index``)."""
     dp_index: int
     """Data-parallel replica."""
     sp_group: dist.ProcessGroup
@@ -59,7 +60,7 @@ def build_sequence_parallel(
     if world != layout.world_size:
         raise ValueError(f"layout is for {layout.world_size} ranks, but the world has {world}")
     d_me, i_me = layout.dp_index(me), layout.sp_index(me)
-    r_me, u_me = divmod(i_me, layout.ulysses_degree)
+    r_me = i_me // layout.ulysses_degree  # ring rank: which U consecutive ranks form this rank's Ulysses group
 
     sp_group = None
     for d in range(layout.dp_size):
@@ -83,8 +84,8 @@ def build_sequence_parallel(
         wallfacer = build_groups(layouts, timeout=timeout)
     assert sp_group is not None
     return SequenceParallelGroups(
-        layout=layout, rank=me, sp_index=i_me, dp_index=d_me, sp_group=sp_group, ulysses_group=ulysses_group,
-        wallfacer=wallfacer,
+        layout=layout, rank=me, sp_index=layout.shard_index(me), dp_index=d_me, sp_group=sp_group,
+        ulysses_group=ulysses_group, wallfacer=wallfacer,
     )
 
 
