@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .checkpointing import disable_layer_checkpointing, enable_layer_checkpointing
+from .checkpointing import MlpRecomputeFlag, RecomputeState, disable_layer_checkpointing, enable_layer_checkpointing
 from .config import MiniSequenceConfig, ResolvedSizes, resolve_sizes
 from .lm_head import _MST_ATTR, chunked_linear_cross_entropy
 from .mlp import check_position_wise, mini_sequence_mlp
@@ -25,15 +25,21 @@ _AUTO_MLP_NAMES = ("mlp", "feed_forward", "ffn")
 class _MlpForward:
     """Instance ``forward`` of a wrapped MLP: the original forward, run in mini-sequences."""
 
-    def __init__(self, orig: Callable, chunk_tokens: int) -> None:
+    def __init__(self, orig: Callable, chunk_tokens: int, state: RecomputeState) -> None:
         self.orig = orig
         self.chunk_tokens = chunk_tokens
+        self.state = state
+        self.flag = MlpRecomputeFlag()
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
             return self.orig(x, *args, **kwargs)
         params = [p for p in self.orig.__self__.parameters() if p.requires_grad]
-        return mini_sequence_mlp(self.orig, x, params, chunk_tokens=self.chunk_tokens)
+        placeholder = self.state.placeholder_for(self.flag)  # in a DeepSpeed layer recompute (checkpointing.py)
+        out = mini_sequence_mlp(self.orig, x, params, chunk_tokens=self.chunk_tokens, placeholder=placeholder)
+        if placeholder and out.grad_fn is not None:
+            self.state.record(self.flag, out)
+        return out
 
 
 class _HeadForward:
@@ -144,6 +150,9 @@ def apply_mini_sequence(
     vocab = head.out_features if isinstance(head, nn.Linear) else 1
     sizes = resolve_sizes(config, tokens=hidden, hidden_size=hidden, vocab_size=vocab)
     handle = MiniSequenceHandle(model=model, config=config, sizes=sizes)
+    # shared by this model's MLP wrappers and its DeepSpeed checkpoint function (applied twice: the first one's)
+    wrapped = [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), _MlpForward)]
+    state = wrapped[0].state if wrapped else RecomputeState()
 
     if config.mlp:
         forced = config.mlp_module_names is not None
@@ -170,7 +179,7 @@ def apply_mini_sequence(
                     handle.skipped[qual] = why
                     continue
                 _mark_zero3_leaf(qual, mod)
-                mod.forward = _MlpForward(mod.forward, sizes.mlp_chunk_tokens)
+                mod.forward = _MlpForward(mod.forward, sizes.mlp_chunk_tokens, state)
                 handle.mlp_modules.append(qual)
 
     if config.lm_head:
@@ -184,5 +193,5 @@ def apply_mini_sequence(
         setattr(head, _MST_ATTR, sizes.lm_head_chunk_tokens)
         handle.lm_head = next(n for n, m in model.named_modules() if m is head)
 
-    enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config)
+    enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config, state=state)
     return handle

@@ -7,6 +7,18 @@ contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_bound
 configuration in its own module state; it is applied on the first checkpointed call, when ``deepspeed.comm`` is up
 (after ``deepspeed.initialize`` or ``deepspeed.init_distributed``). "torch" uses non-reentrant
 ``torch.utils.checkpoint``.
+
+Recompute of the mini-sequence MLP (mlp.py docstring has the counts): the layer recompute must rebuild the MLP's
+autograd node but never needs its output's VALUE when nothing after the MLP in the layer saves a tensor for backward
+(Llama, Qwen2, Mistral: ``residual + mlp(...)``, an add that saves nothing). torch's checkpoint stops its recompute at
+the last saved tensor by itself. DeepSpeed's recompute runs the whole layer and back-propagates its outputs, so
+``_DeepSpeedCheckpoint`` runs the recompute with ``RecomputeState.active`` set, which makes each MLP return a
+placeholder; then it checks the graph built after the first placeholder: if any node there saved a tensor (it may
+hold a value computed from the placeholder), the layer is recomputed again with real outputs and that MLP is marked
+to compute its output in later recomputes (``MlpRecomputeFlag.needs_value``): for such layers (Gemma) the first
+step recomputes the layer twice. Checkpointing only the attention block instead, leaving the MLP to MsT, would also
+keep each layer's MLP input (and the norm's input) for backward: 2-3x the saved activations of whole-layer
+checkpointing.
 """
 from __future__ import annotations
 
@@ -16,17 +28,79 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["enable_layer_checkpointing", "disable_layer_checkpointing"]
+__all__ = ["MlpRecomputeFlag", "RecomputeState", "disable_layer_checkpointing", "enable_layer_checkpointing"]
+
+
+class MlpRecomputeFlag:
+    """Per wrapped MLP: whether its output value is needed in a layer recompute (learned, see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.needs_value = False
+
+
+class RecomputeState:
+    """Shared by one model's MLP wrappers and its DeepSpeed checkpoint function (instance state, no globals)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        """True while DeepSpeed recomputes a layer: MLPs without ``needs_value`` return placeholders."""
+        self.placeholders: list[tuple[torch.autograd.graph.Node, MlpRecomputeFlag]] = []
+        """(autograd node of the placeholder, its MLP's flag), in the order of the recompute."""
+
+    def placeholder_for(self, flag: MlpRecomputeFlag) -> bool:
+        return self.active and not flag.needs_value
+
+    def record(self, flag: MlpRecomputeFlag, out: torch.Tensor) -> None:
+        self.placeholders.append((out.grad_fn, flag))
+
+
+def _saves_tensor(node: torch.autograd.graph.Node) -> bool:
+    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a custom Function: its ctx is the node
+        if node.saved_tensors:
+            return True
+        return any(
+            isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(torch.is_tensor(t) for t in v))
+            for v in vars(node).values()
+        )
+    # built-in nodes: _raw_saved_<name> for each tensor slot, _saved_<name> its value (None when not saved)
+    for name in dir(node):
+        if name.startswith("_raw_saved_"):
+            v = getattr(node, "_saved_" + name.removeprefix("_raw_saved_"), None)
+            if any(t is not None for t in (v if isinstance(v, (list, tuple)) else [v])):
+                return True
+    return False
+
+
+def _nothing_saved_after(outputs: Any, first: torch.autograd.graph.Node) -> bool:
+    """True if no autograd node created after ``first`` and reachable from ``outputs`` saved a tensor.
+
+    A node's inputs are always created before it (sequence numbers increase within one thread), so the walk stops
+    at nodes older than ``first``: it visits only the tail of this layer's graph.
+    """
+    seq0 = first._sequence_nr()
+    tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
+    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen: set = set()
+    while todo:
+        node = todo.pop()
+        if node in seen or node is first or node._sequence_nr() < seq0:
+            continue
+        seen.add(node)
+        if _saves_tensor(node):
+            return False
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return True
 
 
 class _DeepSpeedCheckpoint:
     """Callable given to HF layers; configures DeepSpeed checkpointing from the ds_config once, then checkpoints."""
 
-    def __init__(self, ds_config: dict[str, Any] | None) -> None:
+    def __init__(self, ds_config: dict[str, Any] | None, state: RecomputeState | None) -> None:
         from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
 
         # DeepSpeed's own parser of its "activation_checkpointing" section (defaults: all off)
         self.settings = DeepSpeedActivationCheckpointingConfig(ds_config or {})
+        self.state = state
         self._configured = False
 
     def _configure(self) -> None:
@@ -63,20 +137,63 @@ class _DeepSpeedCheckpoint:
 
         if not self._configured:
             self._configure()
-        return deepspeed.checkpointing.checkpoint(function, *args, **kwargs)
+        if self.state is None:
+            return deepspeed.checkpointing.checkpoint(function, *args, **kwargs)
+        calls = 0
+
+        def run(*a: Any, **kw: Any) -> Any:
+            nonlocal calls
+            calls += 1  # DeepSpeed calls it once in forward (no_grad), then once per backward to recompute
+            return function(*a, **kw) if calls == 1 else self._recompute(function, a, kw)
+
+        return deepspeed.checkpointing.checkpoint(run, *args, **kwargs)
+
+    def _recompute(self, function: Callable, args: tuple, kwargs: dict) -> Any:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+        state = self.state
+        assert state is not None and not state.active, "nested DeepSpeed checkpoint recompute"
+        # DeepSpeed has just restored the forward's RNG states; keep them for a second recompute (dropout masks)
+        rng = (torch.get_rng_state(), get_accelerator().get_rng_state(), get_cuda_rng_tracker().get_states())
+        state.active, state.placeholders = True, []
+        try:
+            outputs = function(*args, **kwargs)
+        finally:
+            state.active, placeholders = False, state.placeholders
+            state.placeholders = []
+        if not placeholders or _nothing_saved_after(outputs, placeholders[0][0]):
+            return outputs
+        # something after an MLP may hold a value computed from its placeholder (e.g. Gemma's post-feed-forward norm)
+        for _, flag in placeholders:
+            flag.needs_value = True
+        del outputs
+        torch.set_rng_state(rng[0])
+        get_accelerator().set_rng_state(rng[1])
+        get_cuda_rng_tracker().set_states(rng[2])
+        return function(*args, **kwargs)
 
 
 def _torch_checkpoint() -> Callable:
     return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
-def enable_layer_checkpointing(model: nn.Module, mode: str, *, ds_config: dict[str, Any] | None = None) -> None:
-    """Checkpoint every decoder layer of an HF model with ``mode`` ("deepspeed" | "torch"); "none" does nothing."""
+def enable_layer_checkpointing(
+    model: nn.Module,
+    mode: str,
+    *,
+    ds_config: dict[str, Any] | None = None,
+    state: RecomputeState | None = None,
+) -> None:
+    """Checkpoint every decoder layer of an HF model with ``mode`` ("deepspeed" | "torch"); "none" does nothing.
+
+    ``state``: shared with the model's mini-sequence MLPs, lets DeepSpeed's recompute skip their forward.
+    """
     if mode == "none":
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing of its decoder layers")
-    func = _DeepSpeedCheckpoint(ds_config) if mode == "deepspeed" else _torch_checkpoint()
+    func = _DeepSpeedCheckpoint(ds_config, state) if mode == "deepspeed" else _torch_checkpoint()
     # the hook HF itself uses to install a checkpoint function on every GradientCheckpointingLayer
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
     if mode == "deepspeed" and hasattr(model, "enable_input_require_grads"):

@@ -10,9 +10,18 @@ ZeRO-3: the wrapped MLP module is marked a DeepSpeed "z3 leaf" module, so its pr
 gather all of its parameters once for all mini-sequences (instead of one all-gather per mini-sequence and
 sub-module, as with TiledMLP). This must happen before ``deepspeed.initialize`` registers the hooks.
 
-Recompute count per step: the MLP forward runs twice (forward, then once more with grad in backward), three times
-when its decoder layer is also checkpointed (the layer's recompute re-runs it under no_grad, because a generic
-layer may need its output, e.g. Gemma's post-feed-forward norm). Never more.
+Recompute count per step (issue 3: "nothing is recomputed more often than needed"): the MLP forward runs TWICE per
+mini-sequence, with or without decoder-layer checkpointing; HF + checkpointing also runs it twice.
+- no checkpointing: forward (no_grad), then once more with grad in backward.
+- checkpointing: the layer's forward (no_grad) and the MLP's own backward. The layer's recompute does not run it:
+  ``MiniSequenceMLPFunction`` saves x and returns its output buffer before any mini-sequence runs, and the buffer is
+  filled afterwards, outside the autograd function. torch's non-reentrant checkpoint stops its recompute at the last
+  saved tensor ("early stop"), which in a Llama-style layer (``residual + mlp(norm(h))``) is x, so the fill never
+  happens there. DeepSpeed's (reentrant) recompute runs the whole layer; there the MLP returns zeros wired to its
+  backward (``placeholder=True``, set by checkpointing.py), checked afterwards: nothing after the MLP may have saved
+  a tensor for backward, else the layer is recomputed again with the real output (checkpointing.py).
+- layers that need the MLP output's value in backward (e.g. Gemma's post-feed-forward norm saves it): three times,
+  as before; the value is then recomputed for real. Never more.
 """
 from __future__ import annotations
 
@@ -41,37 +50,45 @@ def _chunks(n: int, chunk_tokens: int) -> range:
     return range(0, n, chunk_tokens)
 
 
-def _run_chunks_no_grad(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_tokens: int):
-    flat = x.reshape(-1, x.shape[-1])  # [..., S, d] -> [T, d], T = tokens of the whole local batch
-    out: torch.Tensor | None = None
+def _output_like(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, zeros: bool) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])  # [T, d]
+    # width and dtype of run's output from a zero-token call (free); RNG untouched so dropout replays exactly
+    with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(x)):
+        probe = run(flat[:0])  # [0, d] -> [0, d_out]
+    new = x.new_zeros if zeros else x.new_empty
+    # allocated in its final shape: an output that is a view would forbid the in-place fill (autograd view rules)
+    return new(*x.shape[:-1], probe.shape[-1], dtype=probe.dtype)  # [..., S, d_out]
+
+
+def _fill(out: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_tokens: int) -> None:
+    flat, dst = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [T, d], [T, d_out]
     with torch.no_grad():
         for s in _chunks(flat.shape[0], chunk_tokens):
-            y = run(flat[s : s + chunk_tokens])  # [c, d] -> [c, d_out]
-            if out is None:
-                out = y.new_empty(flat.shape[0], y.shape[-1])
-            out[s : s + y.shape[0]] = y
-    assert out is not None
-    return out.view(*x.shape[:-1], out.shape[-1])  # [T, d_out] -> [..., S, d_out]
+            dst[s : s + chunk_tokens] = run(flat[s : s + chunk_tokens])  # [c, d] -> [c, d_out]
 
 
 class MiniSequenceMLPFunction(torch.autograd.Function):
-    """y = run(x) computed in mini-sequences; saves x only; parameter gradients are returned, not accumulated."""
+    """Saves x only and returns y's buffer UNCOMPUTED (zeros if ``placeholder``); ``mini_sequence_mlp`` fills it.
+
+    Backward recomputes y = run(x) in mini-sequences with grad; parameter gradients are returned, not accumulated.
+    Filling outside the function puts the save of x before the MLP's work (see the module docstring).
+    """
 
     @staticmethod
-    def forward(ctx, run, x: torch.Tensor, chunk_tokens: int, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, run, x: torch.Tensor, chunk_tokens: int, placeholder: bool, *params: torch.Tensor):
         ctx.run = run
         ctx.chunk_tokens = chunk_tokens
         # parameters are kept by reference, not saved: ZeRO-3 swaps their .data between gathered and partitioned
         ctx.params = params
-        ctx.rng = _capture_rng(x)
+        ctx.rng = _capture_rng(x)  # the fill right after apply draws from this same state
         ctx.save_for_backward(x)
-        return _run_chunks_no_grad(run, x, chunk_tokens)
+        return _output_like(run, x, zeros=placeholder)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
         need_x = ctx.needs_input_grad[1]
-        need_p = ctx.needs_input_grad[3:]
+        need_p = ctx.needs_input_grad[4:]
         params = [p for p, need in zip(ctx.params, need_p) if need]
         flat = x.detach().reshape(-1, x.shape[-1])  # [T, d]
         g = grad_out.reshape(-1, grad_out.shape[-1])  # [T, d_out]
@@ -107,7 +124,7 @@ class MiniSequenceMLPFunction(torch.autograd.Function):
             gp = next(it) if need else None
             param_grads.append(gp.to(p.dtype) if gp is not None else None)
         dx_out = dx.view_as(x) if need_x else None
-        return (None, dx_out, None, *param_grads)
+        return (None, dx_out, None, None, *param_grads)
 
 
 def mini_sequence_mlp(
@@ -116,8 +133,13 @@ def mini_sequence_mlp(
     params: Sequence[torch.Tensor],
     *,
     chunk_tokens: int,
+    placeholder: bool = False,
 ) -> torch.Tensor:
-    """Apply the position-wise ``run`` (whose trainable tensors are ``params``) to x: [..., S, d] in mini-sequences."""
+    """Apply the position-wise ``run`` (whose trainable tensors are ``params``) to x: [..., S, d] in mini-sequences.
+
+    ``placeholder``: when autograd records the call, return zeros wired to the real backward instead of computing
+    y; only for a checkpoint recompute that checks nothing uses the value (checkpointing.py).
+    """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
     for p in params:
@@ -127,8 +149,14 @@ def mini_sequence_mlp(
                 "before deepspeed.initialize so that the MLP is registered as a ZeRO-3 leaf module"
             )
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
-        return _run_chunks_no_grad(run, x, chunk_tokens)
-    return MiniSequenceMLPFunction.apply(run, x, chunk_tokens, *params)
+        out = _output_like(run, x, zeros=False)
+        _fill(out, run, x, chunk_tokens)
+        return out
+    out = MiniSequenceMLPFunction.apply(run, x, chunk_tokens, placeholder, *params)
+    if not placeholder:
+        # after apply, so after x is saved: torch's early-stopping recompute never gets here (module docstring)
+        _fill(out, run, x, chunk_tokens)
+    return out
 
 
 def check_position_wise(

@@ -80,6 +80,13 @@ def _engine_case(rank: int, world: int, stage: int, case: tuple) -> list[str]:
         ds_config=ds_config,
     )
     assert len(handle.mlp_modules) == 2, handle
+    mlp_tokens = [0]  # tokens through the MLPs' last projection: 2 runs per token (test_recompute.py)
+
+    def count(_mod: nn.Module, inputs: tuple, _out: torch.Tensor) -> None:
+        mlp_tokens[0] += inputs[0].shape[:-1].numel()
+
+    for layer in ours.model.layers:
+        layer.mlp.down_proj.register_forward_hook(count)
     wrapped = _LossModel(ours)
     engine, *_ = deepspeed.initialize(
         model=wrapped, optimizer=torch.optim.SGD(wrapped.parameters(), lr=LR), config=ds_config
@@ -94,6 +101,9 @@ def _engine_case(rank: int, world: int, stage: int, case: tuple) -> list[str]:
         if m + 1 < gas:
             engine.step()  # not a boundary: DeepSpeed only accumulates
     failures = []
+    runs = mlp_tokens[0] / (seq_len * gas * len(ours.model.layers))
+    if runs != 2:
+        failures.append(f"MLP forward ran {runs} times per token, expected 2")
     for name, p in engine.module.named_parameters():
         key = name.removeprefix("lm.")
         g = safe_get_full_grad(p)

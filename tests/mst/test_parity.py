@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_wallfacer.mst import (
-    MiniSequenceMLPFunction,
     apply_mini_sequence,
     chunked_linear_cross_entropy,
     mini_sequence_causal_lm_loss,
     mini_sequence_lm_loss,
+    mini_sequence_mlp,
 )
 
 from .models import batch, hf_loss, tiny_model
@@ -128,7 +128,7 @@ def test_mlp_dropout_replayed_in_backward() -> None:
     x = torch.randn(1, 11, 8, requires_grad=True)
     params = list(mlp.parameters())
     torch.manual_seed(123)
-    y = MiniSequenceMLPFunction.apply(mlp.forward, x, 4, *params)
+    y = mini_sequence_mlp(mlp.forward, x, params, chunk_tokens=4)
     g = torch.randn_like(y)
     y.backward(g)
     got = [x.grad.clone()] + [p.grad.clone() for p in params]
