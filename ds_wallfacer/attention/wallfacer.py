@@ -212,7 +212,7 @@ def _sl(call: BlockCall, L: int) -> tuple[slice, slice]:
 # -- forward / backward ----------------------------------------------------------------------------
 
 
-def _gather_kv(attn, plan: _Plan, k: torch.Tensor, v: torch.Tensor):
+def _gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
     """Skewed all-gather: start receiving the C shards of this rank's first k/v team straight from its
     members, and sending this rank's own shard to the C ranks (one per lane) whose first team is ours."""
     place = attn.groups.place
@@ -236,7 +236,7 @@ def _forward(attn, kernel: BlockKernel, plan: _Plan, q, k, v, causal: bool, scal
     acc_dtype = attn.accum_comm_dtype or q.dtype
 
     # 1-2. skewed gather of k/v (point-to-point, in flight) and team all-gather of q: [B, h, S_l, d] -> [B, h, S_t, d]
-    kv_pending, bufs = _gather_kv(attn, plan, k, v)
+    kv_pending, bufs = _gather_kv(attn, k, v)
     q_t = _to_team(comm.all_gather(q, grp.team_group), plan.perm)
     kv_pending.wait()
     cur = _team_kv(bufs, plan.perm)  # [2, B, hk, S_t, d]
@@ -273,7 +273,7 @@ def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_te
     dout = dout.to(q.dtype)
 
     # 1-2. skewed gather of k/v again, team all-gather of q, out, dO (dO: adjoint of the forward reduce-scatter)
-    kv_pending, bufs = _gather_kv(attn, plan, k, v)
+    kv_pending, bufs = _gather_kv(attn, k, v)
     gathered = _unpack(comm.all_gather(_pack(q, out, dout), grp.team_group), [q.shape, out.shape, dout.shape])
     q_t, o_t, do_t = (_to_team(x, plan.perm) for x in gathered)
     kv_pending.wait()
