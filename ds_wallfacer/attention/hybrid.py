@@ -30,9 +30,9 @@ def sequence_parallel_attention(
     sharding: str = "zigzag",
 ) -> InnerAttention:
     """This rank's attention for any mode: Ulysses over ``ulysses_group`` (None: U = 1) around WallFacer over
-    ``wallfacer_groups`` (None: R = 1, attention over the gathered sequence is local)."""
-    if ulysses_group is None and wallfacer_groups is None:
-        raise ValueError("sequence-parallel attention needs a Ulysses group, WallFacer groups, or both")
+    ``wallfacer_groups`` (None: R = 1, attention over the gathered sequence is local). Neither (P = 1: one
+    rank per sequence, plain data parallelism or a single GPU) is local attention with the same kernels and no
+    collective at all."""
     inner: InnerAttention = (
         LocalAttention(kernel=kernel)
         if wallfacer_groups is None

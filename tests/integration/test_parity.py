@@ -77,6 +77,7 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
     ours = tiny_model(case.family)
     engine, sp = initialize(model=ours, config=_ds_config(case), optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
     dp, d = sp.layout.dp_size, sp.groups.dp_index
+    assert sp.layout.sp_size == case.wallfacer.get("sequence_parallel_size", world)
     if "mini_sequence" in case.wallfacer:  # MsT really in the path: both MLPs chunked, LM head wrapped
         assert sp.mini_sequence is not None and len(sp.mini_sequence.mlp_modules) == 2, sp.mini_sequence
     ref_losses, ref_params = _reference(case, dp)
@@ -118,6 +119,14 @@ CASES_4 = [
     Case("qwen2", 1, {"mode": "hybrid", "ulysses_degree": 2}),
     Case("mistral", 2, {"mode": "hybrid", "ulysses_degree": 2}, seq_len=40),
     Case("llama", 3, {"mode": "hybrid", "ulysses_degree": 2, "ring_count": 1}, pad=2),
+    # P = 1: four data-parallel replicas, no sequence parallelism (local attention, no collective), with MsT too
+    Case("llama", 2, {"sequence_parallel_size": 1}, pad=3),
+    Case("qwen2", 3, {"sequence_parallel_size": 1, "mini_sequence": {"mlp_chunk_tokens": 7}}),
+]
+# 1 rank: the single-GPU case (MsT's home), with and without MsT
+CASES_1 = [
+    Case("mistral", 2, {}, seq_len=30, pad=2),
+    Case("llama", 3, {"mode": "auto", "mini_sequence": {"lm_head_chunk_tokens": 9}}),
 ]
 # 8 ranks: hybrid U = 2 around multi-ring (R = 4, C = 2); and P = 4 x D = 2 data-parallel replicas
 CASES_8 = [
@@ -134,7 +143,8 @@ CASES_2 = [
 ]
 
 
-@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4), (8, CASES_8)], ids=["P2", "P4", "P8"])
+@pytest.mark.parametrize("world,cases", [(1, CASES_1), (2, CASES_2), (4, CASES_4), (8, CASES_8)],
+                         ids=["W1", "W2", "W4", "W8"])
 def test_matches_non_parallel_run(world: int, cases: list[Case]) -> None:
     results = run_distributed(_run_cases, world, cases, timeout_s=420)
     failures = [f for per_rank in results for f in per_rank]
