@@ -12,6 +12,13 @@ volumes and benchmarks print them beside the cost formulas:
 
 Timeouts come from the process groups (``groups.py`` creates them with one), so a dead peer ends a
 collective with an error instead of a hang.
+
+Note [Device of collective tensors]: an NCCL-only group (what DeepSpeed creates on GPUs) rejects a CPU tensor,
+while gloo on CPU accepts anything, so a CPU-only test suite cannot catch a tensor built without ``device=``.
+Every tensor handed to a collective therefore passes ``CommLayer.check_device``: it must be on the layer's
+``device`` (the rank's accelerator device, set by the integration) and of a type the group's backend accepts
+(``backend_device_types``). A mismatch raises at once, naming the operation, the tensor's device and the
+group's, on CPU as on GPU. Data that starts on the host (a batch signature) is moved with ``place`` first.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommLayer", "KINDS", "Pending"]
+__all__ = ["CommLayer", "KINDS", "Pending", "backend_device_types"]
 
 KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "check")
 
@@ -35,6 +42,20 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def backend_device_types(backend: str) -> frozenset[str] | None:
+    """Device types whose tensors a process-group backend accepts; None when it accepts any.
+
+    ``backend`` as ``dist.get_backend`` names it: "nccl" (CUDA only), "gloo" (any: CPU, and CUDA for the
+    collectives it implements), "mpi", or a per-device mapping such as "cpu:gloo,cuda:nccl".
+    """
+    name = backend.lower()
+    if ":" in name:  # "cpu:gloo,cuda:nccl": each listed device type has a backend
+        return frozenset(part.split(":", 1)[0].strip() for part in name.split(",") if ":" in part)
+    if name in ("nccl", "xccl", "hccl"):
+        return frozenset({"cuda"}) if name == "nccl" else frozenset({"xpu" if name == "xccl" else "hpu"})
+    return None
 
 
 @dataclass
@@ -56,11 +77,47 @@ class Pending:
 class CommLayer:
     """Counted collectives. Holds no process groups itself: each call names the group it runs on."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, device: torch.device | str | None = None) -> None:
+        self.device: torch.device | None = torch.device(device) if device is not None else None
+        """The device every collective tensor must be on (None: any device the group's backend accepts)."""
         self.sent: Counter[tuple[str, str]] = Counter()
         """Bytes sent by this rank, keyed by (phase, kind)."""
         self.calls: Counter[tuple[str, str]] = Counter()
+        self.checked = 0
+        """Tensors whose device was checked (Note [Device of collective tensors])."""
         self._phase = "forward"
+        self._backend_types: dict[int, tuple[str, frozenset[str] | None]] = {}
+
+    # -- devices ---------------------------------------------------------------------------------
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the layer's device (for tensors that describe host data, e.g. batch signatures)."""
+        return t if self.device is None else t.to(self.device)
+
+    def check_device(self, op: str, group: dist.ProcessGroup | None, *tensors: torch.Tensor) -> None:
+        """Raise ValueError unless every tensor is on the layer's device and of a type ``group``'s backend
+        accepts (Note [Device of collective tensors])."""
+        backend, types = self._group_types(group)
+        for t in tensors:
+            self.checked += 1
+            dev = t.device
+            wrong_layer = self.device is not None and (
+                dev.type != self.device.type
+                or (self.device.index is not None and dev.index is not None and dev.index != self.device.index)
+            )
+            if wrong_layer or (types is not None and dev.type not in types):
+                want = str(self.device) if self.device is not None else " or ".join(sorted(types or ()))
+                raise ValueError(
+                    f"CommLayer.{op}: a tensor of shape {tuple(t.shape)} on {dev} was handed to a collective of a "
+                    f"{backend} group, whose tensors must be on {want}; build it with device= taken from the data "
+                    f"it describes, or move host data with CommLayer.place"
+                )
+
+    def _group_types(self, group: dist.ProcessGroup | None) -> tuple[str, frozenset[str] | None]:
+        key = id(group)
+        if key not in self._backend_types:
+            backend = str(dist.get_backend(group)) if dist.is_initialized() else "unknown"
+            self._backend_types[key] = (backend, backend_device_types(backend))
+        return self._backend_types[key]
 
     # -- accounting ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -90,6 +147,7 @@ class CommLayer:
         """[*s] on each of n ranks -> [n, *s], in group-rank order."""
         n = dist.get_world_size(group)
         x = x.contiguous()
+        self.check_device("all_gather", group, x)
         if n == 1:
             return x.unsqueeze(0)
         flat = x.reshape(-1)
@@ -103,6 +161,7 @@ class CommLayer:
         n = dist.get_world_size(group)
         if x.shape[0] != n:
             raise ValueError(f"reduce_scatter input has leading dim {x.shape[0]}, group size is {n}")
+        self.check_device("reduce_scatter", group, x)
         if n == 1:
             return x[0]
         out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
@@ -115,6 +174,7 @@ class CommLayer:
     ) -> torch.Tensor:
         """[n, *s] -> [n, *s]: slice i goes to group rank i; slice j of the result came from rank j."""
         n = dist.get_world_size(group)
+        self.check_device("all_to_all", group, x, *([] if out is None else [out]))
         if n == 1:
             return x if out is None else out.copy_(x)
         x = x.contiguous()
@@ -136,6 +196,7 @@ class CommLayer:
         A send to oneself must pair with a receive from oneself: it becomes a local copy, uncounted.
         """
         me = dist.get_rank()
+        self.check_device("exchange", group, *(t for t, _ in sends), *(t for t, _ in recvs))
         self_sends = [t for t, peer in sends if peer == me]
         self_recvs = [t for t, peer in recvs if peer == me]
         if len(self_sends) != len(self_recvs):

@@ -16,6 +16,7 @@ then normalises gradients correctly.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -133,6 +134,19 @@ def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanI
     )
 
 
+def _rank_device() -> torch.device:
+    """This rank's accelerator device, made current before any group is built: the device DeepSpeed's engine
+    uses (``device_name(local_rank)``); NCCL groups create their communicators on the current device."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    acc.set_device(local_rank)
+    return torch.device(acc.device_name(local_rank))
+
+
 def _init_distributed() -> None:
     import deepspeed
 
@@ -182,8 +196,9 @@ def initialize(
     if rank == 0:
         log.warning("%s", layout.describe())
 
+    device = _rank_device()
     groups = build_sequence_parallel(layout)
-    comm = CommLayer()
+    comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
     hf.attach(model, attention, sp_size=layout.sp_size)
 

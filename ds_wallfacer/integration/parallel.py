@@ -102,10 +102,11 @@ def check_same_batch(batch: Mapping[str, Any], *, group: dist.ProcessGroup, comm
     """Raise on every rank of ``group`` when its ranks do not hold the same full batch (a data pipeline that
     is not seeded identically would otherwise train on garbage silently)."""
     ids = torch.as_tensor(batch["input_ids"]).long().reshape(-1)
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1_000_003
-    sig = torch.tensor([ids.numel(), int((ids * weights).sum()), int(ids.sum())], dtype=torch.int64)
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device) % 1_000_003
+    sig = torch.stack([ids.new_tensor(ids.numel()), (ids * weights).sum(), ids.sum()])  # [3] int64, on ids' device
     with comm.phase("data"):
-        rows = comm.all_gather(sig, group, kind="check")
+        # the batch is host data: the signature moves to the group's device (NCCL rejects CPU tensors)
+        rows = comm.all_gather(comm.place(sig), group, kind="check")
     if not bool((rows == rows[0]).all()):
         raise ValueError(
             "the ranks of a sequence-parallel group received different batches (signatures by rank index: "

@@ -96,6 +96,9 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
         w = safe_get_full_fp32_param(p)
         if not torch.allclose(w, ref_params[key], rtol=1e-4, atol=2e-6):
             failures.append(f"param {key} after {STEPS} steps: max err {(w - ref_params[key]).abs().max().item():.3g}")
+    # every collective tensor went through the comm layer's device check (comm/ops.py), on the engine's device
+    assert sp.comm.device == torch.device(engine.device), (sp.comm.device, engine.device)
+    assert sp.comm.checked >= sum(sp.comm.calls.values()) and (sp.comm.checked > 0 or sp.layout.sp_size == 1)
     engine.destroy()
     return [f"[{case.name()}] rank {rank}: {f}" for f in failures]
 
