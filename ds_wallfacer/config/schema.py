@@ -83,6 +83,9 @@ class WallFacerConfig:
     mini_sequence: Any = None
     """Mini-Sequence Transformer settings (``ds_wallfacer.mst.MiniSequenceConfig``); absent/null = MsT off,
     ``{}`` = MsT on with its defaults."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective may wait for a peer before it fails: torch.distributed's world group, DeepSpeed's own
+    groups and ours (torch's default, 30 min for gloo, would otherwise apply to DeepSpeed's)."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel_size != "auto" and not _is_pos_int(self.sequence_parallel_size):
@@ -99,6 +102,11 @@ class WallFacerConfig:
         if not isinstance(self.cluster, str) or not self.cluster:
             raise ValueError(
                 f'wallfacer.cluster = {self.cluster!r} is invalid: allowed is a cluster preset name or "auto"'
+            )
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(
+                f"wallfacer.collective_timeout_s = {t!r} is invalid: allowed is a positive number of seconds"
             )
         if self.seq_len is not None and not _is_pos_int(self.seq_len):
             raise ValueError(f"wallfacer.seq_len = {self.seq_len!r} is invalid: allowed is a positive integer or null")

@@ -15,6 +15,7 @@ then normalises gradients correctly.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -147,13 +148,19 @@ def _rank_device() -> torch.device:
     return torch.device(acc.device_name(local_rank))
 
 
-def _init_distributed() -> None:
+def _init_distributed(timeout: datetime.timedelta) -> None:
     import deepspeed
+    from deepspeed.utils import groups as ds_groups
 
     if not dist.is_initialized():
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(timeout=timeout)
     elif not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timeout)
+    # Without an mpu, DeepSpeed's data-parallel group is a clone of the world group it creates lazily with
+    # ``dist.new_group(ranks)``, which gets torch's default timeout (30 min for gloo), not the world's: create it
+    # first, with ours.
+    if getattr(ds_groups, "_WORLD_GROUP", 0) is None:
+        ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
 
 
 def initialize(
@@ -183,7 +190,8 @@ def initialize(
     import deepspeed
 
     run = parse_ds_config(config)
-    _init_distributed()
+    timeout = datetime.timedelta(seconds=run.wallfacer.collective_timeout_s)
+    _init_distributed(timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     hq, hk = model_heads(model)
     layout = resolve_auto(run.wallfacer, world_size=world, num_heads=hq, num_kv_heads=hk, ranks_per_node=ranks_per_node,
@@ -197,7 +205,7 @@ def initialize(
         log.warning("%s", layout.describe())
 
     device = _rank_device()
-    groups = build_sequence_parallel(layout)
+    groups = build_sequence_parallel(layout, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
     hf.attach(model, attention, sp_size=layout.sp_size)
