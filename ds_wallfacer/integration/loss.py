@@ -11,10 +11,15 @@ non-parallel gradient (mean over replicas, like plain data parallelism).
 
 The local loss is pluggable (``LocalLoss``): full logits from the model, or the Mini-Sequence LM head
 (``ds_wallfacer.mst.mini_sequence_causal_lm_loss``) that never materialises [S, V] logits.
+
+Mixture-of-experts models: the router's auxiliary loss (``moe.py``) is added as the model adds it; its per-token
+statistics travel in the same all-gather as (loss_sum, count). Rotary embeddings that read the sequence length
+(``rope.py``) are shown the global length during the forward.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommLayer
+from .moe import RouterAuxLoss
+from .rope import RopeLength
 
 __all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "logits_loss", "mini_sequence_loss"]
 
@@ -82,7 +89,12 @@ def mini_sequence_loss(
 
 class SequenceParallelCausalLM(nn.Module):
     """What ``deepspeed.initialize`` receives: the HF causal LM (``.lm``, unchanged) and the global token-mean
-    loss. ``forward(input_ids, position_ids, shift_labels)`` takes a batch from the sequence-parallel loader."""
+    loss. ``forward(input_ids, position_ids, shift_labels)`` takes a batch from the sequence-parallel loader
+    (plus ``token_mask`` / ``sequence_length`` when the loader padded) and returns one scalar.
+
+    ``router_aux``: the model's router aux loss (``moe.py``), added as ``coef * aux``; the last value (detached,
+    before ``coef``) is ``last_aux_loss`` for logging. ``rope``: the global length for rotary embeddings that read
+    it (``rope.py``); ``sp_size``: P, for that length when the loader did not pad."""
 
     def __init__(
         self,
@@ -92,16 +104,71 @@ class SequenceParallelCausalLM(nn.Module):
         comm: CommLayer,
         local_loss: LocalLoss = logits_loss,
         ignore_index: int = -100,
+        router_aux: RouterAuxLoss | None = None,
+        rope: RopeLength | None = None,
+        sp_size: int = 1,
     ) -> None:
         super().__init__()
         self.lm = lm
         self._group, self._comm, self._local_loss, self.ignore_index = group, comm, local_loss, ignore_index
+        self.router_aux, self._rope, self._sp_size = router_aux, rope, sp_size
+        self.last_aux_loss: torch.Tensor | None = None
+        self._captured: list[torch.Tensor] | None = None
+        if router_aux is not None:
+            # the decoder's output carries router_logits (output_router_logits is on), whichever local loss runs it
+            lm.get_decoder().register_forward_hook(self._capture_router_logits)
+
+    def _capture_router_logits(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._captured is not None:
+            logits = getattr(out, "router_logits", None)
+            if logits:
+                self._captured.extend(logits)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        sequence_length: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        loss_sum, count = self._local_loss(
-            self.lm, input_ids=input_ids, position_ids=position_ids, shift_labels=shift_labels,
-            ignore_index=self.ignore_index,
-        )
-        return global_token_mean(loss_sum, count, group=self._group, comm=self._comm)
+        length = int(sequence_length) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
+        rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
+        self._captured = [] if self.router_aux is not None else None
+        try:
+            with rope:
+                loss_sum, count = self._local_loss(
+                    self.lm, input_ids=input_ids, position_ids=position_ids, shift_labels=shift_labels,
+                    ignore_index=self.ignore_index,
+                )
+            captured = self._captured
+        finally:
+            self._captured = None
+        if self.router_aux is None:
+            return global_token_mean(loss_sum, count, group=self._group, comm=self._comm)
+        return self._with_router_aux(loss_sum, count, captured or [], token_mask)
+
+    def _with_router_aux(
+        self, loss_sum: torch.Tensor, count: torch.Tensor, router_logits: list[torch.Tensor],
+        token_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        aux = self.router_aux
+        if torch.is_grad_enabled() and self.training and any(not r.requires_grad for r in router_logits):
+            raise RuntimeError(
+                "router logits carry no gradient (reentrant activation checkpointing runs the layers without "
+                "autograd), so the router aux loss would not train the router: use non-reentrant checkpointing "
+                '("mini_sequence": {"activation_checkpointing": "torch"}, or gradient_checkpointing_enable('
+                'gradient_checkpointing_kwargs={"use_reentrant": False}))'
+            )
+        stats = aux.statistics(router_logits, token_mask)  # [2E + 1] this rank's sums
+        dev = loss_sum.device
+        # one all-gather for the LM loss and the router statistics; fp64 keeps token counts exact
+        both = torch.cat([
+            loss_sum.double().reshape(1), count.detach().to(device=dev, dtype=torch.float64).reshape(1),
+            stats.to(device=dev, dtype=torch.float64),
+        ])
+        total = _SumOverRanks.apply(both, self._comm, self._group)
+        lm_loss = (total[0] / total[1].clamp(min=1)).float()
+        aux_loss = aux.combine(total[2:])
+        self.last_aux_loss = aux_loss.detach()
+        return lm_loss + aux.coef * aux_loss

@@ -56,6 +56,8 @@ class _HeadForward:
         mst_chunk_tokens: int = 0,
         mst_ignore_index: int = -100,
         mst_softcap: float | None = None,
+        mst_scale: float | None = None,
+        mst_divisor: float | None = None,
         **kwargs: Any,
     ) -> Any:
         if mst_labels is None:
@@ -63,7 +65,7 @@ class _HeadForward:
         head = self.orig.__self__
         return chunked_linear_cross_entropy(
             x, mst_labels, head.weight, head.bias, chunk_tokens=mst_chunk_tokens, ignore_index=mst_ignore_index,
-            softcap=mst_softcap,
+            softcap=mst_softcap, scale=mst_scale, divisor=mst_divisor,
         )
 
 
@@ -119,6 +121,29 @@ def _hidden_size(model: nn.Module) -> int:
     return int(text.hidden_size)
 
 
+def _router_classes(model: nn.Module) -> tuple[type, ...]:
+    # the classes transformers records router logits from (``_can_record_outputs``) in any sub-model
+    out = []
+    for m in model.modules():
+        spec = (getattr(m, "_can_record_outputs", None) or {}).get("router_logits")
+        for s in spec if isinstance(spec, list) else [spec]:
+            cls = getattr(s, "target_class", s)
+            if isinstance(cls, type):
+                out.append(cls)
+    return tuple(out)
+
+
+def _moe_block(model: nn.Module, module: nn.Module) -> str | None:
+    """Why ``module`` is a mixture-of-experts block (left alone), or None. Its routing is per token, but its
+    router logits are outputs the model's aux loss differentiates: run under no_grad and recomputed in backward,
+    they would reach the loss without their gradient."""
+    routers = _router_classes(model)
+    if any(isinstance(m, routers) for m in module.modules()) or hasattr(module, "experts"):
+        return ("a mixture-of-experts block (router + experts): its router logits feed the aux loss with their "
+                "gradient, which the mini-sequence MLP's no-grad forward would drop; left unchunked")
+    return None
+
+
 def _mark_zero3_leaf(name: str, module: nn.Module) -> None:
     if any(hasattr(m, "ds_id") for m in module.children()):
         raise RuntimeError(
@@ -169,7 +194,7 @@ def apply_mini_sequence(
                 if isinstance(mod.__dict__.get("forward"), _MlpForward):
                     handle.mlp_modules.append(qual)  # applied twice: keep the first wrapping
                     continue
-                why = check_position_wise(mod, mod.forward, hidden)
+                why = _moe_block(model, mod) or check_position_wise(mod, mod.forward, hidden)
                 if why is not None:
                     if forced:
                         raise ValueError(

@@ -1,6 +1,7 @@
 """Mini-sequence LM head + cross-entropy (MsT, DESIGN.md section 4; issue 3).
 
-Per mini-sequence of ``chunk_tokens`` tokens: fp32 logits = lm_head(h_c) (plus Gemma-style final soft-capping),
+Per mini-sequence of ``chunk_tokens`` tokens: fp32 logits = lm_head(h_c) (then the model's own scaling: Cohere's
+``logit_scale``, Granite's ``logits_scaling``, Gemma-style final soft-capping; ``HeadTransform``),
 cross-entropy SUM, and its gradient w.r.t. the logits by autograd; the chunk's gradients w.r.t. h and the head's
 weight/bias are formed right away and the logits are dropped. So full [T, V] logits never exist and the logits are
 computed ONCE per step (no recompute). The autograd function returns these gradients from ``backward`` scaled by
@@ -15,6 +16,7 @@ loader shifts before sequence sharding, so no label crosses a shard boundary).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "HeadTransform",
     "chunked_linear_cross_entropy",
+    "head_transform",
     "mini_sequence_causal_lm_loss",
     "mini_sequence_lm_loss",
 ]
@@ -34,10 +38,11 @@ _SLICE_BYTES = 64 << 20
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """(sum of CE(softcap(x @ W^T + b)), count) over mini-sequences; gradients formed in forward, returned in backward."""
+    """(sum of CE(t(x @ W^T + b)), count) over mini-sequences, t the model's ``HeadTransform``; gradients formed in
+    forward, returned in backward."""
 
     @staticmethod
-    def forward(ctx, x, labels, weight, bias, chunk_tokens: int, ignore_index: int, softcap: float | None):
+    def forward(ctx, x, labels, weight, bias, chunk_tokens: int, ignore_index: int, transform: "HeadTransform"):
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
         need_any = need_x or need_w or need_b
         n = x.shape[0]  # x: [T, d], labels: [T]
@@ -52,7 +57,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             z = F.linear(xc, weight, bias).float()  # [c, V] fp32: the only logits alive
             with torch.enable_grad():
                 z.requires_grad_(need_any)
-                zz = torch.tanh(z / softcap) * softcap if softcap else z
+                zz = transform(z)
                 lc = F.cross_entropy(zz, yc, ignore_index=ignore_index, reduction="sum")
                 gz = torch.autograd.grad(lc, z)[0] if need_any else None  # [c, V] fp32
             loss += lc.detach()
@@ -91,6 +96,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return gx, None, gw, gb, None, None, None
 
 
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a model does to ``lm_head(h)`` before its loss, in the model's order: ``* scale`` (Cohere
+    ``logit_scale``), ``/ divisor`` (Granite ``logits_scaling``), then ``tanh(z / softcap) * softcap`` (Gemma-2/3
+    ``final_logit_softcapping``)."""
+
+    scale: float | None = None
+    divisor: float | None = None
+    softcap: float | None = None
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            z = z * self.scale
+        if self.divisor is not None:
+            z = z / self.divisor
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+
 def chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -100,8 +125,11 @@ def chunked_linear_cross_entropy(
     chunk_tokens: int,
     ignore_index: int = -100,
     softcap: float | None = None,
+    scale: float | None = None,
+    divisor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 loss sum, int64 token count) of CE(hidden @ weight^T + bias, labels) in mini-sequences.
+    """(fp32 loss sum, int64 token count) of CE(hidden @ weight^T + bias, labels) in mini-sequences; the logits are
+    first multiplied by ``scale``, divided by ``divisor`` and soft-capped by ``softcap`` (each when given).
 
     hidden: [..., S, d]; labels: [..., S] already shifted, ``ignore_index`` marks padding / no target.
     """
@@ -119,22 +147,39 @@ def chunked_linear_cross_entropy(
         )
     x = hidden.reshape(-1, hidden.shape[-1])  # [..., S, d] -> [T, d]
     y = labels.reshape(-1).to(device=x.device, dtype=torch.long)  # [..., S] -> [T]
-    return _ChunkedLinearCrossEntropy.apply(x, y, weight, bias, int(chunk_tokens), int(ignore_index), softcap)
+    transform = HeadTransform(scale=scale, divisor=divisor, softcap=softcap or None)
+    return _ChunkedLinearCrossEntropy.apply(x, y, weight, bias, int(chunk_tokens), int(ignore_index), transform)
 
 
-def _softcap(model: nn.Module) -> float | None:
+# model_type prefix -> (attribute, how the model applies it), read off the models' forwards
+_KNOWN_SCALES = {
+    "granite": ("logits_scaling", "divisor"),  # granite, granitemoe*, granite_swa: logits / logits_scaling
+    "cohere": ("logit_scale", "scale"),  # cohere, cohere2, cohere2_moe: logits * logit_scale
+}
+_SCALE_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
+
+
+def head_transform(model: nn.Module) -> HeadTransform:
+    """The model's ``HeadTransform``; NotImplementedError for a logit scaling of unknown semantics (the same
+    attribute multiplies in one family and divides in another)."""
     cfg = getattr(model, "config", None)
     if cfg is None:
-        return None
+        return HeadTransform()
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    for key, neutral in (("logit_scale", 1.0), ("logits_scaling", 1.0)):
+    mtype = str(getattr(text, "model_type", "") or "")
+    kw: dict[str, float] = {}
+    for key in _SCALE_KEYS:
         v = getattr(text, key, None)
-        if v is not None and v != neutral:
+        if v is None or v == 1.0:
+            continue
+        known = next((how for prefix, (k, how) in _KNOWN_SCALES.items() if mtype.startswith(prefix) and k == key), None)
+        if known is None:
             raise NotImplementedError(
-                f"{type(model).__name__} scales its logits ({key}={v}); the mini-sequence LM head supports plain "
-                f"lm_head logits and final_logit_softcapping only"
+                f"{type(model).__name__} scales its logits ({key}={v}) in a way the mini-sequence LM head does not "
+                "reproduce"
             )
-    return getattr(text, "final_logit_softcapping", None) or None
+        kw[known] = float(v)
+    return HeadTransform(**kw, softcap=getattr(text, "final_logit_softcapping", None) or None)
 
 
 def _auto_chunk(head: nn.Linear) -> int:
@@ -163,14 +208,14 @@ def mini_sequence_causal_lm_loss(
         )
     if chunk_tokens is None:
         chunk_tokens = getattr(head, _MST_ATTR, None) or _auto_chunk(head)
-    softcap = _softcap(model)
+    t = head_transform(model)
     if getattr(head, _MST_ATTR, None) is not None:
         # through the module call, so ZeRO-3 hooks gather the (possibly tied) weight for the whole loss
         return head(hidden_states, mst_labels=labels, mst_chunk_tokens=chunk_tokens, mst_ignore_index=ignore_index,
-                    mst_softcap=softcap)
+                    mst_softcap=t.softcap, mst_scale=t.scale, mst_divisor=t.divisor)
     return chunked_linear_cross_entropy(
         hidden_states, labels, head.weight, head.bias, chunk_tokens=chunk_tokens, ignore_index=ignore_index,
-        softcap=softcap,
+        softcap=t.softcap, scale=t.scale, divisor=t.divisor,
     )
 
 

@@ -185,6 +185,12 @@ def check_position_wise(
             if y.shape[:-1] != x.shape[:-1]:
                 return f"its forward maps {tuple(x.shape)} to {tuple(y.shape)}, not [..., S, d] -> [..., S, d']"
             alone = torch.cat([run(x[:, i : i + 1]) for i in range(tokens)], dim=1)
+            # mini-sequences are fed flat, [c, d]: the module must take that shape too
+            flat = run(x[0])
+            if not isinstance(flat, torch.Tensor) or flat.shape != y.shape[1:]:
+                return f"on a flat [{tokens}, {hidden_size}] input its forward returns {getattr(flat, 'shape', flat)}"
+            alone = torch.cat([alone, flat.unsqueeze(0)], dim=0)
+            y = torch.cat([y, y], dim=0)
             err = (y.float() - alone.float()).abs().max().item()
             scale = max(1.0, y.float().abs().max().item())
             if not err <= tol * scale:

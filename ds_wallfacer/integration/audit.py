@@ -1,0 +1,112 @@
+"""Start-up audit: refuse, before any collective, whatever the package would compute differently from the model.
+
+``audit_model`` walks the model's config and module tree (pure checks: identical on every rank, so every rank
+raises the same error and none waits in a collective) and returns what the loss module must reproduce (the MoE
+router aux loss, the rotary modules that read the sequence length). Each refusal names the setting to change.
+
+Refused: attention the sequence-parallel kernels cannot honour (dropout, logit soft-capping, a sliding window
+shorter than the known sequence length), a router aux or z-loss that cannot be reproduced, an MoE aux loss under
+reentrant layer checkpointing (it would lose the router gradient), RoPE types that cannot be given the global
+length, LM-head transforms the Mini-Sequence head does not apply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .moe import RouterAuxLoss, router_aux_loss
+from .rope import rope_problems
+
+__all__ = ["ModelAudit", "audit_model"]
+
+_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+_SOFTCAP_KEYS = ("attn_logit_softcapping",)
+
+
+@dataclass
+class ModelAudit:
+    """What the audit found that the loss module must reproduce."""
+
+    router_aux: RouterAuxLoss | None = None
+    """The model's router aux loss (None: it adds none)."""
+    rotary: list[str] = field(default_factory=list)
+    """Rotary modules that read the sequence length (to be shown the global length)."""
+
+
+def _text_config(model: nn.Module) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _attention_problems(model: nn.Module, text: Any, seq_len: int | None) -> list[str]:
+    out = []
+    for key in _DROPOUT_KEYS:
+        v = getattr(text, key, None)
+        if isinstance(v, (int, float)) and v > 0:
+            out.append(f"attention dropout {key}={v} is not supported by sequence-parallel attention: set {key}=0.0")
+    for key in _SOFTCAP_KEYS:
+        v = getattr(text, key, None)
+        if v:
+            out.append(f"attention logit soft-capping ({key}={v}) is not supported by sequence-parallel attention: "
+                       f"set {key}=None (the model then computes plain attention)")
+    from .hf import attention_modules
+
+    windows = {getattr(m, "sliding_window", None) for _, m in attention_modules(model)} - {None}
+    if windows and seq_len is not None and min(windows) < seq_len:
+        out.append(
+            f"sliding-window attention (window {min(windows)} < sequence length {seq_len}) is not supported by "
+            "sequence-parallel attention: set sliding_window=None in the model config (or train on sequences no "
+            "longer than the window)"
+        )
+    return out
+
+
+def _moe_problems(model: nn.Module, mini_sequence: Any) -> tuple[RouterAuxLoss | None, list[str]]:
+    spec, why = router_aux_loss(model)
+    if why is not None:
+        return None, [
+            f"{type(model).__name__} adds a router auxiliary loss this package cannot reproduce ({why}): set "
+            "output_router_logits=False in the model config to train without it"
+        ]
+    problems = []
+    # HF's own gradient checkpointing is checked at the first forward instead: its reentrancy is a call argument
+    if spec is not None and mini_sequence is not None and mini_sequence.activation_checkpointing == "deepspeed":
+        problems.append(
+            "the MoE router aux loss needs the router logits' gradient, which DeepSpeed's (reentrant) layer "
+            'checkpointing drops: set "wallfacer": {"mini_sequence": {"activation_checkpointing": "torch"}} (or "none")'
+        )
+    return spec, problems
+
+
+def _lm_head_problems(model: nn.Module, mini_sequence: Any) -> list[str]:
+    if mini_sequence is None or not mini_sequence.lm_head:
+        return []
+    from ..mst.lm_head import head_transform
+
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return [f'{type(model).__name__}\'s LM head is {type(head).__name__}, not nn.Linear: set "wallfacer": '
+                '{"mini_sequence": {"lm_head": false}}']
+    try:
+        head_transform(model)
+    except NotImplementedError as err:
+        return [f'{err}: set "wallfacer": {{"mini_sequence": {{"lm_head": false}}}}']
+    return []
+
+
+def audit_model(model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None) -> ModelAudit:
+    """Check ``model`` for what sequence parallelism / MsT would compute differently; raise ValueError listing every
+    problem with the setting to change, else return what the loss module must reproduce."""
+    text = _text_config(model)
+    problems = _attention_problems(model, text, seq_len)
+    spec, moe = _moe_problems(model, mini_sequence)
+    problems += moe
+    wrap, rope = rope_problems(model)
+    problems += rope
+    problems += _lm_head_problems(model, mini_sequence)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured:\n{lines}")
+    return ModelAudit(router_aux=spec, rotary=wrap)

@@ -1,0 +1,125 @@
+"""Rotary embeddings that read the sequence length, made exact under sequence parallelism.
+
+transformers' ``dynamic_rope_update`` (modeling_rope_utils.py) lets two RoPE types choose their frequencies from
+``seq_len = max(position_ids) + 1`` at every forward: ``dynamic`` (NTK: the base grows with seq_len beyond
+``max_position_embeddings``; growth is cached on the module) and ``longrope`` (Phi-3: the long factors once
+seq_len exceeds ``original_max_position_embeddings``). Every other type it ships (default, linear, yarn, llama3,
+proportional) fixes its frequencies from the config at construction: with GLOBAL position ids they are exact
+already. Under sequence parallelism a rank's position ids are its own shard's, so its ``max + 1`` is not the
+sequence length (zigzag: only rank 0 holds the last token).
+
+``GlobalLengthRotary`` replaces the instance ``forward`` of such a module (no class edited): during the loss
+module's forward it appends one position, ``length - 1``, to the position ids handed to the model's own decorated
+forward, so its update sees exactly the non-parallel run's length, and drops that row from cos/sin. The length is
+the batch's own length before the loader's padding (``sequence_length`` in the loader's batch, else local tokens x
+P). Padding positions are clamped below the length: their rotary values only reach padding (causal, after every
+real token, no label). Outside the loss module's forward the model behaves as before.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["GlobalLengthRotary", "POSITION_DEPENDENT", "RopeLength", "rope_problems", "rotary_modules", "wrap_rotary"]
+
+POSITION_DEPENDENT = ("dynamic", "longrope")
+"""Types whose frequencies transformers chooses from ``max(position_ids) + 1`` (any type containing "dynamic")."""
+
+
+def _reads_length(rope_type: str) -> bool:
+    # the same rule as transformers' dynamic_rope_update wrapper
+    return "dynamic" in rope_type or rope_type == "longrope"
+
+
+def _types(module: nn.Module) -> list[str]:
+    t = module.rope_type
+    return sorted(set(t.values())) if isinstance(t, dict) else [str(t)]
+
+
+def _hf_wrapper_code() -> Any:
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    return dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+
+def rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """HF rotary-embedding modules: they carry ``rope_type`` and an ``inv_freq`` buffer."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "rope_type") and hasattr(m, "inv_freq")]
+
+
+def rope_problems(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(names of rotary modules to wrap, reasons to refuse) for ``model``; pure, identical on every rank."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = {"default", *ROPE_INIT_FUNCTIONS}
+    code = _hf_wrapper_code()
+    wrap, problems = [], []
+    for name, mod in rotary_modules(model):
+        types = _types(mod)
+        unknown = [t for t in types if t not in known]
+        if unknown:
+            problems.append(
+                f"{name}: rope_type {unknown} is not one transformers' RoPE helpers define (known: {sorted(known)}); "
+                "whether it reads the sequence length cannot be checked: use one of the known types"
+            )
+            continue
+        if not any(_reads_length(t) for t in types):
+            continue
+        if getattr(type(mod).forward, "__code__", None) is not code:
+            problems.append(
+                f"{name} ({type(mod).__name__}): rope_type {types} reads the sequence length but its forward is not "
+                "transformers' dynamic_rope_update, so it cannot be given the global length: set "
+                'rope_parameters.rope_type to a fixed type ("default", "linear", "yarn", "llama3")'
+            )
+            continue
+        wrap.append(name)
+    return wrap, problems
+
+
+class RopeLength:
+    """The global sequence length for the current forward (None outside the loss module's forward)."""
+
+    def __init__(self) -> None:
+        self.length: int | None = None
+
+    @contextlib.contextmanager
+    def use(self, length: int) -> Iterator[None]:
+        self.length = int(length)
+        try:
+            yield
+        finally:
+            self.length = None
+
+
+class GlobalLengthRotary:
+    """Instance ``forward`` of a length-reading rotary module: the model's forward, shown the global length."""
+
+    def __init__(self, orig: Callable, state: RopeLength) -> None:
+        self.orig = orig
+        self.state = state
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        n = self.state.length
+        if n is None:
+            return self.orig(x, position_ids, *args, **kwargs)
+        pos = position_ids.clamp(max=n - 1)  # [B, S_l]; only padding positions can exceed n - 1
+        last = pos.new_full((*pos.shape[:-1], 1), n - 1)
+        out = self.orig(x, torch.cat([pos, last], dim=-1), *args, **kwargs)  # max + 1 = n, as in one process
+        s = position_ids.shape[-1]
+        if not isinstance(out, tuple) or not all(isinstance(t, torch.Tensor) and t.shape[-2] == s + 1 for t in out):
+            raise RuntimeError(f"rotary embedding returned {type(out).__name__}, expected (cos, sin) [B, S, dim]")
+        return tuple(t[..., :s, :] for t in out)
+
+
+def wrap_rotary(model: nn.Module, names: list[str], state: RopeLength) -> None:
+    """Give each named rotary module a ``GlobalLengthRotary`` forward (idempotent)."""
+    for name in names:
+        mod = model.get_submodule(name)
+        current = mod.__dict__.get("forward")
+        if isinstance(current, GlobalLengthRotary):
+            current.state = state  # wrapped by an earlier initialize: follow the newest loss module
+        else:
+            mod.forward = GlobalLengthRotary(mod.forward, state)
