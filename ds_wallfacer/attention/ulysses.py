@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..comm import CommLayer
 from .kernels import get_kernel
+from .wallfacer import _DTYPES, _local_error
 
 __all__ = ["InnerAttention", "LocalAttention", "UlyssesAttention", "all_to_all", "heads_to_seq", "seq_to_heads"]
 
@@ -141,6 +142,12 @@ class UlyssesAttention:
     """Attention over the gathered sequence: ``LocalAttention`` (Ulysses alone) or a ``WallFacerAttention``
     over the ring ranks (hybrid)."""
     comm: CommLayer = field(default_factory=CommLayer)
+    check_group: dist.ProcessGroup | None = None
+    """Ranks whose inputs must agree (the whole sequence-parallel group in the hybrid, so that a mismatch between
+    two Ulysses groups fails before the ring's collectives); None: ``group``."""
+    check_inputs: bool = True
+    """Validate shapes and dtypes across ranks (one small all-gather per new input signature)."""
+    _checked: set = field(default_factory=set, repr=False)
 
     @property
     def degree(self) -> int:
@@ -150,16 +157,46 @@ class UlyssesAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
     ) -> torch.Tensor:
         u = self.degree
-        hq, hk = q.shape[1], k.shape[1]
-        if hq % u or (hk % u and u % hk):
-            raise ValueError(
-                f"Ulysses degree {u} must divide the {hq} query heads and divide or be a multiple of the {hk} kv heads"
-            )
-        if q.shape[2] % 2:
-            raise ValueError(f"local sequence length {q.shape[2]} is odd: the full length must be divisible by 2P")
+        if self.check_inputs:
+            self._check(q, k, v, causal)
         if u == 1:
             return self.inner(q, k, v, causal=causal, scale=scale)
         k, v = _replicate_kv(k, u), _replicate_kv(v, u)
         qh, kh, vh = seq_to_heads([q, k, v], group=self.group, comm=self.comm, degree=u)
         out = self.inner(qh, kh, vh, causal=causal, scale=scale)  # [B, hq/U, U*S_l, d]
         return heads_to_seq(out, group=self.group, comm=self.comm, degree=u)
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+        """Local checks, then one metadata all-gather so that every rank raises together: shards of different
+        shapes would otherwise abort inside the all-to-all (gloo: "Received data size doesn't match") or hang."""
+        u = self.degree
+        error = _local_error(q, k, v)
+        if error is None and (q.shape[1] % u or (k.shape[1] % u and u % k.shape[1])):
+            error = (f"Ulysses degree {u} must divide the {q.shape[1]} query heads and divide or be a multiple of "
+                     f"the {k.shape[1]} kv heads")
+        meta = (
+            (0,) * 7
+            if error
+            else (q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], _DTYPES.index(q.dtype), int(causal))
+        )
+        key = (meta, error)
+        if key in self._checked:
+            return
+        group = self.check_group if self.check_group is not None else self.group
+        row = torch.tensor([int(bool(error)), *meta], dtype=torch.int64, device=q.device)
+        rows = self.comm.all_gather(row, group, kind="check").tolist()
+        bad = [i for i, r in enumerate(rows) if r[0]]
+        if error:
+            raise ValueError(f"Ulysses attention: {error}")
+        if bad:
+            raise ValueError(f"Ulysses attention: sequence-parallel rank(s) {bad} rejected their inputs")
+        names = ("batch", "q heads", "kv heads", "local seq len", "head dim", "dtype", "causal")
+        for i, name in enumerate(names):
+            values = [r[1 + i] for r in rows]
+            if len(set(values)) > 1:
+                shown = [str(_DTYPES[x]) for x in values] if name == "dtype" else values
+                raise ValueError(
+                    f"Ulysses attention: {name} differs across sequence-parallel ranks: {shown} (by rank index); "
+                    "every rank must call attention with equally shaped shards of one sequence"
+                )
+        self._checked.add(key)

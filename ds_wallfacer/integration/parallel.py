@@ -94,7 +94,7 @@ def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> Any:
     lay = groups.layout
     return sequence_parallel_attention(
         ulysses_group=groups.ulysses_group, wallfacer_groups=groups.wallfacer, comm=comm, kernel=lay.kernel,
-        sharding=lay.sharding,
+        sharding=lay.sharding, sp_group=groups.sp_group,
     )
 
 
