@@ -15,6 +15,8 @@ setup(
         "deepspeed>=0.17",
         "transformers>=4.56",
         "wandb>=0.19",
+        "datasets>=2.19",
+        "tqdm>=4.60",
     ],
     extras_require={
         "flash": ["flash-attn>=2.6"],

@@ -41,7 +41,7 @@ def test_train_script_hybrid_on_four_ranks(tmp_path: Path) -> None:
     assert summary["steps"] == 4 and summary["finite"]
     assert (summary["mode"], summary["sequence_parallel_size"], summary["ulysses_degree"]) == ("hybrid", 4, 2)
     assert summary["final_loss"] < summary["first_loss"] - 0.3, summary  # it learns
-    assert [line.split()[1] for line in res.stdout.splitlines() if line.startswith("step ")] == ["0", "1", "2", "3"]
+    assert [line.split()[1] for line in res.stdout.splitlines() if line.startswith("step ")] == ["1", "2", "3", "4"]
     assert list((tmp_path / "runs" / "wandb").glob("offline-run-*")), "no offline wandb run was written"
 
 

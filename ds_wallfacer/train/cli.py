@@ -1,0 +1,100 @@
+"""Command-line options of the trainer (``python -m ds_wallfacer.train`` / ``launch/train.py``).
+
+Every option has a default, so ``deepspeed --num_gpus 4 launch/train.py`` trains the tiny built-in Llama on the
+bundled text. Errors found in the options themselves (paths, sizes) are ``StartupError``: the trainer prints one
+line and exits with status 2 on every rank, before any process group exists.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_DATA", "StartupError", "parse_args"]
+
+_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATA = _ROOT / "launch" / "data"
+"""The bundled corpus (a few KB of text)."""
+DEFAULT_CONFIG = _ROOT / "ds_configs" / "wallfacer.json"
+
+
+class StartupError(ValueError):
+    """A refusal at start-up: the message says what is wrong and what to change."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m ds_wallfacer.train",
+        description="Train an HF causal LM with sequence parallelism through DeepSpeed (launch with `deepspeed`).",
+    )
+    p.add_argument("--deepspeed_config", default=str(DEFAULT_CONFIG),
+                   help='ds_config JSON with a "wallfacer" section')
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (LOCAL_RANK is used)")
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny-llama",
+                   help="an HF model directory (weights -> from_pretrained, config only -> random init), a "
+                        "config.json, or a preset name (ds_wallfacer.train.model.PRESETS)")
+    g.add_argument("--data", default=str(DEFAULT_DATA),
+                   help="a .txt / .jsonl / .parquet file, a folder of them, or a datasets.save_to_disk folder")
+    g.add_argument("--text_field", default="text", help="the text column of .jsonl / .parquet / saved datasets")
+    g.add_argument("--seq_len", type=int, default=512, help="tokens per training sequence")
+    g.add_argument("--eval_fraction", type=float, default=0.05,
+                   help="share of sequences held out for evaluation (0 = no evaluation)")
+    g.add_argument("--eval_every", type=int, default=50, help="evaluate every N optimizer steps (and at the end)")
+    g.add_argument("--cache_dir", default=None,
+                   help="tokenised-data cache (default: OUTPUT_DIR/token_cache)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=20, help="optimizer steps in total (the schedule spans them)")
+    g.add_argument("--lr", type=float, default=3e-3,
+                   help="peak learning rate of the AdamW built when the ds_config has no optimizer")
+    g.add_argument("--warmup_steps", type=int, default=0, help="linear warm-up steps (no ds_config scheduler)")
+    g.add_argument("--lr_decay", choices=("cosine", "linear", "constant"), default="cosine",
+                   help="decay after warm-up, to --min_lr_ratio x peak at --steps (no ds_config scheduler)")
+    g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / peak")
+    g.add_argument("--seed", type=int, default=0, help="initial weights, data order and every RNG")
+
+    g = p.add_argument_group("checkpoints and export")
+    g.add_argument("--output_dir", default="runs", help="checkpoints, wandb run, metrics.jsonl, export")
+    g.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--resume", default=None,
+                   help='"auto" = the latest complete checkpoint in OUTPUT_DIR/checkpoints (none: start fresh), '
+                        "or a checkpoint tag directory")
+    g.add_argument("--no_save", action="store_true", help="write no checkpoint at the end")
+    g.add_argument("--export_dir", default=None,
+                   help="export the final model as an HF checkpoint here (default: OUTPUT_DIR/hf_model)")
+    g.add_argument("--no_export", action="store_true", help="do not export the model at the end")
+    g.add_argument("--export_only", action="store_true",
+                   help="load --resume (or the initial model), export it to the export dir, do not train")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--wandb_project", default=None,
+                   help='wandb project (default: the ds_config "wandb" section\'s, else "ds_wallfacer")')
+    g.add_argument("--wandb_run_name", default=None)
+    g.add_argument("--no_wandb", action="store_true", help="do not log to wandb")
+    g.add_argument("--no_progress", action="store_true", help="no progress bar (per-step lines only)")
+    args = p.parse_args(argv)
+    _check(args)
+    return args
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Option values that are wrong whatever the model and data."""
+    for name in ("seq_len", "steps"):
+        if getattr(args, name) < 1:
+            raise StartupError(f"--{name} = {getattr(args, name)} must be at least 1")
+    for name in ("eval_every", "save_every", "warmup_steps"):
+        if getattr(args, name) < 0:
+            raise StartupError(f"--{name} = {getattr(args, name)} must be >= 0")
+    if not 0.0 <= args.eval_fraction < 1.0:
+        raise StartupError(f"--eval_fraction = {args.eval_fraction} must be in [0, 1)")
+    if not 0.0 <= args.min_lr_ratio <= 1.0:
+        raise StartupError(f"--min_lr_ratio = {args.min_lr_ratio} must be in [0, 1]")
+    if not Path(args.data).exists():
+        raise StartupError(f"--data {args.data!r} does not exist: give a .txt/.jsonl/.parquet file, a folder of "
+                           "them, or a datasets.save_to_disk folder")
+    if not Path(args.deepspeed_config).is_file():
+        raise StartupError(f"--deepspeed_config {args.deepspeed_config!r} does not exist")
+    if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
+        raise StartupError(f"--resume {args.resume!r} is not a checkpoint directory: give \"auto\" or a tag "
+                           "directory such as OUTPUT_DIR/checkpoints/step_100")

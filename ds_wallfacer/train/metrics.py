@@ -1,0 +1,90 @@
+"""What a run reports: throughput, model FLOP/s and MFU, peak memory, bytes sent, and the wandb run.
+
+Model FLOPs per optimizer step (the usual training estimate, forward + backward = 3 x forward):
+
+    6 * params * tokens  +  6 * layers * q_heads * head_dim * seq_len^2 * sequences
+
+The first term counts every matrix multiply with a weight (2 FLOPs per multiply-add, per parameter and token,
+x 3); the second the two attention matmuls (QK^T and PV: 2 * 2 * S^2 * hq * d per sequence and layer), halved
+by the causal mask, x 3. Recomputation (activation checkpointing, MsT) is not counted: this is model FLOP/s,
+not hardware FLOP/s. MFU = model FLOP/s / (world size x the accelerator's dense peak for the training dtype),
+logged only when the peak is known (``PEAK_TFLOPS``).
+
+wandb: rank 0 only, offline unless WANDB_MODE says otherwise, files under ``--output_dir``. A ds_config
+``"wandb"`` section is taken off what DeepSpeed sees (its monitor would call ``wandb.init`` itself, write outside
+the output dir, and log with its own step counter, so wandb drops ours as "step less than current step"); its
+``project``, ``group`` and ``team`` (entity) are used for our run instead.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PEAK_TFLOPS", "comm_bytes", "init_wandb", "model_flops_per_step", "peak_memory_bytes", "peak_tflops",
+           "split_wandb_section"]
+
+PEAK_TFLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H100": {torch.bfloat16: 989.0, torch.float16: 989.0},
+    "H200": {torch.bfloat16: 989.0, torch.float16: 989.0},
+    "A100": {torch.bfloat16: 312.0, torch.float16: 312.0},
+}
+"""Dense peak TFLOP/s per device by name fragment and dtype (vendor figures, no sparsity)."""
+
+
+def peak_tflops(dtype: torch.dtype) -> float | None:
+    """This accelerator's dense peak for ``dtype``, or None when unknown (CPU, another GPU, fp32)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().upper()
+    for key, table in PEAK_TFLOPS.items():
+        if key in name:
+            return table.get(dtype)
+    return None
+
+
+def model_flops_per_step(*, params: int, layers: int, q_heads: int, head_dim: int, seq_len: int,
+                         sequences: int) -> float:
+    """Model FLOPs of one optimizer step over ``sequences`` sequences of ``seq_len`` tokens (formula above)."""
+    tokens = sequences * seq_len
+    return 6.0 * params * tokens + 6.0 * layers * q_heads * head_dim * seq_len * seq_len * sequences
+
+
+def peak_memory_bytes() -> int:
+    """CUDA max allocated on this rank's device, else this process's peak resident set size."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def comm_bytes(sent: Any) -> dict[str, int]:
+    """``CommLayer.sent`` ({(phase, kind): bytes}) -> {"comm/<phase>/<kind>": bytes} plus ``comm/total``."""
+    out = {f"comm/{phase}/{kind}": int(n) for (phase, kind), n in sorted(sent.items())}
+    out["comm/total"] = int(sum(sent.values()))
+    return out
+
+
+def split_wandb_section(ds_config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ds_config without ``"wandb"``, the section or {})."""
+    cfg = dict(ds_config)
+    section = cfg.pop("wandb", None) or {}
+    return cfg, dict(section)
+
+
+def init_wandb(*, output_dir: Path, section: dict[str, Any], project: str | None, name: str | None,
+               config: dict[str, Any]) -> Any:
+    """Start the run (rank 0). WANDB_MODE is respected; offline when unset."""
+    os.environ.setdefault("WANDB_MODE", "offline")
+    import wandb
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=project or section.get("project") or "ds_wallfacer", group=section.get("group"),
+        entity=section.get("team"), name=name, dir=str(output_dir), config=config,
+    )
+    return run
