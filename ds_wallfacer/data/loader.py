@@ -129,6 +129,8 @@ def prepare_batch(
     ``batch``: ``input_ids`` [B, N]; optional ``labels`` (HF convention: unshifted, ``ignore_index`` = no
     target; default = input_ids) or ``shift_labels`` (already shifted), optional ``attention_mask`` (1 = token,
     0 = right padding). N is padded on the right to a multiple of 2P (``pad=False``: a clear error instead).
+    With padding of either kind, also ``token_mask`` [B, N / P] (1 = real token) and ``sequence_length`` (N
+    before the loader's padding), which the loss module uses for MoE router statistics and length-reading RoPE.
     """
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
@@ -156,21 +158,29 @@ def prepare_batch(
             labels = labels.masked_fill(mask == 0, ignore_index)
         # [B, N] -> [B, N]: position i predicts token i + 1; the last position has no target
         shift = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-    n = ids.shape[1]
+    n = n_in = ids.shape[1]
+    # tokens the model attends to (HF counts only these in e.g. an MoE router's aux loss); 0 = padding
+    keep = _as_2d(batch["attention_mask"], "attention_mask").long() if "attention_mask" in batch else None
     rem = (-n) % (2 * spec.sp_size)
     if rem or n == 0:
         if not pad or n == 0:
             _check_len(n, spec.sp_size)
         ids = F.pad(ids, (0, rem), value=pad_token_id)
         shift = F.pad(shift, (0, rem), value=ignore_index)
+        keep = F.pad(keep if keep is not None else torch.ones_like(ids[:, :n]), (0, rem), value=0)
         n += rem
     pos = torch.arange(n).expand(ids.shape[0], n)
     kw = dict(dim=1, index=spec.index, sp_size=spec.sp_size, ulysses_degree=spec.ulysses_degree, scheme=spec.scheme)
-    return {
+    out = {
         "input_ids": shard_sequence(ids, **kw).contiguous(),
         "position_ids": shard_sequence(pos, **kw).contiguous(),
         "shift_labels": shard_sequence(shift, **kw).contiguous(),
     }
+    if keep is not None and not bool(keep.all()):
+        # only with padding: which local tokens are real, and the length the model would see without our padding
+        out["token_mask"] = shard_sequence(keep, **kw).contiguous()
+        out["sequence_length"] = torch.tensor(n_in)
+    return out
 
 
 def collate_right_padded(

@@ -29,7 +29,9 @@ from ..comm import CommLayer
 from ..config import ParallelLayout, PlanInputs, RunConfig, parse_ds_config, resolve_auto
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from . import hf
+from .audit import audit_model
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
+from .rope import RopeLength, wrap_rotary
 from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch
 
 __all__ = ["SequenceParallel", "cluster_preset", "initialize", "model_heads"]
@@ -203,12 +205,17 @@ def initialize(
         raise ValueError(f"wallfacer.kernel = {layout.kernel!r} is invalid: allowed are {['auto', *KERNELS]}")
     if rank == 0:
         log.warning("%s", layout.describe())
+    # pure checks of the model and its config (audit.py): the same error on every rank, before any group exists
+    found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence,
+                        seq_len=seq_len if seq_len is not None else run.wallfacer.seq_len)
 
     device = _rank_device()
     groups = build_sequence_parallel(layout, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
     hf.attach(model, attention, sp_size=layout.sp_size)
+    rope = RopeLength()
+    wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
 
     mst_handle = None
     ms = run.wallfacer.mini_sequence
@@ -219,7 +226,8 @@ def initialize(
     if local_loss is None:
         local_loss = mini_sequence_loss if (ms is not None and ms.lm_head) else logits_loss
     module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
-                                      ignore_index=ignore_index)
+                                      ignore_index=ignore_index, router_aux=found.router_aux, rope=rope,
+                                      sp_size=layout.sp_size)
     if optimizer is None and model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
