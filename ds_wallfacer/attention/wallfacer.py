@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import CommLayer, RankLayout, WallFacerGroups
-from ..data.sharding import SCHEMES, BlockCall, block_calls, call_work, team_chunk_order
+from ..data.chunks import SHARDINGS
+from .schedule import BlockCall, block_calls, call_work, team_chunk_order
 from .kernels import BlockKernel, get_kernel
 
 __all__ = ["WallFacerAttention", "attention_work", "plan_steps", "wallfacer_attention"]
@@ -53,8 +54,8 @@ class WallFacerAttention:
     _checked: set = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
-        if self.sharding not in SCHEMES:
-            raise ValueError(f"unknown sharding {self.sharding!r}; expected one of {SCHEMES}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"unknown sharding {self.sharding!r}; expected one of {SHARDINGS}")
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None

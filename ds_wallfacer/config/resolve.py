@@ -5,7 +5,7 @@ Rank arithmetic (pure; no torch): world = D data-parallel replicas x P sequence-
 ranks form a Ulysses group (inner, one node), R = P / U ring ranks with the same ``u`` form a WallFacer
 group of ring count C (outer). mode "wallfacer" is U = 1, mode "ulysses" is U = P (R = 1). Which ring
 rank r holds WallFacer index i (team * C + local) is the placement's: r = i for "team-inner" (teams of
-consecutive ranks), ``planner.placement.ring_offset`` for "ring-inner" (sub-rings of consecutive ranks).
+consecutive ranks), ``comm.world.ring_offset`` for "ring-inner" (sub-rings of consecutive ranks).
 
 ``resolve_auto`` is the one place where "auto" values are chosen: by the topology planner (issue 5) when it has
 a model and a sequence length, else (or when the planner finds nothing) by the safe rule of issue 4.
@@ -14,19 +14,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Mapping
 
-from .schema import MODES, PLACEMENTS, SHARDINGS, WallFacerConfig
+from ..comm.layout import valid_ring_counts
+from ..comm.world import WorldLayout, divisors
+from ..data.chunks import check_divisible
+from .schema import MODES, SHARDINGS, WallFacerConfig
 
 __all__ = ["ParallelLayout", "PlanInputs", "resolve_auto", "valid_ulysses_degrees"]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _ring_counts(r: int) -> list[int]:
-    return [c for c in range(1, r + 1) if r % (c * c) == 0]
 
 
 def _ulysses_ok(u: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -36,7 +32,7 @@ def _ulysses_ok(u: int, num_heads: int, num_kv_heads: int) -> bool:
 
 def valid_ulysses_degrees(sp_size: int, num_heads: int, num_kv_heads: int) -> list[int]:
     """Degrees U that divide P and the query heads, and divide or are a multiple of the kv heads."""
-    return [u for u in _divisors(sp_size) if _ulysses_ok(u, num_heads, num_kv_heads)]
+    return [u for u in divisors(sp_size) if _ulysses_ok(u, num_heads, num_kv_heads)]
 
 
 @dataclass(frozen=True)
@@ -71,26 +67,15 @@ class ParallelLayout:
     """The planner's choice (``PlanChoice.as_dict()`` plus cluster, model, seq_len) when it chose; for wandb."""
 
     def __post_init__(self) -> None:
-        w, p, u, c = self.world_size, self.sp_size, self.ulysses_degree, self.ring_count
+        p, u = self.sp_size, self.ulysses_degree
         hq, hk = self.num_heads, self.num_kv_heads
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is invalid: allowed are {MODES}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding {self.sharding!r} is invalid: allowed are {SHARDINGS}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"wallfacer.placement = {self.placement!r} is invalid: allowed are {PLACEMENTS}")
-        if w < 1 or p < 1 or w % p:
-            raise ValueError(
-                f"wallfacer.sequence_parallel_size = {p} does not divide the world size {w}: valid sizes for "
-                f"{w} ranks are {_divisors(w)}"
-            )
         if hq < 1 or hk < 1 or hq % hk:
             raise ValueError(f"the model's {hq} query heads are not a multiple of its {hk} kv heads")
-        if p % u:
-            raise ValueError(
-                f"wallfacer.ulysses_degree = {u} does not divide sequence_parallel_size {p}: valid degrees are "
-                f"{valid_ulysses_degrees(p, hq, hk)}"
-            )
+        _ = self.world  # the structural rules (world / P / U / C / placement) are ``WorldLayout``'s
         if self.mode == "wallfacer" and u != 1:
             raise ValueError(f'mode "wallfacer" needs ulysses_degree 1, got {u}')
         if self.mode == "ulysses" and u != p:
@@ -104,70 +89,48 @@ class ParallelLayout:
                 f"the query heads and divide or be a multiple of the kv heads. Valid degrees for "
                 f"sequence_parallel_size {p}: {valid_ulysses_degrees(p, hq, hk)}"
             )
-        r = p // u
-        if c < 1 or r % (c * c):
-            raise ValueError(
-                f"wallfacer.ring_count = {c} is invalid for a ring dimension of {r} ranks (sequence_parallel_size {p}"
-                f" / ulysses_degree {u}): C*C must divide {r}. Valid ring counts: {_ring_counts(r)}"
-            )
 
-    # -- sizes -------------------------------------------------------------------------------------------
+    @cached_property
+    def world(self) -> WorldLayout:
+        """The rank arithmetic of this layout (``comm.world``): every rank question goes there."""
+        return WorldLayout(world_size=self.world_size, sp_size=self.sp_size, ulysses_degree=self.ulysses_degree,
+                           ring_count=self.ring_count, placement=self.placement)
+
+    # -- sizes and ranks: ``WorldLayout``'s ------------------------------------------------------------------
     @property
     def dp_size(self) -> int:
         """D: data-parallel replicas (sequence-parallel groups)."""
-        return self.world_size // self.sp_size
+        return self.world.dp_size
 
     @property
     def ring_size(self) -> int:
         """R = P / U: ranks of one WallFacer group."""
-        return self.sp_size // self.ulysses_degree
+        return self.world.ring_size
 
-    # -- rank arithmetic ------------------------------------------------------------------------------------
     def sp_index(self, rank: int) -> int:
-        return rank % self.sp_size
+        return self.world.sp_index(rank)
 
     def dp_index(self, rank: int) -> int:
-        return rank // self.sp_size
+        return self.world.dp_index(rank)
 
     def sp_ranks(self, dp: int) -> tuple[int, ...]:
-        """Global ranks of sequence-parallel group ``dp``, in index order."""
-        return tuple(range(dp * self.sp_size, (dp + 1) * self.sp_size))
+        return self.world.sp_ranks(dp)
 
     def ulysses_ranks(self, dp: int, ring: int) -> tuple[int, ...]:
-        """Global ranks of the Ulysses group at ring position ``ring`` of replica ``dp`` (consecutive)."""
-        base = dp * self.sp_size + ring * self.ulysses_degree
-        return tuple(range(base, base + self.ulysses_degree))
+        return self.world.ulysses_ranks(dp, ring)
 
     def ring_order(self) -> tuple[int, ...]:
-        """Ring rank r (position among the ring ranks, before the Ulysses stride) of each WallFacer index."""
-        r, c = self.ring_size, self.ring_count
-        if self.placement == "team-inner" or c == 1 or r == c * c:
-            return tuple(range(r))  # every placement is the identity here
-        # lazily: importing the planner imports torch, and this module is pure; one formula for both packages
-        from ..planner.placement import ring_offset
-
-        return tuple(ring_offset(i, ring_size=r, ring_count=c, placement=self.placement) for i in range(r))
+        return self.world.ring_order
 
     def ring_ranks(self, dp: int, u: int) -> tuple[int, ...]:
-        """Global ranks of the WallFacer group with Ulysses index ``u`` of replica ``dp``, in WallFacer index
-        order (``RankLayout.ranks``)."""
-        base = dp * self.sp_size
-        return tuple(base + r * self.ulysses_degree + u for r in self.ring_order())
+        return self.world.ring_ranks(dp, u)
 
     def shard_index(self, rank: int) -> int:
-        """The data shard of ``rank``: i * U + u with i its WallFacer index, the ring chunk its attention expects
-        (``ShardSpec.index``). Equals ``sp_index`` unless the placement permutes the ring ranks."""
-        r, u = divmod(self.sp_index(rank), self.ulysses_degree)
-        return self.ring_order().index(r) * self.ulysses_degree + u
+        return self.world.shard_index(rank)
 
     def check_seq_len(self, seq_len: int) -> None:
         """Every rank holds 2 of 2P equal pieces of a sequence: N must be divisible by 2P."""
-        if seq_len % (2 * self.sp_size):
-            lo = seq_len - seq_len % (2 * self.sp_size)
-            raise ValueError(
-                f"sequence length {seq_len} is not divisible by 2 x sequence_parallel_size = {2 * self.sp_size}: "
-                f"pad to {lo + 2 * self.sp_size}" + (f" or truncate to {lo}" if lo else "")
-            )
+        check_divisible(seq_len, self.sp_size)
 
     def describe(self) -> str:
         s = (
@@ -379,7 +342,7 @@ def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_
         c = int(cfg.ring_count)
     else:
         r = p // u if u and p % u == 0 else 1
-        c = max(x for x in _ring_counts(r) if node % x == 0 or x == 1)
+        c = max(x for x in valid_ring_counts(r) if node % x == 0 or x == 1)
         if r > 1:
             notes.append(f"ring_count = {c} (largest C with C*C | {r} ring ranks whose team stays in a node)")
 

@@ -28,12 +28,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Union
 
+from ..comm.world import PLACEMENTS
+from ..data.chunks import SHARDINGS
+
 __all__ = ["MODES", "PLACEMENTS", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]
 
 MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
-SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
-PLACEMENTS: tuple[str, ...] = ("team-inner", "ring-inner")
-"""Rank placements (``planner.candidate.PLACEMENTS``, repeated here because importing the planner imports torch)."""
+"""The values of ``wallfacer.mode`` once resolved (the config also accepts "auto")."""
 AutoInt = Union[int, Literal["auto"]]
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .sharding import chunk_ids
+from .chunks import check_divisible, chunk_ids
 
 __all__ = [
     "SequenceParallelLoader",
@@ -44,12 +44,7 @@ def sequence_chunk_ids(index: int, *, sp_size: int, ulysses_degree: int = 1, sch
 
 
 def _check_len(n: int, sp_size: int) -> None:
-    if n % (2 * sp_size) or n == 0:
-        lo = n - n % (2 * sp_size)
-        raise ValueError(
-            f"sequence length {n} is not divisible by 2 x sequence_parallel_size = {2 * sp_size} (every rank holds "
-            f"2 of {2 * sp_size} equal pieces): pad to {lo + 2 * sp_size}" + (f" or truncate to {lo}" if lo else "")
-        )
+    check_divisible(n, sp_size)
 
 
 def shard_sequence(

@@ -10,23 +10,22 @@ Position-wise blocks run over mini-sequences of the (local) sequence so no full-
 - ``mini_sequence_lm_loss(model, *, labels=None | shift_labels=None, ..., **backbone_kwargs) -> token-mean loss``.
 - ``MiniSequenceConfig`` (``"wallfacer": {"mini_sequence": {...}}``) and ``resolve_sizes`` for "auto".
 """
-from .apply import MiniSequenceHandle, apply_mini_sequence, find_decoder_layers
-from .config import CHECKPOINTING_CHOICES, MiniSequenceConfig, ResolvedSizes, resolve_sizes
-from .lm_head import chunked_linear_cross_entropy, mini_sequence_causal_lm_loss, mini_sequence_lm_loss
-from .mlp import MiniSequenceMLPFunction, check_position_wise, mini_sequence_mlp
+from .._lazy import lazy_exports
 
-__all__ = [
-    "CHECKPOINTING_CHOICES",
-    "MiniSequenceConfig",
-    "MiniSequenceHandle",
-    "MiniSequenceMLPFunction",
-    "ResolvedSizes",
-    "apply_mini_sequence",
-    "check_position_wise",
-    "chunked_linear_cross_entropy",
-    "find_decoder_layers",
-    "mini_sequence_causal_lm_loss",
-    "mini_sequence_lm_loss",
-    "mini_sequence_mlp",
-    "resolve_sizes",
-]
+_EXPORTS = {
+    "MiniSequenceHandle": ".apply",
+    "apply_mini_sequence": ".apply",
+    "find_decoder_layers": ".apply",
+    "CHECKPOINTING_CHOICES": ".config",
+    "MiniSequenceConfig": ".config",
+    "ResolvedSizes": ".config",
+    "resolve_sizes": ".config",
+    "chunked_linear_cross_entropy": ".lm_head",
+    "mini_sequence_causal_lm_loss": ".lm_head",
+    "mini_sequence_lm_loss": ".lm_head",
+    "MiniSequenceMLPFunction": ".mlp",
+    "check_position_wise": ".mlp",
+    "mini_sequence_mlp": ".mlp",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,17 +10,38 @@ peak memory per rank, and pick the fastest one that fits:
 - ``plan`` (all rows, ranked) and ``resolve`` (the choice for "auto" config values at start-up)
 - ``layouts`` / ``ulysses_groups``: the chosen placement as ``RankLayout``s and all-to-all groups
 """
-from .candidate import MODES, PLACEMENTS, Candidate, Workload
-from .cluster import CLUSTERS, ClusterSpec, from_env, get_cluster
-from .cost import CostBreakdown, estimate, layer_bytes, paper_figures
-from .memory import MemoryBreakdown, memory_breakdown
-from .model import MODELS, ModelSpec, get_model
-from .placement import analyse_links, layouts, sp_groups, ulysses_groups
-from .search import FIXED_KEYS, Plan, PlanChoice, PlanError, Row, enumerate_candidates, plan, resolve
+from .._lazy import lazy_exports
 
-__all__ = [
-    "CLUSTERS", "Candidate", "ClusterSpec", "CostBreakdown", "FIXED_KEYS", "MODELS", "MODES", "MemoryBreakdown",
-    "ModelSpec", "PLACEMENTS", "Plan", "PlanChoice", "PlanError", "Row", "Workload", "analyse_links",
-    "enumerate_candidates", "estimate", "from_env", "get_cluster", "get_model", "layer_bytes", "layouts",
-    "memory_breakdown", "paper_figures", "plan", "resolve", "sp_groups", "ulysses_groups",
-]
+_EXPORTS = {
+    "MODES": ".candidate",
+    "PLACEMENTS": ".candidate",
+    "Candidate": ".candidate",
+    "Workload": ".candidate",
+    "CLUSTERS": ".cluster",
+    "ClusterSpec": ".cluster",
+    "from_env": ".cluster",
+    "get_cluster": ".cluster",
+    "CostBreakdown": ".cost",
+    "estimate": ".cost",
+    "layer_bytes": ".cost",
+    "paper_figures": ".cost",
+    "MemoryBreakdown": ".memory",
+    "memory_breakdown": ".memory",
+    "MODELS": ".model",
+    "ModelSpec": ".model",
+    "get_model": ".model",
+    "analyse_links": ".placement",
+    "layouts": ".placement",
+    "sp_groups": ".placement",
+    "ulysses_groups": ".placement",
+    "FIXED_KEYS": ".search",
+    "Plan": ".search",
+    "PlanChoice": ".search",
+    "PlanError": ".search",
+    "Row": ".search",
+    "enumerate_candidates": ".search",
+    "plan": ".search",
+    "resolve": ".search",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

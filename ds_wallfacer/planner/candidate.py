@@ -3,19 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..comm.world import PLACEMENTS
+
 __all__ = ["Candidate", "MODES", "PLACEMENTS", "Workload", "mode_of"]
 
 MODES = ("none", "ring", "wallfacer", "ulysses", "hybrid")
-PLACEMENTS = ("team-inner", "ring-inner")
-"""How a sequence-parallel group's ranks map to consecutive global ranks, fastest-varying first:
-
-- ``team-inner``: Ulysses group, then team member, then sub-ring position: teams of consecutive ranks (team
-  collectives inside a node when U*C divides the ranks per node); the default of ``RankLayout(range(P), C)``.
-- ``ring-inner``: Ulysses group, then sub-ring position, then team member: each sub-ring of G ranks on
-  consecutive ranks (ring hops inside a node when U*G divides the ranks per node; teams then span nodes).
-"""
-
-
 def mode_of(sp_size: int, ring_count: int, ulysses_degree: int) -> str:
     """none (P = 1), ring (U = 1, C = 1), wallfacer (U = 1, C > 1), ulysses (U = P), hybrid (1 < U < P)."""
     if sp_size == 1:

@@ -1,9 +1,9 @@
 """Rank placement: which global ranks form each sequence-parallel group, ring and Ulysses group, and which
 links every traffic kind crosses (issue 5, "Rank placement").
 
-A world of W ranks is cut into W / P sequence-parallel groups of consecutive ranks (data parallel outside). In a
-group the Ulysses index u is innermost (an all-to-all group is U consecutive ranks), then the WallFacer ring
-index in the order of the placement (``candidate.PLACEMENTS``). The WallFacer semantics (teams, sub-rings, skew
+Which rank plays which part is ``comm.world.WorldLayout``'s (the same arithmetic the run uses): W / P
+sequence-parallel groups of consecutive ranks, the Ulysses index innermost, then the WallFacer index in the order of
+the placement (``comm.world.PLACEMENTS``). The WallFacer semantics (teams, sub-rings, skew
 and home partners) are ``comm.layout.RankLayout``'s: ``layouts`` builds them, and ``peer_indices`` is its
 arithmetic unrolled for speed (a 1024-rank ``RankLayout`` takes ~20 ms; the planner looks at hundreds), checked
 equal to ``RankLayout`` in the tests.
@@ -17,51 +17,33 @@ import numpy as np
 from dataclasses import dataclass
 
 from ..comm.layout import RankLayout
+from ..comm.world import WorldLayout, ring_offset
 from .candidate import Candidate
 from .cluster import ClusterSpec
 
 __all__ = ["LinkStats", "Links", "analyse_links", "layouts", "peer_indices", "ring_offset", "sp_groups",
-           "ulysses_groups"]
+           "ulysses_groups", "world_of"]
 
 
-def ring_offset(index: int, *, ring_size: int, ring_count: int, placement: str) -> int:
-    """Position among the ring ranks (before the Ulysses stride) of WallFacer index ``index``."""
-    if placement == "team-inner":
-        return index
-    c = ring_count
-    g = ring_size // (c * c)
-    team, local = divmod(index, c)
-    group, pos = divmod(team, g)
-    return pos + g * (local + c * group)
-
-
-def ring_ranks(cand: Candidate, *, base: int = 0, u: int = 0) -> tuple[int, ...]:
-    """Global ranks of the u-th WallFacer ring of the SP group starting at ``base``, in index order."""
-    r, c, uu = cand.ring_size, cand.ring_count, cand.ulysses_degree
-    return tuple(base + u + uu * ring_offset(i, ring_size=r, ring_count=c, placement=cand.placement) for i in range(r))
+def world_of(cand: Candidate, world_size: int) -> WorldLayout:
+    """The world layout of ``cand`` over ``world_size`` ranks: the rank arithmetic the run itself uses."""
+    return WorldLayout(world_size=world_size, sp_size=cand.sp_size, ulysses_degree=cand.ulysses_degree,
+                       ring_count=cand.ring_count, placement=cand.placement)
 
 
 def sp_groups(cand: Candidate, world_size: int) -> list[tuple[int, ...]]:
     """Every SP group's global ranks (consecutive blocks of P; data-parallel replicas are the blocks)."""
-    p = cand.sp_size
-    if world_size % p:
-        raise ValueError(f"sp_size={p} does not divide world size {world_size}")
-    return [tuple(range(b, b + p)) for b in range(0, world_size, p)]
+    return world_of(cand, world_size).all_sp_ranks()
 
 
 def layouts(cand: Candidate, world_size: int, ranks_per_node: int | None = None) -> list[RankLayout]:
     """The WallFacer ``RankLayout`` of every ring (W / R of them; U per SP group), for ``build_groups``."""
-    return [
-        RankLayout(ring_ranks(cand, base=g[0], u=u), cand.ring_count, ranks_per_node)
-        for g in sp_groups(cand, world_size)
-        for u in range(cand.ulysses_degree)
-    ]
+    return world_of(cand, world_size).rank_layouts(ranks_per_node)
 
 
 def ulysses_groups(cand: Candidate, world_size: int) -> list[tuple[int, ...]]:
-    """Every Ulysses all-to-all group: U consecutive ranks (one per ring index of each SP group)."""
-    u = cand.ulysses_degree
-    return [tuple(range(b, b + u)) for b in range(0, world_size, u)]
+    """Every Ulysses all-to-all group: U consecutive ranks (one per ring rank of each SP group)."""
+    return world_of(cand, world_size).all_ulysses_ranks()
 
 
 def _peer_arrays(ring_size: int, ring_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
+
 import pytest
 
 from ds_wallfacer.config import PLACEMENTS, ParallelLayout, PlanInputs, WallFacerConfig, parse_ds_config, resolve_auto
@@ -132,7 +134,7 @@ def test_ring_inner_ranks_and_shards_agree_with_the_planner(u: int) -> None:
             i, k = divmod(lay.shard_index(rank), u)
             assert i == wf.place_of_rank(rank).index and k == rank % u
             assert lay.ulysses_ranks(lay.dp_index(rank), lay.sp_index(rank) // u)[k] == rank
-    team = ParallelLayout(**{**vars(lay), "placement": "team-inner"})
+    team = dataclasses.replace(lay, placement="team-inner")
     assert all(team.shard_index(r) == team.sp_index(r) for r in range(32))
 
 

@@ -4,9 +4,8 @@ import torch
 
 from ds_wallfacer.attention.wallfacer import attention_work
 from ds_wallfacer.comm import RankLayout
-from ds_wallfacer.data.sharding import (
-    BlockCall, block_calls, check_divisible, chunk_ids, position_ids, shard, team_chunk_order, unshard,
-)
+from ds_wallfacer.attention.schedule import BlockCall, block_calls, team_chunk_order
+from ds_wallfacer.data.sharding import check_divisible, chunk_ids, position_ids, shard, unshard
 
 
 @pytest.mark.parametrize("scheme", ["zigzag", "contiguous"])
@@ -27,7 +26,7 @@ def test_zigzag_chunks():
 
 
 def test_length_not_divisible_by_2p_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"not divisible by 2\*P = 8 .* pad the batch to 104 tokens or truncate it to 96"):
+    with pytest.raises(ValueError, match=r"not divisible by 2 x sequence_parallel_size = 8: pad to 104 or truncate to 96"):
         check_divisible(100, 4)
     with pytest.raises(ValueError, match="not divisible"):
         shard(torch.zeros(1, 10), dim=1, index=0, sp_size=4)

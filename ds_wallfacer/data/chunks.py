@@ -1,0 +1,44 @@
+"""Which chunks of a sequence each sequence-parallel rank holds, as pure integer math (no torch).
+
+The sequence is cut into 2P equal chunks; rank ``i`` of P holds two of them (Note [Zigzag sharding],
+docs/design.md §2.2):
+
+- ``zigzag``     chunks (i, 2P-1-i): with a causal mask every rank does the same attention work
+- ``contiguous`` chunks (2i, 2i+1): the last rank does about twice the average causal work
+
+``check_divisible`` is the one home of the rule "the sequence length must be divisible by 2P".
+"""
+from __future__ import annotations
+
+__all__ = ["SCHEMES", "SHARDINGS", "check_divisible", "chunk_ids"]
+
+SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
+"""The values of ``wallfacer.sharding``: which two chunks each rank holds."""
+SCHEMES = SHARDINGS  # the earlier name, kept for imports
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SHARDINGS:
+        raise ValueError(f"unknown sharding {scheme!r}; expected one of {SHARDINGS}")
+
+
+def check_divisible(seq_len: int, sp_size: int) -> None:
+    """Every rank holds 2 of 2P equal chunks: the full sequence length must be a positive multiple of 2P."""
+    unit = 2 * sp_size
+    if seq_len % unit or seq_len <= 0:
+        lo = seq_len - seq_len % unit if seq_len > 0 else 0
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2 x sequence_parallel_size = {unit}: pad to {lo + unit}"
+            + (f" or truncate to {lo}" if lo else "")
+            + f" (each of the {sp_size} sequence-parallel ranks holds 2 of {unit} equal chunks)"
+        )
+
+
+def chunk_ids(index: int, sp_size: int, scheme: str = "zigzag") -> tuple[int, int]:
+    """The two global chunk indices (of 2P) held by sequence-parallel rank ``index``, in local order."""
+    _check_scheme(scheme)
+    if not 0 <= index < sp_size:
+        raise ValueError(f"rank index {index} outside 0..{sp_size - 1}")
+    if scheme == "zigzag":
+        return (index, 2 * sp_size - 1 - index)
+    return (2 * index, 2 * index + 1)
