@@ -53,7 +53,11 @@ def _attention_problems(model: nn.Module, text: Any, seq_len: int | None) -> lis
                        f"set {key}=None (the model then computes plain attention)")
     from .hf import attention_modules
 
-    windows = {getattr(m, "sliding_window", None) for _, m in attention_modules(model)} - {None}
+    # Qwen2 / Gemma layers carry their own window (None on full-attention layers); Mistral / Mixtral read the config
+    windows = {
+        m.sliding_window if hasattr(m, "sliding_window") else getattr(m.config, "sliding_window", None)
+        for _, m in attention_modules(model)
+    } - {None}
     if windows and seq_len is not None and min(windows) < seq_len:
         out.append(
             f"sliding-window attention (window {min(windows)} < sequence length {seq_len}) is not supported by "

@@ -54,7 +54,8 @@ def rope_problems(model: nn.Module) -> tuple[list[str], list[str]]:
     """(names of rotary modules to wrap, reasons to refuse) for ``model``; pure, identical on every rank."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    known = {"default", *ROPE_INIT_FUNCTIONS}
+    # + HunYuan's "ntk_alpha": named apart from "dynamic" by the model precisely because it does not read the length
+    known = {"default", "ntk_alpha", *ROPE_INIT_FUNCTIONS}
     code = _hf_wrapper_code()
     wrap, problems = [], []
     for name, mod in rotary_modules(model):

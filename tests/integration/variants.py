@@ -103,7 +103,8 @@ def tiny_head(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     elif family == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
-        cfg = dict(attn_logit_softcapping=None, sliding_window=None, final_logit_softcapping=3.0, head_dim=HEAD_DIM)
+        # a window longer than any test sequence: full attention, as the audit requires
+        cfg = dict(attn_logit_softcapping=None, sliding_window=4096, final_logit_softcapping=3.0, head_dim=HEAD_DIM)
         cfg.update(overrides)
         model = Gemma2ForCausalLM(Gemma2Config(**{**_COMMON, "attn_implementation": "eager"}, **cfg))
     else:
