@@ -124,8 +124,8 @@ def prepare_batch(
     ``batch``: ``input_ids`` [B, N]; optional ``labels`` (HF convention: unshifted, ``ignore_index`` = no
     target; default = input_ids) or ``shift_labels`` (already shifted), optional ``attention_mask`` (1 = token,
     0 = right padding). N is padded on the right to a multiple of 2P (``pad=False``: a clear error instead).
-    With padding of either kind, also ``token_mask`` [B, N / P] (1 = real token) and ``sequence_length`` (N
-    before the loader's padding), which the loss module uses for MoE router statistics and length-reading RoPE.
+    With padding of either kind, also ``token_mask`` [B, N / P] (1 = real token) and ``sequence_length`` [B, N / P]
+    (N before the loader's padding), which the loss module uses for MoE router statistics and length-reading RoPE.
     """
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
@@ -174,7 +174,7 @@ def prepare_batch(
     if keep is not None and not bool(keep.all()):
         # only with padding: which local tokens are real, and the length the model would see without our padding
         out["token_mask"] = shard_sequence(keep, **kw).contiguous()
-        out["sequence_length"] = torch.tensor(n_in)
+        out["sequence_length"] = torch.full_like(out["position_ids"], n_in)  # per token, sharded like the rest
     return out
 
 

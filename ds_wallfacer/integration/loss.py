@@ -130,9 +130,9 @@ class SequenceParallelCausalLM(nn.Module):
         position_ids: torch.Tensor,
         shift_labels: torch.Tensor,
         token_mask: torch.Tensor | None = None,
-        sequence_length: torch.Tensor | int | None = None,
+        sequence_length: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        length = int(sequence_length) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
+        length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None
         try:
