@@ -124,12 +124,17 @@ class LocalAttention:
 
     kernel: str = "auto"
     """Kernel backend name (``ds_wallfacer.attention.KERNELS``) or "auto"."""
+    _kernels: dict = field(default_factory=dict, repr=False)
+    """Chosen kernel per (device type, dtype): chosen once, not per call."""
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
     ) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        return _LocalFn.apply(q, k, v, get_kernel(self.kernel, q), causal, scale)
+        key = (q.device.type, q.dtype)
+        if key not in self._kernels:
+            self._kernels[key] = get_kernel(self.kernel, q)
+        return _LocalFn.apply(q, k, v, self._kernels[key], causal, scale)
 
 
 @dataclass(eq=False)

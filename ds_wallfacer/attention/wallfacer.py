@@ -29,7 +29,7 @@ from ..data.chunks import SHARDINGS
 from .schedule import BlockCall, block_calls, call_work, team_chunk_order
 from .kernels import BlockKernel, get_kernel
 
-__all__ = ["WallFacerAttention", "attention_work", "plan_steps", "wallfacer_attention"]
+__all__ = ["WallFacerAttention", "attention_work", "ring_schedule", "wallfacer_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -52,6 +52,24 @@ class WallFacerAttention:
     work: Counter = field(default_factory=Counter)
     """Attention score entries computed per batch and head, by phase."""
     _checked: set = field(default_factory=set, repr=False)
+    _kernels: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def ring_count(self) -> int:
+        """C: concurrent sub-rings (team size); ``wallfacer.ring_count`` of the config."""
+        return self.groups.layout.ring_count
+
+    @property
+    def ring_steps(self) -> int:
+        """G = R / C^2: ring steps per call (the sub-ring length)."""
+        return self.groups.layout.group_size
+
+    def block_kernel(self, q: torch.Tensor) -> BlockKernel:
+        """The block kernel for q's device and dtype, chosen once per (device, dtype)."""
+        key = (q.device.type, q.dtype)
+        if key not in self._kernels:
+            self._kernels[key] = get_kernel(self.kernel, q)
+        return self._kernels[key]
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
@@ -169,7 +187,7 @@ def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _RingSchedule:
     """Static facts of one call on this rank: chunk orders, peers, block calls per ring step."""
 
     perm: list[int]
@@ -177,9 +195,9 @@ class _Plan:
     chunk_len: int
 
 
-def plan_steps(layout: RankLayout, index: int, *, sharding: str, causal: bool) -> tuple[list[int], list[list[BlockCall]]]:
+def ring_schedule(layout: RankLayout, index: int, *, sharding: str, causal: bool) -> tuple[list[int], list[list[BlockCall]]]:
     """Pure: for sequence-parallel rank ``index``, the team-order permutation of its gathered chunks and
-    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, DESIGN.md 2)."""
+    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, docs/design.md §2.2)."""
     c, g, p = layout.ring_count, layout.group_size, layout.sp_size
     place = layout.places[index]
     q_chunks, perm = team_chunk_order(range(place.team * c, (place.team + 1) * c), p, sharding)
@@ -195,15 +213,15 @@ def plan_steps(layout: RankLayout, index: int, *, sharding: str, causal: bool) -
 def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len: int = 1) -> list[int]:
     """Pure: score entries each rank computes in one forward (per batch and head), by rank index."""
     return [
-        sum(call_work(call, chunk_len) for calls in plan_steps(layout, i, sharding=sharding, causal=causal)[1]
+        sum(call_work(call, chunk_len) for calls in ring_schedule(layout, i, sharding=sharding, causal=causal)[1]
             for call in calls)
         for i in range(layout.sp_size)
     ]
 
 
-def _plan(attn: WallFacerAttention, s_local: int, causal: bool) -> _Plan:
-    perm, steps = plan_steps(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding, causal=causal)
-    return _Plan(perm=perm, steps=steps, chunk_len=s_local // 2)
+def _schedule(attn: WallFacerAttention, s_local: int, causal: bool) -> _RingSchedule:
+    perm, steps = ring_schedule(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding, causal=causal)
+    return _RingSchedule(perm=perm, steps=steps, chunk_len=s_local // 2)
 
 
 def _sl(call: BlockCall, L: int) -> tuple[slice, slice]:
@@ -230,7 +248,7 @@ def _team_kv(bufs: torch.Tensor, perm: list[int]) -> torch.Tensor:
     return torch.stack([_to_team(bufs[:, 0], perm), _to_team(bufs[:, 1], perm)])
 
 
-def _forward(attn, kernel: BlockKernel, plan: _Plan, q, k, v, causal: bool, scale: float):
+def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, causal: bool, scale: float):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c = grp.layout.ring_count
     b, hq, sl, d = q.shape
@@ -238,16 +256,16 @@ def _forward(attn, kernel: BlockKernel, plan: _Plan, q, k, v, causal: bool, scal
 
     # 1-2. skewed gather of k/v (point-to-point, in flight) and team all-gather of q: [B, h, S_l, d] -> [B, h, S_t, d]
     kv_pending, bufs = _gather_kv(attn, k, v)
-    q_t = _to_team(comm.all_gather(q, grp.team_group), plan.perm)
+    q_t = _to_team(comm.all_gather(q, grp.team_group), sched.perm)
     kv_pending.wait()
-    cur = _team_kv(bufs, plan.perm)  # [2, B, hk, S_t, d]
+    cur = _team_kv(bufs, sched.perm)  # [2, B, hk, S_t, d]
     # 3. ring steps, double-buffered
     acc_out = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((b, hq, c * sl), float("-inf"), dtype=torch.float32, device=q.device)
-    L = plan.chunk_len
-    for s, calls in enumerate(plan.steps):
+    L = sched.chunk_len
+    for s, calls in enumerate(sched.steps):
         pending = None
-        if s + 1 < len(plan.steps):
+        if s + 1 < len(sched.steps):
             nxt = torch.empty_like(cur)
             pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
         for call in calls:
@@ -261,12 +279,12 @@ def _forward(attn, kernel: BlockKernel, plan: _Plan, q, k, v, causal: bool, scal
     lse_all = comm.all_gather(acc_lse, grp.team_group)  # [C, B, hq, S_t]
     lse_team = torch.logsumexp(lse_all, dim=0)
     weight = torch.exp(acc_lse - lse_team).unsqueeze(-1)
-    part = _from_team((acc_out * weight).to(acc_dtype), plan.perm, c)
+    part = _from_team((acc_out * weight).to(acc_dtype), sched.perm, c)
     out = comm.reduce_scatter(part, grp.team_group).to(q.dtype)
     return out, lse_team
 
 
-def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_team, causal: bool, scale: float):
+def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, out, lse_team, causal: bool, scale: float):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c = grp.layout.ring_count
     b, hq, sl, d = q.shape
@@ -276,15 +294,15 @@ def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_te
     # 1-2. skewed gather of k/v again, team all-gather of q, out, dO (dO: adjoint of the forward reduce-scatter)
     kv_pending, bufs = _gather_kv(attn, k, v)
     gathered = _unpack(comm.all_gather(_pack(q, out, dout), grp.team_group), [q.shape, out.shape, dout.shape])
-    q_t, o_t, do_t = (_to_team(x, plan.perm) for x in gathered)
+    q_t, o_t, do_t = (_to_team(x, sched.perm) for x in gathered)
     kv_pending.wait()
-    cur = _team_kv(bufs, plan.perm)
+    cur = _team_kv(bufs, sched.perm)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     dq_acc = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
-    L = plan.chunk_len
+    L = sched.chunk_len
     dkv_pending = None
-    last = len(plan.steps) - 1
-    for s, calls in enumerate(plan.steps):
+    last = len(sched.steps) - 1
+    for s, calls in enumerate(sched.steps):
         kv_pending = None
         if s < last:
             nxt = torch.empty_like(cur)
@@ -307,7 +325,7 @@ def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_te
             recv = torch.empty_like(dkv)
             dkv_pending = comm.exchange([(dkv, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
         else:  # skewed reduce-scatter: each member of the block's team gets its slice, one per lane
-            slices = torch.stack([_from_team(dkv[0], plan.perm, c), _from_team(dkv[1], plan.perm, c)], dim=1)
+            slices = torch.stack([_from_team(dkv[0], sched.perm, c), _from_team(dkv[1], sched.perm, c)], dim=1)
             homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
             dkv_pending = comm.exchange(list(zip(slices, place.home_dests)), list(zip(homes, place.home_sources)),
                                         kind="skew", group=grp.sp_group)
@@ -315,24 +333,24 @@ def _backward(attn, kernel: BlockKernel, plan: _Plan, dout, q, k, v, out, lse_te
             cur = kv_pending.wait()[0]
     # 4. sum the lanes' dk/dv of this rank's shard; reduce-scatter dq in the team (adjoint of the all-gather)
     dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0)  # [2, B, hk, S_l, d]
-    dq = comm.reduce_scatter(_from_team(dq_acc.to(acc_dtype), plan.perm, c), grp.team_group)
+    dq = comm.reduce_scatter(_from_team(dq_acc.to(acc_dtype), sched.perm, c), grp.team_group)
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
 
 
 class _WallFacerFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn: WallFacerAttention, causal: bool, scale: float):
-        kernel = get_kernel(attn.kernel, q)
-        plan = _plan(attn, q.shape[2], causal)
+        kernel = attn.block_kernel(q)
+        sched = _schedule(attn, q.shape[2], causal)
         with torch.no_grad(), attn.comm.phase("forward"):
-            out, lse_team = _forward(attn, kernel, plan, q, k, v, causal, scale)
+            out, lse_team = _forward(attn, kernel, sched, q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse_team)
-        ctx.attn, ctx.kernel, ctx.plan, ctx.causal, ctx.scale = attn, kernel, plan, causal, scale
+        ctx.attn, ctx.kernel, ctx.sched, ctx.causal, ctx.scale = attn, kernel, sched, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse_team = ctx.saved_tensors
         with torch.no_grad(), ctx.attn.comm.phase("backward"):
-            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.plan, dout, q, k, v, out, lse_team, ctx.causal, ctx.scale)
+            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None

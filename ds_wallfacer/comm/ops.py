@@ -67,10 +67,15 @@ class Pending:
     keep: list[torch.Tensor]
     """Send buffers, held until the sends complete."""
 
+    done: bool = False
+
     def wait(self) -> list[torch.Tensor]:
+        """Complete the exchange once; a second wait is a bug in the caller's schedule and raises."""
+        if self.done:
+            raise RuntimeError("Pending.wait() called twice on one exchange: each exchange is waited on exactly once")
         for w in self.works:
             w.wait()
-        self.works, self.keep = [], []
+        self.works, self.keep, self.done = [], [], True
         return self.recvs
 
 

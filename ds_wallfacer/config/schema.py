@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Union
 
+from ..attention.kernel_names import KERNEL_NAMES
 from ..comm.world import PLACEMENTS
 from ..data.chunks import SHARDINGS
 
@@ -111,8 +112,7 @@ class WallFacerConfig:
             )
         if self.seq_len is not None and not _is_pos_int(self.seq_len):
             raise ValueError(f"wallfacer.seq_len = {self.seq_len!r} is invalid: allowed is a positive integer or null")
-        if not isinstance(self.kernel, str) or not self.kernel:
-            raise ValueError(f"wallfacer.kernel = {self.kernel!r} is invalid: allowed is a kernel name or \"auto\"")
+        _check_choice("kernel", self.kernel, ("auto", *KERNEL_NAMES))
         if self.mode == "wallfacer" and self.ulysses_degree not in ("auto", 1):
             raise ValueError(
                 f'wallfacer.ulysses_degree = {self.ulysses_degree} needs mode "hybrid" (or "ulysses"); mode '

@@ -1,4 +1,4 @@
-"""Reference computations for checking sequence-parallel attention (tests and benchmarks share them).
+"""The reference attention for the tests: full inputs from a seed, a float64 single-process attention, shard errors.
 
 Every rank builds the same full-sequence inputs from a seed, runs the single-process reference on them,
 and compares its own shard of the result with what the distributed attention returned.

@@ -25,7 +25,7 @@ def _cases(world):
 def _run_cases(rank, world, cases):
     from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
     from ds_wallfacer.attention.kernels import get_kernel
-    from ds_wallfacer.attention.testing import full_inputs, reference_attention, shard_errors
+    from tests.attention.reference import full_inputs, reference_attention, shard_errors
     from ds_wallfacer.comm import RankLayout, build_groups
     from ds_wallfacer.data import shard
 

@@ -53,3 +53,12 @@ def _refusals(rank: int, world: int) -> list[str]:
 def test_comm_layer_refuses_a_tensor_on_another_device() -> None:
     messages = run_distributed(_refusals, 2, timeout_s=120)[0]
     assert "build it with device=" in messages[0] and "gloo group" in messages[0] and "must be on cpu" in messages[0]
+
+
+def test_an_exchange_is_waited_on_once() -> None:
+    from ds_wallfacer.comm import Pending
+
+    pending = Pending(works=[], recvs=[torch.zeros(1)], keep=[])
+    assert len(pending.wait()) == 1
+    with pytest.raises(RuntimeError, match="called twice"):
+        pending.wait()

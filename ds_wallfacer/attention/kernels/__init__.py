@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernel_names import AUTO_ORDER, KERNEL_NAMES
 from .base import BlockKernel
 from .cpu_flash import CpuFlashKernel
 from .cuda_sdpa import CudaSdpaKernel
@@ -17,7 +18,8 @@ KERNELS: dict[str, type] = {
     "cuda_sdpa": CudaSdpaKernel,
     "flash_attn": FlashAttnKernel,
 }
-_AUTO_ORDER = ("flash_attn", "cuda_sdpa", "cpu_flash", "reference")
+if tuple(KERNELS) != KERNEL_NAMES or set(AUTO_ORDER) != set(KERNEL_NAMES):
+    raise ImportError(f"kernel registry {list(KERNELS)} and kernel_names.py {KERNEL_NAMES} disagree")
 
 
 def get_kernel(name: str, sample: torch.Tensor | None = None) -> BlockKernel:
@@ -25,7 +27,7 @@ def get_kernel(name: str, sample: torch.Tensor | None = None) -> BlockKernel:
     if name == "auto":
         if sample is None:
             raise ValueError("kernel 'auto' needs a sample tensor to choose by device and dtype")
-        for n in _AUTO_ORDER:
+        for n in AUTO_ORDER:
             k = KERNELS[n]()
             if k.supports(sample):
                 return k
