@@ -65,6 +65,12 @@ class SequenceParallel:
         """The HF model (parameters as DeepSpeed holds them)."""
         return self.module.lm
 
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """The last forward's MoE router aux loss over the whole sequence (detached, before
+        ``router_aux_loss_coef``; the engine's loss includes ``coef * aux_loss``), for logging; None without one."""
+        return self.module.last_aux_loss
+
     def shard(self, batch: Mapping[str, Any], *, pad: bool = True) -> dict[str, torch.Tensor]:
         """One full batch -> this rank's ``input_ids``, ``position_ids``, ``shift_labels``."""
         return prepare_batch(

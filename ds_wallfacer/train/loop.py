@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .cli import StartupError, parse_args
-from .data import TokenData, eval_batches, load_token_data, train_batches
+from .data import eval_batches, load_token_data, train_batches
 from .export import export_hf
 from .metrics import comm_bytes, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops, split_wandb_section
 from .model import dtype_of, load_model
@@ -109,7 +109,9 @@ def run(args: Any) -> int:
     if "scheduler" not in ds_config:  # else DeepSpeed builds the configured one
         factor = lr_factor(steps=args.steps, warmup_steps=args.warmup_steps, decay=args.lr_decay,
                            min_ratio=args.min_lr_ratio)
-        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
+
+        def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+            return torch.optim.lr_scheduler.LambdaLR(opt, factor)  # DeepSpeed calls this with its optimizer
 
     engine, sp = wfi.initialize(model=model, config=ds_config, optimizer=optimizer, lr_scheduler=scheduler,
                                 seq_len=args.seq_len)
@@ -122,6 +124,8 @@ def run(args: Any) -> int:
         )
     state = {"epoch": 0, "sequences_in_epoch": 0, "tokens_seen": 0}
     step = 0
+    if rank == 0 and args.resume == "auto" and resume_tag is None:
+        print(f"ds_wallfacer.train: no complete checkpoint in {out / 'checkpoints'}: starting fresh", flush=True)
     if resume_tag is not None:
         saved = ckpt.load(engine, resume_tag)
         step = int(saved["step"])
@@ -155,7 +159,9 @@ def run(args: Any) -> int:
         seq_len=args.seq_len, sequences=seq_per_step,
     )
     peak = peak_tflops(dtype)
-    to_dev = lambda b: {k: v.to(engine.device) for k, v in b.items()}  # noqa: E731
+
+    def to_dev(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(engine.device) for k, v in batch.items()}
 
     def epoch_iter(epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
         src = train_batches(data.train, micro=micro, dp=dp, epoch=epoch, seed=args.seed, start=start)
@@ -249,9 +255,10 @@ def run(args: Any) -> int:
                 bar.write(line, file=sys.stdout)
             else:
                 print(line, flush=True)
-        if args.save_every and step % args.save_every == 0 or (step == args.steps and not args.no_save):
-            if last_ckpt is None or last_ckpt.name != f"step_{step}":
-                last_ckpt = ckpt.save(engine, out / "checkpoints", step=step, state=state)
+        due = bool(args.save_every) and step % args.save_every == 0
+        if (due or (step == args.steps and not args.no_save)) and (last_ckpt is None or last_ckpt.name != f"step_{step}"):
+            position = {"micro_batches_in_epoch": state["sequences_in_epoch"] // (micro * dp), "global_batch": seq_per_step}
+            last_ckpt = ckpt.save(engine, out / "checkpoints", step=step, state={**state, **position})
     wall = time.perf_counter() - t_start
     if bar is not None:
         bar.close()
@@ -263,8 +270,8 @@ def run(args: Any) -> int:
         summary = {
             "steps": step, "steps_this_run": len(losses), "first_loss": losses[0] if losses else None,
             "final_loss": losses[-1] if losses else None, "eval_loss": eval_loss,
-            "finite": all(math.isfinite(x) for x in losses), "tokens_per_s": sum(
-                seq_per_step * args.seq_len for _ in losses) / wall if losses else None,
+            "finite": all(math.isfinite(x) for x in losses),
+            "tokens_per_s": seq_per_step * args.seq_len / measured if measured else None, "wall_s": wall,
             "measured_step_s": measured, "predicted_step_s": predicted, "mode": lay.mode,
             "sequence_parallel_size": lay.sp_size, "data_parallel_size": lay.dp_size,
             "ulysses_degree": lay.ulysses_degree, "ring_count": lay.ring_count, "placement": lay.placement,
