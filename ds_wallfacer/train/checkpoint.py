@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from .cli import StartupError
 
-__all__ = ["MARKER", "POINTER", "find_resume", "load", "resolve_resume", "rng_for_rank", "rng_state", "save", "set_rng_state"]
+__all__ = [
+    "MARKER", "POINTER", "find_resume", "load", "resolve_resume", "rng_for_rank", "rng_state", "save", "set_rng_state",
+]
 
 MARKER = "wallfacer_complete.json"
 POINTER = "latest"
@@ -39,7 +41,9 @@ _TAG = re.compile(r"^step_(\d+)$")
 
 def rng_state() -> dict[str, Any]:
     """This process's random number generator states."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
