@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--wandb_run_name", default=None)
     g.add_argument("--no_wandb", action="store_true", help="do not log to wandb")
     g.add_argument("--no_progress", action="store_true", help="no progress bar (per-step lines only)")
+    g.add_argument("--watchdog_timeout", type=float, default=30.0,
+                   help="seconds without a heartbeat after which a rank counts as stalled: every rank then ends "
+                        "with one line naming it (ds_wallfacer.train.watchdog; 0: no watchdog)")
     args = p.parse_args(argv)
     _check(args)
     return args
@@ -83,7 +86,7 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("seq_len", "steps"):
         if getattr(args, name) < 1:
             raise StartupError(f"--{name} = {getattr(args, name)} must be at least 1")
-    for name in ("eval_every", "save_every", "warmup_steps"):
+    for name in ("eval_every", "save_every", "warmup_steps", "watchdog_timeout"):
         if getattr(args, name) < 0:
             raise StartupError(f"--{name} = {getattr(args, name)} must be >= 0")
     if not 0.0 <= args.eval_fraction < 1.0:

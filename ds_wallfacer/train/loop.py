@@ -255,9 +255,10 @@ def run(args: Any) -> int:
                 bar.write(line, file=sys.stdout)
             else:
                 print(line, flush=True)
-        due = bool(args.save_every) and step % args.save_every == 0
-        if (due or (step == args.steps and not args.no_save)) and (last_ckpt is None or last_ckpt.name != f"step_{step}"):
-            position = {"micro_batches_in_epoch": state["sequences_in_epoch"] // (micro * dp), "global_batch": seq_per_step}
+        due = bool(args.save_every) and step % args.save_every == 0 or (step == args.steps and not args.no_save)
+        if due and (last_ckpt is None or last_ckpt.name != f"step_{step}"):
+            position = {"micro_batches_in_epoch": state["sequences_in_epoch"] // (micro * dp),
+                        "global_batch": seq_per_step}
             last_ckpt = ckpt.save(engine, out / "checkpoints", step=step, state={**state, **position})
     wall = time.perf_counter() - t_start
     if bar is not None:

@@ -1,0 +1,73 @@
+"""Faults through the real ``deepspeed`` launcher and the trainer (2 CPU ranks, a tiny Llama): a rank killed
+(SIGKILL) or stopped (SIGSTOP) mid-training ends the whole job non-zero within 60 s of the fault, with one line
+naming the rank; Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) stops every rank with one
+line each and no traceback from the ranks. No process of a job outlives its test."""
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.jobs import DEEPSPEED, Job, rank_pids
+
+pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="the deepspeed launcher is not installed")
+
+FAULT_BOUND_S = 60.0
+WATCHDOG_S = 10
+
+
+def _train(tmp_path: Path) -> Job:
+    """A 2-rank Ulysses run long enough that the fault always lands mid-training."""
+    return Job.trainer(tmp_path, num_gpus=2, config="ulysses.json", args=(
+        "--steps", "2000", "--watchdog_timeout", str(WATCHDOG_S)))
+
+
+def _fault(tmp_path: Path, rank: int, sig: signal.Signals) -> tuple[Job, dict[int, int], float]:
+    """Start training, wait for step 2, send ``sig`` to ``rank``; returns the job, the rank pids and the seconds
+    from the signal to the end of the whole job."""
+    with _train(tmp_path) as job:
+        job.wait_for(r"^step 2 loss")
+        pids = rank_pids(job, 2)
+        t0 = time.monotonic()
+        job.signal_pid(pids[rank], sig)
+        job.wait(timeout=FAULT_BOUND_S + 30)
+        return job, pids, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("rank,sig,what", [
+    (0, signal.SIGKILL, r"exited"),  # rank 0 also serves the rendezvous store
+    (1, signal.SIGSTOP, rf"sent no heartbeat for \d+\.\d s \(timeout {WATCHDOG_S} s\): stalled or stopped"),
+], ids=["sigkill-rank0", "sigstop-rank1"])
+def test_dead_or_stalled_rank_ends_the_job_and_is_named(tmp_path: Path, rank: int, sig: signal.Signals,
+                                                         what: str) -> None:
+    job, pids, elapsed = _fault(tmp_path, rank, sig)
+    out = job.output()
+    print(f"{sig.name} rank {rank}: job ended {elapsed:.1f} s after the fault")  # the figure, with pytest -s
+    assert job.returncode != 0, out[-3000:]
+    assert elapsed < FAULT_BOUND_S, out[-3000:]
+    other = 1 - rank
+    named = rf"rank {rank} \(host \S+, local rank {rank}, pid {pids[rank]}\)"
+    lines = [line for line in out.splitlines() if line.startswith(f"ds_wallfacer watchdog on rank {other} ")]
+    assert len(lines) == 1, out[-3000:]  # one line, not one per thread
+    assert re.search(named, lines[0]) and re.search(what, lines[0]), lines[0]
+    assert "Traceback" not in out, out[-3000:]
+    assert job.leftovers() == [], "processes of the job outlived it"
+
+
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    with _train(tmp_path) as job:
+        job.wait_for(r"^step 2 loss")
+        job.interrupt()
+        job.wait(timeout=FAULT_BOUND_S)
+    out = job.output()
+    assert job.returncode != 0, out[-3000:]
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"ds_wallfacer watchdog on rank {rank} ")]
+        assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], out[-3000:]
+    # the deepspeed runner itself prints one KeyboardInterrupt traceback (it has no SIGINT handler); none from ranks
+    tracebacks = out.count("Traceback")
+    assert tracebacks <= 1 and "ds_wallfacer" not in out.split("Traceback")[-1] if tracebacks else True, out[-3000:]
+    assert job.leftovers() == [], "processes of the job outlived it"
