@@ -29,6 +29,7 @@ from .data import eval_batches, load_token_data, train_batches
 from .export import export_hf
 from .metrics import comm_bytes, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops, split_wandb_section
 from .model import dtype_of, load_model
+from .watchdog import start_watchdog
 
 __all__ = ["lr_factor", "main", "run"]
 
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as e:
         print(f"ds_wallfacer.train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the watchdog handles it: one line per rank, not a traceback
+        print(f"ds_wallfacer.train: rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _read_ds_config(path: str) -> dict[str, Any]:
@@ -143,6 +147,7 @@ def run(args: Any) -> int:
         engine.destroy()
         return 0
 
+    watchdog = start_watchdog(timeout_s=args.watchdog_timeout)  # a dead or stalled rank ends the job, named
     wandb_run = None
     if rank == 0 and not args.no_wandb:
         wandb_run = init_wandb(
@@ -287,5 +292,7 @@ def run(args: Any) -> int:
             summary["wandb_dir"] = str(Path(wandb_run.dir).parent)
             wandb_run.finish()
         print(json.dumps(summary), flush=True)
+    if watchdog is not None:
+        watchdog.stop()
     engine.destroy()
     return 0
