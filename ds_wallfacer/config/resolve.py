@@ -63,7 +63,7 @@ class ParallelLayout:
     """Which ring rank holds which WallFacer index ("team-inner" | "ring-inner", ``schema.PLACEMENTS``)."""
     notes: tuple[str, ...] = ()
     """What "auto" chose and why (logged at start-up)."""
-    plan: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    planner_choice: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     """The planner's choice (``PlanChoice.as_dict()`` plus cluster, model, seq_len) when it chose; for wandb."""
 
     def __post_init__(self) -> None:
@@ -148,9 +148,9 @@ class ParallelLayout:
             "wallfacer/ulysses_degree": self.ulysses_degree, "wallfacer/ring_count": self.ring_count,
             "wallfacer/placement": self.placement, "wallfacer/sharding": self.sharding,
             "wallfacer/kernel": self.kernel, "wallfacer/auto_notes": list(self.notes),
-            "wallfacer/planner_used": self.plan is not None,
+            "wallfacer/planner_used": self.planner_choice is not None,
         }
-        return d | {f"wallfacer/planner/{k}": v for k, v in (self.plan or {}).items()}
+        return d | {f"wallfacer/planner/{k}": v for k, v in (self.planner_choice or {}).items()}
 
 
 
@@ -219,32 +219,33 @@ def resolve_auto(
     num_heads: int,
     num_kv_heads: int,
     ranks_per_node: int | None = None,
-    plan: PlanInputs | None = None,
+    planner_inputs: PlanInputs | None = None,
 ) -> ParallelLayout:
     """Resolve every "auto" of ``cfg`` and validate. Pure and deterministic (same result on every rank).
 
-    With ``plan`` and a sequence length (``cfg.seq_len`` or ``plan.seq_len``), the topology planner chooses the
-    open values (``ds_wallfacer.planner.resolve``) for the cluster (``cfg.cluster`` preset, launch shape from the
+    With ``planner_inputs`` and a sequence length (``cfg.seq_len`` or ``planner_inputs.seq_len``), the topology
+    planner chooses the open values (``ds_wallfacer.planner.resolve``) for the cluster (``cfg.cluster`` preset, launch shape from the
     environment), the model and the length; the user's values are passed to it as fixed. Otherwise, or when the
-    planner raises ``PlanError``, the safe rule of issue 4 applies: P = world size; mode "auto" = wallfacer;
+    planner raises ``PlanError``, the safe rule applies: P = world size; mode "auto" = wallfacer;
     U = 1 (wallfacer), P (ulysses) or, for hybrid, the largest valid degree below P that fits in a node;
     C = the largest valid ring count whose team fits in a node; placement team-inner. Every choice and the
     planner's reasons (or its error) are recorded in ``ParallelLayout.notes``.
     """
-    environ = os.environ if plan is None or plan.environ is None else plan.environ
+    environ = os.environ if planner_inputs is None or planner_inputs.environ is None else planner_inputs.environ
     rpn = _ranks_per_node(cfg, ranks_per_node, environ)
     notes: list[str] = []
-    if plan is not None and plan.seq_len is not None and cfg.seq_len is not None and plan.seq_len != cfg.seq_len:
-        raise ValueError(f"wallfacer.seq_len = {cfg.seq_len} but the training sequences have {plan.seq_len} tokens "
+    given = planner_inputs.seq_len if planner_inputs is not None else None
+    if given is not None and cfg.seq_len is not None and given != cfg.seq_len:
+        raise ValueError(f"wallfacer.seq_len = {cfg.seq_len} but the training sequences have {given} tokens "
                          f"(initialize(seq_len=...)): drop one or make them equal")
     open_keys = _open_keys(cfg)
-    if plan is not None and open_keys:
-        seq_len = cfg.seq_len or plan.seq_len
+    if planner_inputs is not None and open_keys:
+        seq_len = cfg.seq_len or planner_inputs.seq_len
         if seq_len is None:
             notes.append("planner not used: no sequence length known (set wallfacer.seq_len or pass "
                          "initialize(seq_len=...)); the safe rule chose instead")
         else:
-            layout = _planned(cfg, plan, seq_len, open_keys, world_size=world_size, num_heads=num_heads,
+            layout = _planned(cfg, planner_inputs, seq_len, open_keys, world_size=world_size, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=notes)
             if layout is not None:
                 return layout
@@ -297,16 +298,16 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
     except pl.PlanError as e:
         notes.append(f"planner found no configuration for {what}: {e}; the safe rule chose instead")
         return None
-    values = {"mode": choice.config_mode, "sequence_parallel_size": choice.sp_size,
+    values = {"mode": choice.mode, "sequence_parallel_size": choice.sp_size,
               "ulysses_degree": choice.ulysses_degree, "ring_count": choice.ring_count, "placement": choice.placement}
     chosen = ", ".join(f"{k} = {values[k]}" for k in open_keys)
     notes.append(f"planner chose {chosen} for {what}")
     notes.extend(f"planner: {r}" for r in choice.reasons)
     return ParallelLayout(
-        world_size=world_size, sp_size=choice.sp_size, mode=choice.config_mode, ulysses_degree=choice.ulysses_degree,
+        world_size=world_size, sp_size=choice.sp_size, mode=choice.mode, ulysses_degree=choice.ulysses_degree,
         ring_count=choice.ring_count, num_heads=num_heads, num_kv_heads=num_kv_heads, sharding=cfg.sharding,
         kernel=cfg.kernel, ranks_per_node=rpn, placement=choice.placement, notes=tuple(notes),
-        plan=choice.as_dict() | {"cluster": cluster.name, "model": model.name, "seq_len": n},
+        planner_choice=choice.as_dict() | {"cluster": cluster.name, "model": model.name, "seq_len": n},
     )
 
 

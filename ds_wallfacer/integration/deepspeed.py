@@ -203,7 +203,7 @@ def initialize(
     world, rank = dist.get_world_size(), dist.get_rank()
     hq, hk = model_heads(model)
     layout = resolve_auto(run.wallfacer, world_size=world, num_heads=hq, num_kv_heads=hk, ranks_per_node=ranks_per_node,
-                          plan=_plan_inputs(model, run, seq_len))
+                          planner_inputs=_plan_inputs(model, run, seq_len))
     ds_dict = run.deepspeed_dict(world_size=world, sp_size=layout.sp_size)
     from ..attention.kernels import KERNELS
 

@@ -13,7 +13,7 @@ peak memory per rank, and pick the fastest one that fits:
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "MODES": ".candidate",
+    "STRATEGIES": ".candidate",
     "PLACEMENTS": ".candidate",
     "Candidate": ".candidate",
     "Workload": ".candidate",

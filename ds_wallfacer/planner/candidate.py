@@ -5,10 +5,14 @@ from dataclasses import dataclass
 
 from ..comm.world import PLACEMENTS
 
-__all__ = ["Candidate", "MODES", "PLACEMENTS", "Workload", "mode_of"]
+__all__ = ["Candidate", "PLACEMENTS", "STRATEGIES", "Workload", "strategy_of"]
 
-MODES = ("none", "ring", "wallfacer", "ulysses", "hybrid")
-def mode_of(sp_size: int, ring_count: int, ulysses_degree: int) -> str:
+STRATEGIES = ("none", "ring", "wallfacer", "ulysses", "hybrid")
+"""What a candidate runs across ranks (finer than the config's ``mode``: "ring" is mode "wallfacer" with C = 1,
+"none" is P = 1)."""
+
+
+def strategy_of(sp_size: int, ring_count: int, ulysses_degree: int) -> str:
     """none (P = 1), ring (U = 1, C = 1), wallfacer (U = 1, C > 1), ulysses (U = P), hybrid (1 < U < P)."""
     if sp_size == 1:
         return "none"
@@ -50,8 +54,9 @@ class Candidate:
             raise ValueError(f"placement={self.placement!r}; expected one of {PLACEMENTS}")
 
     @property
-    def mode(self) -> str:
-        return mode_of(self.sp_size, self.ring_count, self.ulysses_degree)
+    def strategy(self) -> str:
+        """``STRATEGIES``: none, ring, wallfacer, ulysses or hybrid."""
+        return strategy_of(self.sp_size, self.ring_count, self.ulysses_degree)
 
     @property
     def ring_size(self) -> int:
@@ -66,7 +71,7 @@ class Candidate:
     @property
     def label(self) -> str:
         """Short name for tables: ``wallfacer P=64 C=4 [ring-inner] mst ac``."""
-        parts = [self.mode, f"P={self.sp_size}"]
+        parts = [self.strategy, f"P={self.sp_size}"]
         if self.ring_count > 1:
             parts.append(f"C={self.ring_count}")
         if 1 < self.ulysses_degree:

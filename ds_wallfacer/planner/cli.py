@@ -5,7 +5,7 @@
     python -m ds_wallfacer.plan --paper          # the paper's worked example and configurations
 
 Prints the ranked table (configuration, comm volume per rank, comm / compute / step time, memory per rank,
-fits?), the best configuration of every mode (out-of-memory ones with the reason) and the choice with its
+fits?), the best configuration of every strategy (out-of-memory ones with the reason) and the choice with its
 reasons; saves a plot of predicted step time against sequence length per configuration (``--plot``). With
 ``--json`` it prints one JSON object instead. Every cluster, model and workload field has a flag.
 """
@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from .candidate import MODES, PLACEMENTS, Workload
+from .candidate import PLACEMENTS, STRATEGIES, Workload
 from .cluster import CLUSTERS, get_cluster
 from .memory import GIB
 from .model import MODELS, ModelSpec, get_model
@@ -59,7 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-overlap", action="store_true", help="ring hops do not overlap attention compute")
     g.add_argument("--no-recompute-attention", action="store_true")
     g = ap.add_argument_group('fixed values (default: "auto", the planner chooses)')
-    g.add_argument("--mode", choices=MODES)
+    g.add_argument("--strategy", "--mode", dest="strategy", choices=STRATEGIES,
+                   help="only this strategy (ring is WallFacer with C = 1; none is P = 1)")
     g.add_argument("--sp-size", type=int)
     g.add_argument("--ring-count", type=int)
     g.add_argument("--ulysses-degree", type=int)
@@ -113,7 +114,7 @@ def _workload(a: argparse.Namespace, seq_len: int) -> Workload:
 def _fixed(a: argparse.Namespace) -> dict[str, Any]:
     onoff = {"on": True, "off": False, None: None}
     return {k: v for k, v in {
-        "mode": a.mode, "sp_size": a.sp_size, "ring_count": a.ring_count, "ulysses_degree": a.ulysses_degree,
+        "mode": a.strategy, "sp_size": a.sp_size, "ring_count": a.ring_count, "ulysses_degree": a.ulysses_degree,
         "placement": a.placement, "mini_sequence": onoff[a.mst], "mlp_chunk_tokens": a.mlp_chunk_tokens,
         "lm_head_chunk_tokens": a.lm_head_chunk_tokens, "activation_checkpointing": onoff[a.ac],
     }.items() if v is not None}
@@ -147,16 +148,16 @@ def print_plan(pl: Plan, *, top: int) -> None:
     for i, row in enumerate(fitting[:top], 1):
         print(_line(i, row))
     print(f"... {len(fitting)} fitting, {len(pl.rows) - len(fitting)} out of memory")
-    print("best of each mode (where a mode runs out of memory, its leanest configuration and why):")
+    print("best of each strategy (where one runs out of memory, its leanest configuration and why):")
     seen: set[str] = set()
     for row in pl.rows:
-        if row.candidate.mode not in seen:
-            seen.add(row.candidate.mode)
+        if row.candidate.strategy not in seen:
+            seen.add(row.candidate.strategy)
             print(_line("", row) + (f"\n      {row.reason}" if row.reason else ""))
     for s in pl.skipped:
         print(f"  not valid: {s}")
     ch = pl.choice
-    print(f"\nchoice: {ch.candidate.label}  (config mode={ch.config_mode} sequence_parallel_size={ch.sp_size} "
+    print(f"\nchoice: {ch.candidate.label}  (config mode={ch.mode} sequence_parallel_size={ch.sp_size} "
           f"ring_count={ch.ring_count} ulysses_degree={ch.ulysses_degree} placement={ch.placement}, "
           f"data parallel {ch.dp_size})")
     for r in ch.reasons:
@@ -193,7 +194,7 @@ def print_paper(rows: list[dict[str, Any]], example: dict[str, float]) -> None:
 
 
 def plot(cluster, model, args: argparse.Namespace, sp_size: int, path: Path) -> Path:
-    """Predicted step time against sequence length, best row per (mode, C, U) at SP size ``sp_size``;
+    """Predicted step time against sequence length, best row per (strategy, C, U) at SP size ``sp_size``;
     hollow markers: out of memory."""
     import matplotlib
 
@@ -209,7 +210,7 @@ def plot(cluster, model, args: argparse.Namespace, sp_size: int, path: Path) -> 
         seen: set[str] = set()
         for row in pl.rows:
             c = row.candidate
-            key = f"{c.mode} C={c.ring_count} U={c.ulysses_degree}"
+            key = f"{c.strategy} C={c.ring_count} U={c.ulysses_degree}"
             if key not in seen:
                 seen.add(key)
                 series.setdefault(key, []).append((n, row.cost.step_s, row.fits))

@@ -39,9 +39,9 @@ def worked_example() -> dict[str, float]:
 
 def _family(row: Any) -> str:
     c = row.candidate
-    if c.mode in ("ring", "ulysses", "none"):
-        return c.mode
-    if c.mode == "wallfacer":
+    if c.strategy in ("ring", "ulysses", "none"):
+        return c.strategy
+    if c.strategy == "wallfacer":
         return f"wallfacer C={c.ring_count}"
     return "hybrid"
 

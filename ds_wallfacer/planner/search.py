@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from ..comm.layout import valid_ring_counts
 from ..mst.config import auto_lm_head_chunk_tokens, auto_mlp_chunk_tokens
-from .candidate import MODES, PLACEMENTS, Candidate, Workload
+from .candidate import PLACEMENTS, STRATEGIES, Candidate, Workload
 from .cluster import ClusterSpec, get_cluster
 from .cost import CostBreakdown, estimate, kv_heads_on_wire
 from .memory import GIB, MemoryBreakdown, memory_breakdown
@@ -52,7 +52,7 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         c, m, k = self.candidate, self.memory, self.cost
         return {
-            "config": c.label, "mode": c.mode, "sp_size": c.sp_size, "ring_count": c.ring_count,
+            "config": c.label, "strategy": c.strategy, "sp_size": c.sp_size, "ring_count": c.ring_count,
             "ulysses_degree": c.ulysses_degree, "placement": c.placement, "mini_sequence": c.mini_sequence,
             "mlp_chunk_tokens": c.mlp_chunk_tokens, "lm_head_chunk_tokens": c.lm_head_chunk_tokens,
             "activation_checkpointing": c.checkpointing, "fits": self.fits, "reason": self.reason,
@@ -67,7 +67,8 @@ class Row:
 class PlanChoice:
     """The chosen configuration, in the ``"wallfacer"`` config vocabulary, with the reasons."""
 
-    mode: str
+    strategy: str
+    """``candidate.STRATEGIES``; ``mode`` is the config's word for it."""
     sp_size: int
     dp_size: int
     ring_count: int
@@ -84,14 +85,14 @@ class PlanChoice:
     candidate: Candidate = field(repr=False)
 
     @property
-    def config_mode(self) -> str:
+    def mode(self) -> str:
         """The ``"wallfacer"`` config section's mode: ring and single-rank plans are "wallfacer" with C = 1."""
-        return self.mode if self.mode in ("ulysses", "hybrid") else "wallfacer"
+        return self.strategy if self.strategy in ("ulysses", "hybrid") else "wallfacer"
 
     def as_dict(self) -> dict[str, Any]:
         """Flat values for logs and wandb (``planner/...`` keys are the caller's business)."""
         d = {k: v for k, v in vars(self).items() if k != "candidate"}
-        return d | {"config_mode": self.config_mode, "reasons": list(self.reasons)}
+        return d | {"mode": self.mode, "reasons": list(self.reasons)}
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,15 @@ def _check_fixed(fixed: Mapping[str, Any]) -> None:
     if unknown:
         raise ValueError(f"planner: unknown fixed key(s) {unknown}; allowed are {list(FIXED_KEYS)}")
     mode = fixed.get("mode")
-    if not _free(fixed, "mode") and mode not in MODES:
-        raise ValueError(f"planner: mode={mode!r}; expected one of {MODES} or 'auto'")
+    if not _free(fixed, "mode") and mode not in STRATEGIES:
+        raise ValueError(f"planner: mode={mode!r}; expected one of {STRATEGIES} or 'auto'")
     if not _free(fixed, "placement") and fixed["placement"] not in PLACEMENTS:
         raise ValueError(f"planner: placement={fixed['placement']!r}; expected one of {PLACEMENTS} or 'auto'")
 
 
-def _mode_ok(fixed_mode: Any, cand_mode: str) -> bool:
+def _mode_ok(fixed_mode: Any, strategy: str) -> bool:
     # "wallfacer" includes C = 1 (plain ring is WallFacer with one ring)
-    return fixed_mode in (None, "auto", cand_mode) or (fixed_mode == "wallfacer" and cand_mode == "ring")
+    return fixed_mode in (None, "auto", strategy) or (fixed_mode == "wallfacer" and strategy == "ring")
 
 
 def enumerate_candidates(
@@ -181,7 +182,7 @@ def enumerate_candidates(
                     for mst in mst_opts:
                         for ac in ac_opts:
                             cand = Candidate(p, c, u, pl, mst, mlp_chunk if mst else 0, head_chunk if mst else 0, ac)
-                            if _mode_ok(fixed.get("mode"), cand.mode):
+                            if _mode_ok(fixed.get("mode"), cand.strategy):
                                 out.append(cand)
     return out, skipped
 
@@ -271,12 +272,12 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
     if close:
         reasons.append(f"{len(close)} other configurations within 1% (below the model's accuracy), e.g. "
                        + "; ".join(r.candidate.label for r in close[:3]))
-    for mode in ("ring", "wallfacer", "ulysses", "hybrid"):
-        other = next((r for r in fitting if r.candidate.mode == mode), None)
-        if other is not None and other is not best and mode != c.mode:
-            reasons.append(f"{k.tokens_per_s / other.cost.tokens_per_s:.2f}x the best {mode} ({other.candidate.label})")
-        elif other is None and any(r.candidate.mode == mode for r in rejected):
-            reasons.append(f"every {mode} configuration runs out of memory")
+    for strategy in ("ring", "wallfacer", "ulysses", "hybrid"):
+        other = next((r for r in fitting if r.candidate.strategy == strategy), None)
+        if other is not None and other is not best and strategy != c.strategy:
+            reasons.append(f"{k.tokens_per_s / other.cost.tokens_per_s:.2f}x the best {strategy} ({other.candidate.label})")
+        elif other is None and any(r.candidate.strategy == strategy for r in rejected):
+            reasons.append(f"every {strategy} configuration runs out of memory")
     if k.links.describe():
         reasons.append(f"placement {c.placement}: {k.links.describe()} ({cluster.ranks_per_node} ranks/node)")
     smaller = [r for r in rejected if r.candidate.sp_size < c.sp_size]
@@ -290,7 +291,7 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
     if given:
         reasons.append("fixed by the user: " + ", ".join(given))
     return PlanChoice(
-        mode=c.mode, sp_size=c.sp_size, dp_size=cluster.world_size // c.sp_size, ring_count=c.ring_count,
+        strategy=c.strategy, sp_size=c.sp_size, dp_size=cluster.world_size // c.sp_size, ring_count=c.ring_count,
         ulysses_degree=c.ulysses_degree, placement=c.placement, mini_sequence=c.mini_sequence,
         mlp_chunk_tokens=c.mlp_chunk_tokens, lm_head_chunk_tokens=c.lm_head_chunk_tokens,
         activation_checkpointing=c.checkpointing, step_s=k.step_s, tokens_per_s=k.tokens_per_s,
@@ -311,7 +312,7 @@ def _nearest_valid(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed
             continue
         rest = {k: v for k, v in fixed.items() if k != key}
         cands, _ = enumerate_candidates(model, cluster, work, rest)
-        values = sorted({getattr(c, key) if key != "mode" else c.mode for c in cands}, key=str)
+        values = sorted({getattr(c, key) if key != "mode" else c.strategy for c in cands}, key=str)
         if values:
             shown = _nearest(values, fixed[key]) if isinstance(fixed[key], int) else values
             out.append(f"{key}={fixed[key]!r} is not possible here; feasible {key} values: {shown}")

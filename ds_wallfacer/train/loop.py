@@ -156,7 +156,7 @@ def run(args: Any) -> int:
                     "world_size": world, "layout": lay.describe(), "resumed_from": str(resume_tag),
                     "train_sequences": len(data.train), "eval_sequences": len(data.eval), **lay.log_dict()},
         )
-    predicted = (lay.plan or {}).get("step_s")
+    predicted = (lay.planner_choice or {}).get("step_s")
     seq_per_step = micro * dp * gas
     flops = model_flops_per_step(
         params=n_params, layers=int(text_cfg.num_hidden_layers), q_heads=int(text_cfg.num_attention_heads),

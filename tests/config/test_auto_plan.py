@@ -23,14 +23,14 @@ def _resolve(section: dict, *, world: int = 8, seq_len: int | None = 4096, rpn: 
              heads: tuple[int, int] = (8, 4), **plan_kw) -> ParallelLayout:
     plan_kw = {"model": TINY, "seq_len": seq_len, "environ": {}, **plan_kw}
     return resolve_auto(WallFacerConfig.from_dict(section), world_size=world, num_heads=heads[0],
-                        num_kv_heads=heads[1], ranks_per_node=rpn, plan=PlanInputs(**plan_kw))
+                        num_kv_heads=heads[1], ranks_per_node=rpn, planner_inputs=PlanInputs(**plan_kw))
 
 
 def test_auto_is_resolved_by_the_planner() -> None:
     from ds_wallfacer import planner
 
     lay = _resolve({"mode": "auto", "cluster": "h100x8"})
-    assert lay.plan is not None and lay.world_size == 8
+    assert lay.planner_choice is not None and lay.world_size == 8
     assert lay.mode in ("wallfacer", "ulysses", "hybrid") and lay.placement in PLACEMENTS
     assert lay.notes[0].startswith("planner chose mode = ")
     assert "cluster h100x8" in lay.notes[0] and "seq_len 4096" in lay.notes[0]
@@ -39,7 +39,7 @@ def test_auto_is_resolved_by_the_planner() -> None:
     want = planner.resolve("h100x8", TINY, 4096, 8, {"mini_sequence": False, "activation_checkpointing": False},
                            workload=planner.Workload(seq_len=4096, zero_stage=0))
     got = (lay.mode, lay.sp_size, lay.ulysses_degree, lay.ring_count, lay.placement)
-    assert got == (want.config_mode, want.sp_size, want.ulysses_degree, want.ring_count, want.placement)
+    assert got == (want.mode, want.sp_size, want.ulysses_degree, want.ring_count, want.placement)
     assert "planner chose" in lay.describe() and "placement=" in lay.describe()
     logged = lay.log_dict()  # what train.py sends to wandb
     assert logged["wallfacer/planner_used"] is True and logged["wallfacer/planner/cluster"] == "h100x8"
@@ -57,20 +57,20 @@ def test_user_values_are_fixed_for_the_planner() -> None:
     assert lay.mode == "ulysses" and lay.ulysses_degree == lay.sp_size and lay.ring_count == 1
     # the MsT settings the run will use are passed on, not chosen
     lay = _resolve({"cluster": "h100x8", "mini_sequence": {"mlp_chunk_tokens": 64}})
-    assert lay.plan["mini_sequence"] is True and lay.plan["mlp_chunk_tokens"] == 64
-    assert lay.plan["activation_checkpointing"] is True  # MsT's default layer checkpointing
+    assert lay.planner_choice["mini_sequence"] is True and lay.planner_choice["mlp_chunk_tokens"] == 64
+    assert lay.planner_choice["activation_checkpointing"] is True  # MsT's default layer checkpointing
     # nothing left open: no planner run, no notes (issue 4's behaviour)
     lay = _resolve({"sequence_parallel_size": 4, "ring_count": 2})
-    assert lay.plan is None and lay.notes == () and lay.placement == "team-inner"
+    assert lay.planner_choice is None and lay.notes == () and lay.placement == "team-inner"
 
 
 def test_environment_and_cluster_preset() -> None:
     env = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
     lay = _resolve({"cluster": "h100x64"}, world=16, rpn=None, environ=env)
-    assert lay.plan["cluster"] == "h100x64@env" and lay.ranks_per_node == 8
+    assert lay.planner_choice["cluster"] == "h100x64@env" and lay.ranks_per_node == 8
     assert "(2 x 8 ranks)" in lay.notes[0]
     lay = _resolve({}, world=4, rpn=4, default_cluster="cpu", seq_len=500)  # "auto" = the accelerator's preset
-    assert lay.plan["cluster"] == "cpu" and "seq_len 504 (padded from 500)" in lay.notes[0]
+    assert lay.planner_choice["cluster"] == "cpu" and "seq_len 504 (padded from 500)" in lay.notes[0]
     with pytest.raises(ValueError, match=r"unknown cluster preset 'dgx'; presets are \["):
         _resolve({"cluster": "dgx"})
 
@@ -78,7 +78,7 @@ def test_environment_and_cluster_preset() -> None:
 def test_planner_error_falls_back_to_the_safe_rule_with_its_message() -> None:
     # Llama-3-8B on the 10 GiB CPU preset: nothing fits
     lay = _resolve({"cluster": "cpu"}, world=4, rpn=4, model="llama3-8b", seq_len=65536)
-    assert lay.plan is None and (lay.mode, lay.sp_size, lay.ring_count) == ("wallfacer", 4, 2)
+    assert lay.planner_choice is None and (lay.mode, lay.sp_size, lay.ring_count) == ("wallfacer", 4, 2)
     assert lay.notes[0].startswith("planner found no configuration for cluster cpu ")
     assert "nothing fits in memory" in lay.notes[0] and lay.notes[0].endswith("the safe rule chose instead")
     assert "sequence_parallel_size = 4 (the world size)" in lay.notes[1:]
@@ -90,10 +90,10 @@ def test_planner_error_falls_back_to_the_safe_rule_with_its_message() -> None:
 
 def test_without_a_length_the_safe_rule_says_so() -> None:
     lay = _resolve({"mode": "auto"}, seq_len=None)
-    assert lay.plan is None and lay.mode == "wallfacer" and lay.sp_size == 8
+    assert lay.planner_choice is None and lay.mode == "wallfacer" and lay.sp_size == 8
     assert lay.notes[0].startswith("planner not used: no sequence length known")
     assert "mode = wallfacer (the default when nothing was planned)" in lay.notes
-    assert _resolve({"seq_len": 2048, "cluster": "h100x8"}, seq_len=None).plan["seq_len"] == 2048
+    assert _resolve({"seq_len": 2048, "cluster": "h100x8"}, seq_len=None).planner_choice["seq_len"] == 2048
     with pytest.raises(ValueError, match="wallfacer.seq_len = 2048 but the training sequences have 4096 tokens"):
         _resolve({"seq_len": 2048})
 
@@ -153,7 +153,7 @@ def test_every_example_config_plans_for_train_py(path: Path) -> None:
     run = parse_ds_config(path)
     plan = PlanInputs(model=TINY, seq_len=512, micro_batch=run.micro_batch_size or 1, zero_stage=run.zero_stage,
                       elem_bytes=run.elem_bytes, default_cluster="cpu", environ={})
-    lay = resolve_auto(run.wallfacer, world_size=4, num_heads=8, num_kv_heads=4, ranks_per_node=4, plan=plan)
+    lay = resolve_auto(run.wallfacer, world_size=4, num_heads=8, num_kv_heads=4, ranks_per_node=4, planner_inputs=plan)
     lay.check_seq_len(512)
     assert not any("safe rule" in n for n in lay.notes), lay.notes
     run.deepspeed_dict(world_size=4, sp_size=lay.sp_size)

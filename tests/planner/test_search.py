@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ds_wallfacer import plan as cli
+from ds_wallfacer.planner import cli
 from ds_wallfacer.planner import PlanError, enumerate_candidates, get_cluster, get_model, plan, resolve, Workload
 
 
@@ -20,13 +20,13 @@ def test_plan_ranks_and_rejects():
 
 def test_resolve_respects_fixed_values():
     c = resolve("h100x64", "llama3-8b", 131072, 64, {"sp_size": 64, "ring_count": "auto", "mode": "wallfacer"})
-    assert c.sp_size == 64 and c.ulysses_degree == 1 and c.config_mode == "wallfacer" and c.dp_size == 1
+    assert c.sp_size == 64 and c.ulysses_degree == 1 and c.mode == "wallfacer" and c.dp_size == 1
     c = resolve("h100x64", "llama3-8b", 131072, 64, {"mode": "hybrid", "ulysses_degree": 4, "mini_sequence": True})
-    assert (c.mode, c.ulysses_degree, c.mini_sequence) == ("hybrid", 4, True) and c.mlp_chunk_tokens == 4096
+    assert (c.strategy, c.ulysses_degree, c.mini_sequence) == ("hybrid", 4, True) and c.mlp_chunk_tokens == 4096
     c = resolve("h100x64", "llama3-8b", 131072, 16, {"sp_size": 16, "placement": "team-inner"})
     assert c.placement == "team-inner" and c.sp_size == 16
     one = resolve("h200x1", "llama3-8b", 65536, workload=Workload(65536, offload_optimizer=True))
-    assert one.mode == "none" and one.sp_size == 1
+    assert one.strategy == "none" and one.sp_size == 1
     with pytest.raises(PlanError, match="offloading"):  # 8B with Adam on one GPU: 16 bytes per parameter
         resolve("h200x1", "llama3-8b", 16384)
     with pytest.raises(ValueError, match="unknown fixed key"):
@@ -69,7 +69,7 @@ def test_cli_json_and_table(capsys, tmp_path):
     assert cli.main(["--cluster", "a100x32-eth", "--model", "qwen2-7b", "--seq-len", "65536", "--sp-size", "32",
                      "--plot", str(tmp_path / "p.png"), "--top", "3"]) == 0
     text = capsys.readouterr().out
-    assert "choice:" in text and "best of each mode" in text and (tmp_path / "p.png").stat().st_size > 0
+    assert "choice:" in text and "best of each strategy" in text and (tmp_path / "p.png").stat().st_size > 0
     assert cli.main(["--cluster", "h100x64", "--seq-len", "131072", "--ring-count", "3", "--plot", "none"]) == 2
     assert "feasible ring_count" in capsys.readouterr().err
     assert cli.main(["--paper"]) == 0
