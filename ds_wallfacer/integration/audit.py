@@ -11,6 +11,7 @@ length, LM-head transforms the Mini-Sequence head does not apply.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,16 @@ def _attention_problems(model: nn.Module, text: Any, seq_len: int | None) -> lis
     return out
 
 
+def _reentrant_checkpointing(model: nn.Module) -> bool:
+    # transformers installs functools.partial(checkpoint, **kwargs) on each checkpointed layer
+    for m in model.modules():
+        fn = m.__dict__.get("_gradient_checkpointing_func")
+        if getattr(m, "gradient_checkpointing", False) and isinstance(fn, functools.partial):
+            if fn.keywords.get("use_reentrant"):
+                return True
+    return False
+
+
 def _moe_problems(model: nn.Module, mini_sequence: Any) -> tuple[RouterAuxLoss | None, list[str]]:
     spec, why = router_aux_loss(model)
     if why is not None:
@@ -75,7 +86,12 @@ def _moe_problems(model: nn.Module, mini_sequence: Any) -> tuple[RouterAuxLoss |
             "output_router_logits=False in the model config to train without it"
         ]
     problems = []
-    # HF's own gradient checkpointing is checked at the first forward instead: its reentrancy is a call argument
+    if spec is not None and _reentrant_checkpointing(model):
+        problems.append(
+            "the MoE router aux loss needs the router logits' gradient, which reentrant activation checkpointing "
+            "drops: call model.activation_checkpointing_enable(activation_checkpointing_kwargs="
+            "{\"use_reentrant\": False}) (transformers' default) instead"
+        )
     if spec is not None and mini_sequence is not None and mini_sequence.activation_checkpointing == "deepspeed":
         problems.append(
             "the MoE router aux loss needs the router logits' gradient, which DeepSpeed's (reentrant) layer "

@@ -11,7 +11,7 @@ from torch import nn
 
 from tests.dist_utils import run_distributed
 
-from .models import full_batch, hf_loss, tiny_model
+from .models import _COMMON, full_batch, hf_loss, tiny_model
 from .variants import tiny_head, tiny_moe, tiny_rope
 
 LR = 0.5
@@ -47,8 +47,6 @@ def _hyperclovax() -> nn.Module:
     from transformers.models.hyperclovax.configuration_hyperclovax import HyperCLOVAXConfig
     from transformers.models.hyperclovax.modeling_hyperclovax import HyperCLOVAXForCausalLM
 
-    from .variants import _COMMON
-
     return HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**_COMMON, logits_scaling=0.5))  # logits * 0.5, unlike Granite
 
 
@@ -58,6 +56,12 @@ def _with(family: str, **config) -> nn.Module:
     for k, v in config.items():
         setattr(cfg, k, v)
     return type(tiny_model(family))(cfg).train()
+
+
+def _moe_reentrant() -> nn.Module:
+    model = tiny_moe("mixtral")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    return model
 
 
 def _remote_rope() -> nn.Module:
@@ -74,6 +78,7 @@ REFUSALS = [
     ("sliding window", lambda: _with("mistral", sliding_window=8), {}, {"seq_len": 32}, "set sliding_window=None"),
     ("MoE aux loss under reentrant checkpointing", lambda: tiny_moe("mixtral"), {"mini_sequence": {}}, {},
      '"activation_checkpointing": "torch"'),
+    ("MoE aux loss under reentrant HF checkpointing", _moe_reentrant, {}, {}, '{"use_reentrant": False}'),
     ("MoE z-loss", lambda: tiny_moe("qwen2_moe", router_z_loss_coef=0.001), {}, {}, "set output_router_logits=False"),
     ("RoPE that cannot see the global length", _remote_rope, {}, {}, "set rope_parameters.rope_type"),
     ("LM head scaling of unknown semantics", _hyperclovax, {"mini_sequence": _TORCH_CKPT}, {},

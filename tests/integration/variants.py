@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import torch
 
-VOCAB = 256
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-    attn_implementation="sdpa",
-)
+from .models import _COMMON
+
 # a large coefficient so that a missing or wrong aux loss moves the router far beyond the tolerances
 AUX_COEF = 0.5
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
