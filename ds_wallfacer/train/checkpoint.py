@@ -124,16 +124,16 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
 def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
     """Load DeepSpeed's state from ``tag_dir`` (collective) and return the trainer's client state. RNG states are
     NOT restored here: call ``set_rng_state(rng_for_rank(state))`` last, right before training continues."""
+    saved_world = json.loads((tag_dir / MARKER).read_text()).get("world_size")
+    if saved_world != dist.get_world_size():  # checked first: DeepSpeed would fail inside the load on some ranks
+        raise StartupError(
+            f"{tag_dir} was written by {saved_world} ranks, this run has {dist.get_world_size()}: resume on "
+            f"{saved_world} ranks (any sequence-parallel split of them works; ZeRO state is partitioned by rank)"
+        )
     path, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     if path is None or not client or _CLIENT_KEY not in client:
         raise StartupError(f"{tag_dir} holds no trainer state: it was not written by ds_wallfacer.train")
-    state = client[_CLIENT_KEY]
-    if state["world_size"] != dist.get_world_size():
-        raise StartupError(
-            f"{tag_dir} was written by {state['world_size']} ranks, this run has {dist.get_world_size()}: resume on "
-            f"{state['world_size']} ranks (any sequence-parallel split of them works)"
-        )
-    return state
+    return client[_CLIENT_KEY]
 
 
 def rng_for_rank(state: dict[str, Any]) -> dict[str, Any]:
