@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from ..comm.layout import valid_ring_counts
 from ..comm.world import WorldLayout, divisors
-from ..data.chunks import check_divisible
+from ..data.chunks import check_divisible, padded_length
 from .schema import MODES, SHARDINGS, WallFacerConfig
 
 __all__ = ["ParallelLayout", "PlanInputs", "resolve_auto", "valid_ulysses_degrees"]
@@ -286,8 +286,7 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
         or (ms is not None and ms.activation_checkpointing != "none"),
     }
     # the loader pads each sequence to a multiple of 2P; plan for a length every P <= world size accepts
-    unit = 2 * world_size
-    n = -(-seq_len // unit) * unit
+    n = padded_length(seq_len, world_size)
     work = pl.Workload(seq_len=n, batch=inputs.micro_batch, elem_bytes=inputs.elem_bytes, zero_stage=inputs.zero_stage,
                        offload_optimizer=inputs.offload_optimizer, offload_checkpoints=inputs.offload_checkpoints)
     model = pl.get_model(inputs.model)

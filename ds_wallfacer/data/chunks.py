@@ -6,11 +6,11 @@ docs/design.md §2.2):
 - ``zigzag``     chunks (i, 2P-1-i): with a causal mask every rank does the same attention work
 - ``contiguous`` chunks (2i, 2i+1): the last rank does about twice the average causal work
 
-``check_divisible`` is the one home of the rule "the sequence length must be divisible by 2P".
+``seq_len_divisor`` / ``check_divisible`` are the one home of the rule "the sequence length must be divisible by 2P".
 """
 from __future__ import annotations
 
-__all__ = ["SCHEMES", "SHARDINGS", "check_divisible", "chunk_ids"]
+__all__ = ["SCHEMES", "SHARDINGS", "check_divisible", "chunk_ids", "padded_length", "seq_len_divisor"]
 
 SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
 """The values of ``wallfacer.sharding``: which two chunks each rank holds."""
@@ -22,9 +22,21 @@ def _check_scheme(scheme: str) -> None:
         raise ValueError(f"unknown sharding {scheme!r}; expected one of {SHARDINGS}")
 
 
+def seq_len_divisor(sp_size: int) -> int:
+    """What every sequence length must be a multiple of with ``sp_size`` sequence-parallel ranks: 2P (two chunks
+    per rank; with Ulysses too, whose ranks hold two pieces each)."""
+    return 2 * sp_size
+
+
+def padded_length(seq_len: int, sp_size: int) -> int:
+    """``seq_len`` rounded up to the next multiple of ``seq_len_divisor(sp_size)`` (what the loader pads to)."""
+    unit = seq_len_divisor(sp_size)
+    return -(-seq_len // unit) * unit
+
+
 def check_divisible(seq_len: int, sp_size: int) -> None:
     """Every rank holds 2 of 2P equal chunks: the full sequence length must be a positive multiple of 2P."""
-    unit = 2 * sp_size
+    unit = seq_len_divisor(sp_size)
     if seq_len % unit or seq_len <= 0:
         lo = seq_len - seq_len % unit if seq_len > 0 else 0
         raise ValueError(

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .chunks import check_divisible, chunk_ids
+from .chunks import check_divisible, chunk_ids, padded_length
 
 __all__ = [
     "SequenceParallelLoader",
@@ -156,7 +156,7 @@ def prepare_batch(
     n = n_in = ids.shape[1]
     # tokens the model attends to (HF counts only these in e.g. an MoE router's aux loss); 0 = padding
     keep = _as_2d(batch["attention_mask"], "attention_mask").long() if "attention_mask" in batch else None
-    rem = (-n) % (2 * spec.sp_size)
+    rem = padded_length(n, spec.sp_size) - n
     if rem or n == 0:
         if not pad or n == 0:
             _check_len(n, spec.sp_size)

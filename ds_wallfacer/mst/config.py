@@ -12,11 +12,15 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, Union
 
 __all__ = [
+    "DEFAULT_LOGITS_BUDGET_MIB",
     "CHECKPOINTING_CHOICES",
     "MiniSequenceConfig",
     "ResolvedSizes",
     "resolve_sizes",
 ]
+
+DEFAULT_LOGITS_BUDGET_MIB = 256
+"""Default fp32-logits budget of one LM-head mini-sequence (``mini_sequence.lm_head_logits_budget_mib``)."""
 
 CHECKPOINTING_CHOICES: tuple[str, ...] = ("deepspeed", "torch", "none")
 Size = Union[int, Literal["auto"]]
@@ -47,7 +51,7 @@ class MiniSequenceConfig:
     """Compute LM head + cross-entropy in mini-sequences, never materialising the full [S, V] logits."""
     lm_head_chunk_tokens: Size = "auto"
     """Tokens per LM-head mini-sequence; "auto" = largest count whose fp32 logits fit lm_head_logits_budget_mib."""
-    lm_head_logits_budget_mib: int = 256
+    lm_head_logits_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB
     """Budget (MiB) of one mini-sequence's fp32 logits for "auto"; transient use is about 3x (logits, softmax, grad)."""
     activation_checkpointing: Literal["deepspeed", "torch", "none"] = "deepspeed"
     """Decoder-layer checkpointing: DeepSpeed's (ds_config "activation_checkpointing" section, incl. CPU offload),

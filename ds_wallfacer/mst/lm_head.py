@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import DEFAULT_LOGITS_BUDGET_MIB, auto_lm_head_chunk_tokens
+
 __all__ = [
     "HeadTransform",
     "chunked_linear_cross_entropy",
@@ -33,7 +35,6 @@ __all__ = [
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _MST_ATTR = "_wallfacer_mst_lm_head_chunk_tokens"
-_DEFAULT_BUDGET_MIB = 256
 _SLICE_BYTES = 64 << 20
 
 
@@ -183,7 +184,7 @@ def head_transform(model: nn.Module) -> HeadTransform:
 
 
 def _auto_chunk(head: nn.Linear) -> int:
-    return max(1, (_DEFAULT_BUDGET_MIB << 20) // (4 * head.out_features))
+    return auto_lm_head_chunk_tokens(head.out_features, DEFAULT_LOGITS_BUDGET_MIB)
 
 
 def mini_sequence_causal_lm_loss(

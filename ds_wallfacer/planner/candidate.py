@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm.world import PLACEMENTS
+from ..mst.config import DEFAULT_LOGITS_BUDGET_MIB
 
 __all__ = ["Candidate", "PLACEMENTS", "STRATEGIES", "Workload", "strategy_of"]
 
@@ -104,7 +105,7 @@ class Workload:
     """Ring hops overlap block attention (double buffering) and ZeRO traffic overlaps backward."""
     recompute_attention: bool = True
     """Activation checkpointing recomputes attention (and its communication) in backward."""
-    lm_head_budget_mib: int = 256
+    lm_head_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB
     """MsT "auto" LM-head rule: one mini-sequence's fp32 logits within this budget."""
     mem_headroom: float = 0.1
     """Fraction of the device memory kept free for fragmentation."""

@@ -19,13 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .candidate import Candidate, Workload
-from .cluster import ClusterSpec
+from .cluster import GIB, ClusterSpec
 from .cost import kv_heads_on_wire
 from .model import ModelSpec
 
 __all__ = ["MemoryBreakdown", "memory_breakdown", "GIB"]
 
-GIB = 1024**3
 _FP32 = 4
 
 

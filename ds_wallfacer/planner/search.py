@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..comm.layout import valid_ring_counts
+from ..data.chunks import padded_length, seq_len_divisor
 from ..mst.config import auto_lm_head_chunk_tokens, auto_mlp_chunk_tokens
 from .candidate import PLACEMENTS, STRATEGIES, Candidate, Workload
 from .cluster import ClusterSpec, get_cluster
@@ -166,7 +167,7 @@ def enumerate_candidates(
                     skipped.append(f"Ulysses U={u}: does not divide {why}")
                 continue
             r = p // u
-            need = 2 * p  # two chunks of 2P per rank, Ulysses included (ulysses.py)
+            need = seq_len_divisor(p)
             if n % need:
                 if p == w:
                     skipped.append(f"P={p} U={u}: seq_len {n} not divisible by {need}")
@@ -324,9 +325,10 @@ def _nearest_valid(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed
     if ok_worlds:
         out.append(f"world sizes where {dict(fixed)} is valid: {_nearest(ok_worlds, w)}")
     p = fixed.get("sp_size", w)
-    if isinstance(p, int) and n % (2 * p):
-        lo = n - n % (2 * p)
-        out.append(f"seq_len must be a multiple of 2*P = {2 * p}: use {lo + 2 * p}" + (f" or {lo}" if lo else ""))
+    if isinstance(p, int) and n % seq_len_divisor(p):
+        lo = n - n % seq_len_divisor(p)
+        out.append(f"seq_len must be a multiple of 2*P = {seq_len_divisor(p)}: use {padded_length(n, p)}"
+                   + (f" or {lo}" if lo else ""))
     return out or [f"no setting of {dict(fixed)} is valid at world size {w}: drop the fixed values"]
 
 
