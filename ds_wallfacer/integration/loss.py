@@ -157,8 +157,8 @@ class SequenceParallelCausalLM(nn.Module):
             raise RuntimeError(
                 "router logits carry no gradient (reentrant activation checkpointing runs the layers without "
                 "autograd), so the router aux loss would not train the router: use non-reentrant checkpointing "
-                '("mini_sequence": {"activation_checkpointing": "torch"}, or gradient_checkpointing_enable('
-                'gradient_checkpointing_kwargs={"use_reentrant": False}))'
+                '("mini_sequence": {"activation_checkpointing": "torch"}, or activation_checkpointing_enable('
+                'activation_checkpointing_kwargs={"use_reentrant": False}))'
             )
         stats = aux.statistics(router_logits, token_mask)  # [2E + 1] this rank's sums
         dev = loss_sum.device
