@@ -24,7 +24,7 @@ def strategy_of(sp_size: int, ring_count: int, ulysses_degree: int) -> str:
     return "wallfacer" if ring_count > 1 else "ring"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
     """Sequence parallelism of one SP group of ``sp_size`` ranks (the rest of the world is data parallel)."""
 

@@ -114,69 +114,102 @@ def _t(nbytes: float, link: LinkStats | None, messages: float) -> float:
     return nbytes / link.bw + messages * link.latency
 
 
+@dataclass(frozen=True)
+class _KernelTimes:
+    """Pure compute of one layer's pieces on one rank (seconds), and of the LM head."""
+
+    linear: float
+    """q/k/v/o projections and the MLP, forward."""
+    mlp: float
+    """The MLP alone, forward (what MsT recomputes)."""
+    attention: float
+    """Attention forward over this rank's share of the score matrix."""
+    head: float
+    """LM head forward + backward."""
+
+
+def _kernel_times(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work: Workload) -> _KernelTimes:
+    flops = cluster.flops * cluster.mfu
+    b, n, s = work.batch, work.seq_len, work.seq_len // cand.sp_size
+    return _KernelTimes(
+        linear=b * model.layer_matmul_flops(s) / flops,
+        mlp=2.0 * b * s * model.mlp_matrices * model.hidden * model.intermediate / flops,
+        attention=2.0 * b * model.heads * model.head_dim * n * n / cand.sp_size / flops,
+        head=6.0 * b * s * model.hidden * model.vocab / flops,
+    )
+
+
+def _attention_time(
+    kinds: dict[str, int], *, skew_fwd: int, attn: float, links: Links, cand: Candidate, work: Workload,
+    backward: bool,
+) -> tuple[float, float]:
+    """(wall time of one attention call, its communication time before overlap), from its bytes by kind."""
+    c, g = cand.ring_count, cand.group_size
+    a2a = _t(kinds.get("all_to_all", 0), links.a2a, 4)
+    if cand.ring_size == 1:
+        return a2a + attn, a2a
+    coll = _t(kinds["all_gather"], links.team, (1 if backward else 2) * (c - 1))
+    coll += _t(kinds["reduce_scatter"], links.team, c - 1)
+    skew = _t(skew_fwd, links.skew, 1)
+    if backward:
+        skew += _t(kinds["skew"] - skew_fwd, links.home, 1)
+    hop = _t(kinds["ring"] / (g - 1), links.ring, 1) if g > 1 else 0.0
+    step = attn / g
+    ring = (g - 1) * max(step, hop) + step if work.overlap else g * step + (g - 1) * hop
+    comm = a2a + coll + skew + (g - 1) * hop
+    return a2a + coll + skew + ring, comm
+
+
+def _zero_traffic(model: ModelSpec, cluster: ClusterSpec, work: Workload) -> tuple[int, float]:
+    """(bytes, seconds) of ZeRO's gradient reduce-scatter + parameter all-gather (+ one more gather per pass with
+    stage 3) per step and rank."""
+    w = cluster.world_size
+    if w == 1:
+        return 0, 0.0
+    nbytes = int((2 if work.zero_stage < 3 else 3) * work.elem_bytes * model.params * (w - 1) / w)
+    # NCCL runs one ring per NIC: the per-rank bytes cross each node boundary spread over all NICs
+    bw = cluster.intra_bw if cluster.nodes == 1 else min(cluster.intra_bw, cluster.nic_bw * cluster.nics_per_node)
+    return nbytes, nbytes / bw
+
+
 def estimate(
     model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work: Workload, *, links: Links | None = None
 ) -> CostBreakdown:
     """Predict one training step of ``cand`` on ``cluster`` (``links``: a cached ``analyse_links`` result)."""
     links = links or analyse_links(cand, cluster)
-    w, p = cluster.world_size, cand.sp_size
-    b, n, s = work.batch, work.seq_len, work.seq_len // p
-    flops = cluster.flops * cluster.mfu
-    c, g = cand.ring_count, cand.group_size
-    t_lin = b * model.layer_matmul_flops(s) / flops
-    t_mlp = 2.0 * b * s * model.mlp_matrices * model.hidden * model.intermediate / flops
-    t_attn = 2.0 * b * model.heads * model.head_dim * n * n / p / flops
+    t = _kernel_times(model, cluster, cand, work)
     by = layer_bytes(model, cand, work)
     fb, bb = by["forward"], by["backward"]
+    common = dict(skew_fwd=fb.get("skew", 0), links=links, cand=cand, work=work)
+    fwd_attn, fwd_comm = _attention_time(fb, attn=t.attention, backward=False, **common)
+    bwd_attn, bwd_comm = _attention_time(bb, attn=_BWD_ATTN * t.attention, backward=True, **common)
+    layer_fwd = t.linear + fwd_attn
 
-    def attention_time(kinds: dict[str, int], attn: float, *, backward: bool) -> tuple[float, float]:
-        """(wall time of the attention call, its communication time before overlap)."""
-        a2a = _t(kinds.get("all_to_all", 0), links.a2a, 4)
-        if cand.ring_size == 1:
-            return a2a + attn, a2a
-        coll = _t(kinds["all_gather"], links.team, (1 if backward else 2) * (c - 1))
-        coll += _t(kinds["reduce_scatter"], links.team, c - 1)
-        skew_fwd = fb["skew"]
-        skew = _t(skew_fwd, links.skew, 1)
-        if backward:
-            skew += _t(kinds["skew"] - skew_fwd, links.home, 1)
-        hop = _t(kinds["ring"] / (g - 1), links.ring, 1) if g > 1 else 0.0
-        step = attn / g
-        ring = (g - 1) * max(step, hop) + step if work.overlap else g * step + (g - 1) * hop
-        comm = a2a + coll + skew + (g - 1) * hop
-        return a2a + coll + skew + ring, comm
-
-    fwd_attn, fwd_comm = attention_time(fb, t_attn, backward=False)
-    bwd_attn, bwd_comm = attention_time(bb, _BWD_ATTN * t_attn, backward=True)
-    layer_fwd = t_lin + fwd_attn
+    # what backward runs again: the layer forward under checkpointing (attention too, unless its output is kept),
+    # and the MLP under MsT
     recompute, re_comm, re_bytes, re_compute = 0.0, 0.0, 0, 0.0
     if cand.checkpointing:
         if work.recompute_attention:
-            recompute, re_comm, re_bytes, re_compute = layer_fwd, fwd_comm, sum(fb.values()), t_lin + t_attn
+            recompute, re_comm, re_bytes, re_compute = layer_fwd, fwd_comm, sum(fb.values()), t.linear + t.attention
         else:
-            recompute, re_compute = t_lin, t_lin
+            recompute, re_compute = t.linear, t.linear
     if cand.mini_sequence:
-        recompute += t_mlp
-        re_compute += t_mlp
-    t_head = 6.0 * b * s * model.hidden * model.vocab / flops
-    compute = model.layers * (3 * t_lin + (1 + _BWD_ATTN) * t_attn + re_compute) + t_head
-    comm = model.layers * (fwd_comm + bwd_comm + re_comm)
-    # ZeRO: reduce-scatter gradients + all-gather parameters (+ one more gather per pass with stage 3)
-    zero_bytes = 0
-    zero_s = 0.0
-    if w > 1:
-        zero_bytes = int((2 if work.zero_stage < 3 else 3) * work.elem_bytes * model.params * (w - 1) / w)
-        # NCCL runs one ring per NIC: the per-rank bytes cross each node boundary spread over all NICs
-        bw = cluster.intra_bw if cluster.nodes == 1 else min(cluster.intra_bw, cluster.nic_bw * cluster.nics_per_node)
-        zero_s = zero_bytes / bw
-    bwd_total = model.layers * (2 * t_lin + bwd_attn)
+        recompute += t.mlp
+        re_compute += t.mlp
+
+    layers = model.layers
+    compute = layers * (3 * t.linear + (1 + _BWD_ATTN) * t.attention + re_compute) + t.head
+    comm = layers * (fwd_comm + bwd_comm + re_comm)
+    zero_bytes, zero_s = _zero_traffic(model, cluster, work)
+    bwd_total = layers * (2 * t.linear + bwd_attn)
     exposed_zero = max(0.0, zero_s - bwd_total) if work.overlap else zero_s
-    step = model.layers * (layer_fwd + bwd_attn + 2 * t_lin + recompute) + t_head + exposed_zero
+    step = layers * (layer_fwd + bwd_attn + 2 * t.linear + recompute) + t.head + exposed_zero
     return CostBreakdown(
         fwd_bytes=dict(fb), bwd_bytes=dict(bb),
-        step_bytes=model.layers * (sum(fb.values()) + sum(bb.values()) + re_bytes),
+        step_bytes=layers * (sum(fb.values()) + sum(bb.values()) + re_bytes),
         zero_bytes=zero_bytes, compute_s=compute, comm_s=comm, zero_s=zero_s, step_s=step,
-        tokens_per_s=(w // p) * b * n / step, attn_layer_s=fwd_attn + bwd_attn, links=links,
+        tokens_per_s=(cluster.world_size // cand.sp_size) * work.batch * work.seq_len / step,
+        attn_layer_s=fwd_attn + bwd_attn, links=links,
     )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..comm.layout import valid_ring_counts
+from ..comm.world import divisors
 from ..data.chunks import padded_length, seq_len_divisor
 from ..mst.config import auto_lm_head_chunk_tokens, auto_mlp_chunk_tokens
 from .candidate import PLACEMENTS, STRATEGIES, Candidate, Workload
@@ -114,10 +115,6 @@ class Plan:
         }
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _free(fixed: Mapping[str, Any], key: str) -> bool:
     return fixed.get(key) in (None, "auto")
 
@@ -138,15 +135,10 @@ def _mode_ok(fixed_mode: Any, strategy: str) -> bool:
     return fixed_mode in (None, "auto", strategy) or (fixed_mode == "wallfacer" and strategy == "ring")
 
 
-def enumerate_candidates(
-    model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any] | None = None
-) -> tuple[list[Candidate], list[str]]:
-    """Every valid candidate for the world size that respects ``fixed``, and why other settings are invalid."""
-    fixed = dict(fixed or {})
-    _check_fixed(fixed)
-    w, n = cluster.world_size, work.seq_len
-    skipped: list[str] = []
-    out: list[Candidate] = []
+def _mini_sequence_options(
+    model: ModelSpec, work: Workload, fixed: Mapping[str, Any]
+) -> tuple[list[bool], list[bool], int, int]:
+    """(MsT on/off options, checkpointing options, MLP chunk tokens, LM-head chunk tokens) that ``fixed`` allows."""
     mst_opts = [True, False] if _free(fixed, "mini_sequence") else [bool(fixed["mini_sequence"])]
     if not (_free(fixed, "mlp_chunk_tokens") and _free(fixed, "lm_head_chunk_tokens")) and _free(fixed, "mini_sequence"):
         mst_opts = [True]  # a chunk size implies MsT on
@@ -154,37 +146,65 @@ def enumerate_candidates(
     mlp_chunk = auto_mlp_chunk_tokens(model.hidden) if _free(fixed, "mlp_chunk_tokens") else int(fixed["mlp_chunk_tokens"])
     head_chunk = (auto_lm_head_chunk_tokens(model.vocab, work.lm_head_budget_mib) if _free(fixed, "lm_head_chunk_tokens")
                   else int(fixed["lm_head_chunk_tokens"]))
-    for p in _divisors(w):
+    return mst_opts, ac_opts, mlp_chunk, head_chunk
+
+
+def _sequence_splits(
+    model: ModelSpec, world_size: int, work: Workload, fixed: Mapping[str, Any], skipped: list[str]
+) -> Iterable[tuple[int, int]]:
+    """(P, U) pairs that divide the world, fit the heads and the sequence length; why others do not goes to
+    ``skipped`` (reported for the whole world only, where a user would look for it)."""
+    n = work.seq_len
+    for p in divisors(world_size):
         if not _free(fixed, "sp_size") and p != fixed["sp_size"]:
             continue
-        for u in _divisors(p):
+        for u in divisors(p):
             if not _free(fixed, "ulysses_degree") and u != fixed["ulysses_degree"]:
                 continue
             if u > 1 and kv_heads_on_wire(model, u, kv_replication=work.kv_replication) is None:
-                if p == w:
+                if p == world_size:
                     why = (f"{model.heads} query heads" if model.heads % u else
                            f"{model.kv_heads} kv heads" + ("" if work.kv_replication else " (kv replication off)"))
                     skipped.append(f"Ulysses U={u}: does not divide {why}")
                 continue
-            r = p // u
-            need = seq_len_divisor(p)
-            if n % need:
-                if p == w:
-                    skipped.append(f"P={p} U={u}: seq_len {n} not divisible by {need}")
+            if n % seq_len_divisor(p):
+                if p == world_size:
+                    skipped.append(f"P={p} U={u}: seq_len {n} not divisible by {seq_len_divisor(p)}")
                 continue
-            for c in valid_ring_counts(r):
-                if not _free(fixed, "ring_count") and c != fixed["ring_count"]:
-                    continue
-                for pl in PLACEMENTS:
-                    if not _free(fixed, "placement") and pl != fixed["placement"]:
-                        continue
-                    if pl != "team-inner" and (c == 1 or r // (c * c) == 1) and _free(fixed, "placement"):
-                        continue  # the same ranks as team-inner
-                    for mst in mst_opts:
-                        for ac in ac_opts:
-                            cand = Candidate(p, c, u, pl, mst, mlp_chunk if mst else 0, head_chunk if mst else 0, ac)
-                            if _mode_ok(fixed.get("mode"), cand.strategy):
-                                out.append(cand)
+            yield p, u
+
+
+def _ring_splits(ring_size: int, fixed: Mapping[str, Any]) -> Iterable[tuple[int, str]]:
+    """(C, placement) pairs for R ring ranks; placements that give the same ranks as team-inner are left out."""
+    for c in valid_ring_counts(ring_size):
+        if not _free(fixed, "ring_count") and c != fixed["ring_count"]:
+            continue
+        for pl in PLACEMENTS:
+            if not _free(fixed, "placement") and pl != fixed["placement"]:
+                continue
+            if pl != "team-inner" and (c == 1 or ring_size // (c * c) == 1) and _free(fixed, "placement"):
+                continue  # the same ranks as team-inner
+            yield c, pl
+
+
+def enumerate_candidates(
+    model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any] | None = None
+) -> tuple[list[Candidate], list[str]]:
+    """Every valid candidate for the world size that respects ``fixed``, and why other settings are invalid."""
+    fixed = dict(fixed or {})
+    _check_fixed(fixed)
+    skipped: list[str] = []
+    out: list[Candidate] = []
+    mst_opts, ac_opts, mlp_chunk, head_chunk = _mini_sequence_options(model, work, fixed)
+    for p, u in _sequence_splits(model, cluster.world_size, work, fixed, skipped):
+        for c, pl in _ring_splits(p // u, fixed):
+            for mst in mst_opts:
+                for ac in ac_opts:
+                    cand = Candidate(sp_size=p, ring_count=c, ulysses_degree=u, placement=pl, mini_sequence=mst,
+                                     mlp_chunk_tokens=mlp_chunk if mst else 0,
+                                     lm_head_chunk_tokens=head_chunk if mst else 0, checkpointing=ac)
+                    if _mode_ok(fixed.get("mode"), cand.strategy):
+                        out.append(cand)
     return out, skipped
 
 

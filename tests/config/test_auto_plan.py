@@ -123,7 +123,7 @@ def test_ring_inner_ranks_and_shards_agree_with_the_planner(u: int) -> None:
 
     lay = ParallelLayout(world_size=32, sp_size=16, mode="wallfacer" if u == 1 else "hybrid", ulysses_degree=u,
                          ring_count=2, num_heads=8, num_kv_heads=8, placement="ring-inner")
-    cand = planner.Candidate(16, 2, u, "ring-inner")
+    cand = planner.Candidate(sp_size=16, ring_count=2, ulysses_degree=u, placement="ring-inner")
     rings = [lay.ring_ranks(d, k) for d in range(lay.dp_size) for k in range(u)]
     assert rings == [tuple(x.ranks) for x in planner.layouts(cand, 32)]
     assert rings[0] != tuple(sorted(rings[0]))  # a real permutation (G = 16 / u / 4 > 1)
@@ -144,7 +144,7 @@ def test_planner_can_choose_ring_inner() -> None:
     lay = _resolve({"sequence_parallel_size": 32, "ring_count": 2, "cluster": "h100x64"}, world=32,
                    heads=(32, 32), model="llama2-7b", seq_len=65536, zero_stage=3)
     assert lay.placement == "ring-inner" and lay.notes[0].startswith("planner chose placement = ring-inner")
-    assert lay.ring_ranks(0, 0) == planner.layouts(planner.Candidate(32, 2, 1, "ring-inner"), 32)[0].ranks
+    assert lay.ring_ranks(0, 0) == planner.layouts(planner.Candidate(sp_size=32, ring_count=2, ulysses_degree=1, placement="ring-inner"), 32)[0].ranks
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

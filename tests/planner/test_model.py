@@ -30,10 +30,10 @@ def test_layer_bytes_are_volume_figures():
     m = MODELS["llama3-8b"]
     w = Workload(seq_len=65536)
     shape = AttnShape(1, 65536, 32, 8, 128, 2)
-    assert layer_bytes(m, Candidate(64, 4), w) == wallfacer_bytes(shape, sp_size=64, ring_count=4, local=1)
-    assert layer_bytes(m, Candidate(64, 4), w, sp_index=0) == wallfacer_bytes(shape, sp_size=64, ring_count=4, local=0)
-    assert layer_bytes(m, Candidate(8, 1, 8), w) == ulysses_bytes(shape, degree=8, sp_size=8)
-    hyb = layer_bytes(m, Candidate(64, 2, 4), w)
+    assert layer_bytes(m, Candidate(sp_size=64, ring_count=4), w) == wallfacer_bytes(shape, sp_size=64, ring_count=4, local=1)
+    assert layer_bytes(m, Candidate(sp_size=64, ring_count=4), w, sp_index=0) == wallfacer_bytes(shape, sp_size=64, ring_count=4, local=0)
+    assert layer_bytes(m, Candidate(sp_size=8, ring_count=1, ulysses_degree=8), w) == ulysses_bytes(shape, degree=8, sp_size=8)
+    hyb = layer_bytes(m, Candidate(sp_size=64, ring_count=2, ulysses_degree=4), w)
     inner = wallfacer_bytes(AttnShape(1, 65536, 8, 2, 128, 2), sp_size=16, ring_count=2, local=1)
     assert hyb["forward"]["all_to_all"] == ulysses_bytes(shape, degree=4, sp_size=64)["forward"]["all_to_all"]
     assert hyb["forward"]["ring"] == inner["forward"]["ring"]
@@ -49,17 +49,17 @@ def test_peer_arithmetic_equals_rank_layout(p):
 
 def test_placement_layouts_and_links():
     h = CLUSTERS["h100x64"]
-    team = Candidate(64, 4)
-    ring = Candidate(64, 4, placement="ring-inner")
+    team = Candidate(sp_size=64, ring_count=4)
+    ring = Candidate(sp_size=64, ring_count=4, placement="ring-inner")
     lt, lr = analyse_links(team, h), analyse_links(ring, h)
     assert lt.team.offnode == 0 and lt.ring.offnode > 0  # teams inside nodes, sub-rings leave them
     assert lr.ring.offnode == 0 and lr.team.offnode > 0  # sub-rings (G = 4) inside nodes, teams span them
     lay = layouts(ring, 64, 8)
     assert len(lay) == 1 and lay[0].teams_cross_nodes()
-    hyb = layouts(Candidate(16, 2, 2), 32)  # 2 SP groups x U = 2 rings of R = 8
+    hyb = layouts(Candidate(sp_size=16, ring_count=2, ulysses_degree=2), 32)  # 2 SP groups x U = 2 rings of R = 8
     assert [lay.ranks[:3] for lay in hyb] == [(0, 2, 4), (1, 3, 5), (16, 18, 20), (17, 19, 21)]
-    assert analyse_links(Candidate(8, 1, 8), h).a2a.offnode == 0
-    assert analyse_links(Candidate(16, 1, 16), h).a2a.offnode == 1
+    assert analyse_links(Candidate(sp_size=8, ring_count=1, ulysses_degree=8), h).a2a.offnode == 0
+    assert analyse_links(Candidate(sp_size=16, ring_count=1, ulysses_degree=16), h).a2a.offnode == 1
 
 
 def test_memory_terms():
@@ -67,14 +67,14 @@ def test_memory_terms():
     w = Workload(seq_len=131072)
     cl = CLUSTERS["h100x64"]
     for c in (1, 2, 4):
-        mem = memory_breakdown(m, cl, Candidate(64, c), w)
+        mem = memory_breakdown(m, cl, Candidate(sp_size=64, ring_count=c), w)
         assert mem.team_copies == 3 * (c - 1) * 131072 * m.hidden // 64 * 2
-    on = memory_breakdown(m, cl, Candidate(8, 1, mini_sequence=True, mlp_chunk_tokens=4096, lm_head_chunk_tokens=512), w)
-    off = memory_breakdown(m, cl, Candidate(8, 1, mini_sequence=False), w)
+    on = memory_breakdown(m, cl, Candidate(sp_size=8, ring_count=1, mini_sequence=True, mlp_chunk_tokens=4096, lm_head_chunk_tokens=512), w)
+    off = memory_breakdown(m, cl, Candidate(sp_size=8, ring_count=1, mini_sequence=False), w)
     assert on.lm_head < off.lm_head and on.layer < off.layer
     # MsT's LM-head term: fp32 logits of 16K local tokens x 32K vocab, about 3 copies
     assert off.lm_head > 3 * 16384 * 32000 * 4
-    no_ac = memory_breakdown(m, cl, Candidate(8, 1, checkpointing=False), w)
+    no_ac = memory_breakdown(m, cl, Candidate(sp_size=8, ring_count=1, checkpointing=False), w)
     assert no_ac.checkpoints > 5 * off.checkpoints
 
 
@@ -84,16 +84,16 @@ def test_direction_matches_paper():
     h = CLUSTERS["h100x64"]
     for n, p in ((65536, 64), (131072, 32)):
         w = Workload(seq_len=n)
-        ring = estimate(m, h, Candidate(p, 1), w)
+        ring = estimate(m, h, Candidate(sp_size=p, ring_count=1), w)
         for c in (2, 4):
-            assert estimate(m, h, Candidate(p, c), w).step_s < ring.step_s
+            assert estimate(m, h, Candidate(sp_size=p, ring_count=c), w).step_s < ring.step_s
     w = Workload(seq_len=65536)
-    across = estimate(m, h, Candidate(64, 1), w).step_s / estimate(m, h, Candidate(64, 2), w).step_s
-    node = estimate(m, h, Candidate(8, 1), w).step_s / estimate(m, h, Candidate(8, 2), w).step_s
+    across = estimate(m, h, Candidate(sp_size=64, ring_count=1), w).step_s / estimate(m, h, Candidate(sp_size=64, ring_count=2), w).step_s
+    node = estimate(m, h, Candidate(sp_size=8, ring_count=1), w).step_s / estimate(m, h, Candidate(sp_size=8, ring_count=2), w).step_s
     assert node < across and node < 1.1
     # without overlap the ring's exposed communication grows
-    assert estimate(m, h, Candidate(64, 1), Workload(65536, overlap=False)).step_s > across * 0 + estimate(
-        m, h, Candidate(64, 1), w).step_s
+    assert estimate(m, h, Candidate(sp_size=64, ring_count=1), Workload(65536, overlap=False)).step_s > across * 0 + estimate(
+        m, h, Candidate(sp_size=64, ring_count=1), w).step_s
 
 
 def test_paper_figures_without_sub_ring():
