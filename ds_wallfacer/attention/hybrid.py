@@ -1,5 +1,5 @@
 """The hybrid: Ulysses degree U inside (consecutive ranks, one node) x WallFacer over R = P / U outside
-(DESIGN.md section 3; a 2D mesh like USP / Megatron "a2a+p2p", with multi-ring instead of one ring).
+(docs/design.md §3; a 2D mesh like USP / Megatron "a2a+p2p", with multi-ring instead of one ring).
 
 Rank ``i = r * U + u`` of a sequence-parallel group holds pieces ``a*U + u`` and ``b*U + u`` of the 2P pieces
 of a sequence, where (a, b) are ring rank r's two chunks of 2R (zigzag: (r, 2R-1-r)). The Ulysses all-to-all

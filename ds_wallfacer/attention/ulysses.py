@@ -1,4 +1,4 @@
-"""DeepSpeed-Ulysses sequence parallelism (DESIGN.md section 3) over our counted comm layer.
+"""DeepSpeed-Ulysses sequence parallelism (docs/design.md §3) over our counted comm layer.
 
 Dimensions: B batch, hq / hk query / kv heads, d head dim, U Ulysses degree (group size), S_l tokens per
 rank (two pieces of S_l / 2, see ``ds_wallfacer.data.loader.sequence_chunk_ids``), S_u = U * S_l tokens

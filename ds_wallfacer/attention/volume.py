@@ -4,7 +4,7 @@ Pure arithmetic: the planner's cost model uses these, and the tests assert them 
 comm layer counted. Symbols as in ``wallfacer.py``: n_q = B*hq*S_l*d and n_kv = B*hk*S_l*d elements per
 rank, S_l = N / P, s = input element size, a = element size of the summed partials/gradients (fp32 = 4).
 
-Differences from the paper's formulas (DESIGN.md section 2), all deliberate:
+Differences from the paper's formulas (docs/design.md §2), all deliberate:
 - k/v are not all-gathered in the team: a skewed gather sends each rank's k/v shard straight to the C lanes
   that start with its team (C*2*n_kv*s; (C-1)*2*n_kv*s for local 0), so the paper's two k/v all-gathers
   are replaced by this one step; the paper's ring term starts counting after it

@@ -1,4 +1,4 @@
-"""WallFacer multi-ring sequence-parallel attention (DESIGN.md section 2); C = 1 is plain ring attention.
+"""WallFacer multi-ring sequence-parallel attention (docs/design.md §2); C = 1 is plain ring attention.
 
 Dimensions: B batch, hq / hk query / kv heads, d head dim, P sequence-parallel ranks, C ring count (team
 size), G = P / C^2 ring steps, S_l = N / P tokens per rank (two chunks of L = S_l / 2), S_t = C * S_l

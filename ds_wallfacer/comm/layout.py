@@ -1,4 +1,4 @@
-"""Communication config generator: the WallFacer rank layout (DESIGN.md section 2), as pure Python.
+"""Communication config generator: the WallFacer rank layout (docs/design.md §2), as pure Python.
 
 Glossary (one sequence-parallel group of P ranks, ring count C, C*C dividing P):
 

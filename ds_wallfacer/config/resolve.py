@@ -7,8 +7,8 @@ group of ring count C (outer). mode "wallfacer" is U = 1, mode "ulysses" is U = 
 rank r holds WallFacer index i (team * C + local) is the placement's: r = i for "team-inner" (teams of
 consecutive ranks), ``comm.world.ring_offset`` for "ring-inner" (sub-rings of consecutive ranks).
 
-``resolve_auto`` is the one place where "auto" values are chosen: by the topology planner (issue 5) when it has
-a model and a sequence length, else (or when the planner finds nothing) by the safe rule of issue 4.
+``resolve_auto`` is the one place where "auto" values are chosen: by the topology planner when it has a model and
+a sequence length, else (or when the planner finds nothing) by the safe rule (``_safe_rule``).
 """
 from __future__ import annotations
 
@@ -312,7 +312,7 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
 
 def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_heads: int, rpn: int | None,
                notes: list[str]) -> ParallelLayout:
-    """Issue 4's rule: valid values that keep teams and Ulysses groups inside a node."""
+    """The safe rule: valid values that keep teams and Ulysses groups inside a node."""
     node = rpn or world_size
     p = world_size if cfg.sequence_parallel_size == "auto" else int(cfg.sequence_parallel_size)
     if cfg.sequence_parallel_size == "auto":

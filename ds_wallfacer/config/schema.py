@@ -1,4 +1,4 @@
-"""The ``"wallfacer"`` section of a ds_config JSON, parsed ONCE into frozen dataclasses (issue 4).
+"""The ``"wallfacer"`` section of a ds_config JSON, parsed ONCE into frozen dataclasses.
 
 Everything else in the package reads these dataclasses, never the raw dict. Pure Python: no torch import.
 

@@ -1,4 +1,4 @@
-"""The sequence-parallel data loader (the paper's dataloader component, issue 4).
+"""The sequence-parallel data loader (the paper's dataloader component).
 
 Turns batches of full sequences into this rank's shard: ``input_ids``, global ``position_ids`` and
 ``shift_labels`` (labels shifted BEFORE sharding, so no label crosses a shard boundary; ignored positions are

@@ -1,4 +1,4 @@
-"""Communication topology planner (issue 5; DESIGN.md sections 2 and 4).
+"""Communication topology planner (docs/design.md §2, §5).
 
 Given a cluster, a model and a sequence length, predict every configuration's communication, compute and
 peak memory per rank, and pick the fastest one that fits:

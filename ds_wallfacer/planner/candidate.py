@@ -1,4 +1,4 @@
-"""One configuration the planner considers: mode, sizes, placement and mini-sequence settings (issue 5)."""
+"""One configuration the planner considers: mode, sizes, placement and mini-sequence settings."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""Cluster descriptions for the topology planner (issue 5): nodes, links, memory and compute per rank.
+"""Cluster descriptions for the topology planner: nodes, links, memory and compute per rank.
 
 Link model (what the cost model needs to tell intra- from inter-node traffic apart):
 

@@ -1,4 +1,4 @@
-"""Cost model: bytes, communication and compute time per layer and per training step (issue 5).
+"""Cost model: bytes, communication and compute time per layer and per training step.
 
 Byte volumes are NOT derived here: they are ``attention.volume``'s exact counts of what the implementation
 sends (``wallfacer_bytes``, ``ulysses_bytes``), taken for the rank that sends most (a team member with
@@ -214,7 +214,7 @@ def estimate(
 
 
 def paper_figures(shape: AttnShape, *, sp_size: int, ring_count: int) -> dict[str, float]:
-    """The paper's forward bytes per rank per layer (DESIGN.md section 2), three ways:
+    """The paper's forward bytes per rank per layer (docs/design.md §2), three ways:
 
     - ``*_formula``: ``volume.paper_*_bytes``, (P-1) ring hops and (P/C^2 - 1) sub-ring hops
     - ``*_printed``: the figures as the paper prints them, which count P and P/C^2 hops (leading order);

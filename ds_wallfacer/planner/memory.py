@@ -1,4 +1,4 @@
-"""Memory model: peak bytes per rank of one training step (issue 5; DESIGN.md sections 2 and 4).
+"""Memory model: peak bytes per rank of one training step (docs/design.md §2, §5).
 
 Peak = model states + checkpointed activations + the larger of (one decoder layer's working set during its
 recomputation and backward) and (the LM head + loss working set). Per rank, S = N / P local tokens, s the
@@ -9,7 +9,7 @@ element size, psi the parameter count, W the world size (ZeRO shards over every 
 - checkpoints: layers x B S H s (only each layer's input, MsT + checkpointing); without checkpointing every
   layer keeps its activations (the MLP intermediates only without MsT)
 - attention working set: WallFacer's team copies of q, k, v (3 (C-1) B N H / P s with multi-head attention,
-  DESIGN.md section 2), double-buffered k/v blocks, fp32 accumulators and the fp32 reduce-scatter buffers;
+  docs/design.md §2), double-buffered k/v blocks, fp32 accumulators and the fp32 reduce-scatter buffers;
   Ulysses' all-to-all buffers
 - MLP: 7 I s per token (gate, up, activation, product and their gradients), over one mini-sequence with MsT
 - LM head: fp32 logits, softmax and gradient (3 x 4 V bytes per token), over one mini-sequence with MsT

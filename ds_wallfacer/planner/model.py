@@ -1,4 +1,4 @@
-"""Model descriptions for the topology planner (issue 5): the shape facts the cost and memory model need.
+"""Model descriptions for the topology planner: the shape facts the cost and memory model need.
 
 Read from an HF config (object or dict) or taken from the presets. Assumes a Llama-style decoder: grouped-query
 attention with q/k/v/o projections, a gated (SwiGLU) MLP of three matrices, RMSNorm, untied or tied LM head.

@@ -1,5 +1,5 @@
 """Rank placement: which global ranks form each sequence-parallel group, ring and Ulysses group, and which
-links every traffic kind crosses (issue 5, "Rank placement").
+links every traffic kind crosses.
 
 Which rank plays which part is ``comm.world.WorldLayout``'s (the same arithmetic the run uses): W / P
 sequence-parallel groups of consecutive ranks, the Ulysses index innermost, then the WallFacer index in the order of

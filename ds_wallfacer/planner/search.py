@@ -1,4 +1,4 @@
-"""The planner: enumerate valid configurations, reject what does not fit memory, rank the rest (issue 5).
+"""The planner: enumerate valid configurations, reject what does not fit memory, rank the rest.
 
 ``plan`` returns every row (ranked, rejected ones last with their reason); ``resolve`` is the start-up entry
 point for ``"auto"`` values in the ``"wallfacer"`` config section: it respects the user's fixed values and

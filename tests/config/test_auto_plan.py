@@ -1,4 +1,4 @@
-""""auto" values resolved by the topology planner at start-up (issue 5): the planner's choice becomes the layout,
+""""auto" values resolved by the topology planner at start-up: the planner's choice becomes the layout,
 the user's values are respected, the planner's errors fall back to the safe rule with the message in the notes,
 and the "ring-inner" placement maps ranks and data shards consistently. Pure: no processes."""
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_user_values_are_fixed_for_the_planner() -> None:
     lay = _resolve({"cluster": "h100x8", "mini_sequence": {"mlp_chunk_tokens": 64}})
     assert lay.planner_choice["mini_sequence"] is True and lay.planner_choice["mlp_chunk_tokens"] == 64
     assert lay.planner_choice["activation_checkpointing"] is True  # MsT's default layer checkpointing
-    # nothing left open: no planner run, no notes (issue 4's behaviour)
+    # nothing left open: no planner run, no notes
     lay = _resolve({"sequence_parallel_size": 4, "ring_count": 2})
     assert lay.planner_choice is None and lay.notes == () and lay.placement == "team-inner"
 

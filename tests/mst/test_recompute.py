@@ -1,5 +1,5 @@
-"""How often the mini-sequence MLP forward runs per training step (issue 3: "nothing is recomputed more often than
-needed"), with decoder-layer checkpointing on, and that gradients still equal the unmodified model's (fp32).
+"""How often the mini-sequence MLP forward runs per training step (nothing may be recomputed more often than
+needed), with decoder-layer checkpointing on, and that gradients still equal the unmodified model's (fp32).
 
 Counted by a forward hook on each MLP's ``down_proj`` (the last projection: one call per mini-sequence run): tokens
 through it per step / tokens in the batch = runs per token; runs per mini-sequence = non-empty calls / mini-sequences.

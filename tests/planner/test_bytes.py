@@ -1,4 +1,4 @@
-"""The cost model's byte counts equal what the implementation sends (issue 5, "What must hold").
+"""The cost model's byte counts equal what the implementation sends.
 
 One gloo launch per P in {4, 8} runs ring (C = 1), WallFacer C = 2, Ulysses (U = P, kv heads replicated) and
 a hybrid, each built from the planner's own placement (``layouts``, ``ulysses_groups``), and compares every

@@ -63,7 +63,7 @@ def test_placement_layouts_and_links():
 
 
 def test_memory_terms():
-    m = MODELS["llama2-7b"]  # multi-head attention: the DESIGN.md term 3(C-1) B N H / P applies exactly
+    m = MODELS["llama2-7b"]  # multi-head attention: the paper's term 3(C-1) B N H / P applies exactly
     w = Workload(seq_len=131072)
     cl = CLUSTERS["h100x64"]
     for c in (1, 2, 4):
