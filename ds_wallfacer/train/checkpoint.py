@@ -10,8 +10,10 @@ marker is there: a tag dir without one (an interrupted save), whatever ``latest`
 
 Resuming with another sequence-parallel split of the same world (P = 4 -> P = 2 x D = 2) needs no conversion:
 DeepSpeed is handed every rank as a data-parallel replica (see ``integration/loss.py``), so ZeRO partitions the
-same parameters over the same W ranks whatever the split, and the DeepSpeed files load as they are. The data
-position is kept in sequences, which another split of the same global batch consumes identically.
+same parameters over the same W ranks whatever the split, and the DeepSpeed files load as they are. On another
+number of ranks, ZeRO's partitions differ: the tag is converted once to DeepSpeed's universal checkpoint
+(``universal_copy``) and loaded with ``"checkpoint": {"load_universal": true}``. The data position is kept in
+sequences, which another split of the same global batch consumes identically.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import torch.distributed as dist
 from .cli import StartupError
 
 __all__ = [
-    "MARKER", "POINTER", "find_resume", "load", "resolve_resume", "rng_for_rank", "rng_state", "save", "set_rng_state",
+    "MARKER", "POINTER", "find_resume", "load", "resolve_resume", "rng_for_rank", "rng_state", "save",
+    "saved_world_size", "set_rng_state", "universal_copy",
 ]
 
 MARKER = "wallfacer_complete.json"
@@ -121,14 +124,43 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return found
 
 
-def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
-    """Load DeepSpeed's state from ``tag_dir`` (collective) and return the trainer's client state. RNG states are
-    NOT restored here: call ``set_rng_state(rng_for_rank(state))`` last, right before training continues."""
-    saved_world = json.loads((tag_dir / MARKER).read_text()).get("world_size")
-    if saved_world != dist.get_world_size():  # checked first: DeepSpeed would fail inside the load on some ranks
+def saved_world_size(tag_dir: Path) -> int:
+    """Ranks that wrote the checkpoint (from its marker; pure)."""
+    return int(json.loads((tag_dir / MARKER).read_text())["world_size"])
+
+
+def universal_copy(tag_dir: Path) -> Path:
+    """Collective: DeepSpeed's universal checkpoint of ``tag_dir`` (``<tag>_universal`` beside it, converted once by
+    rank 0 with ``ds_to_universal``): ZeRO state per parameter, loadable by any number of ranks."""
+    import argparse
+    import shutil
+
+    out = tag_dir.with_name(f"{tag_dir.name}_universal")
+    if dist.get_rank() == 0 and not _complete(out):
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        shutil.rmtree(out, ignore_errors=True)
+        ds_to_universal(argparse.Namespace(
+            input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1, num_merge_workers=1,
+            keep_temp_folder=False, strict=True, inject_missing_state=True,
+        ))
+        _write_atomic(out / MARKER, (tag_dir / MARKER).read_text())
+    dist.barrier()
+    return out
+
+
+def load(engine: Any, tag_dir: Path, *, universal: bool = False) -> dict[str, Any]:
+    """Load DeepSpeed's state from ``tag_dir`` (collective) and return the trainer's client state. ``universal``
+    (the ds_config has ``"checkpoint": {"load_universal": true}``): through ``universal_copy``, for a checkpoint
+    written by another number of ranks. RNG states are NOT restored here: call
+    ``set_rng_state(rng_for_rank(state))`` last, right before training continues."""
+    saved_world = saved_world_size(tag_dir)
+    if universal:
+        tag_dir = universal_copy(tag_dir)
+    elif saved_world != dist.get_world_size():  # checked first: DeepSpeed would fail inside the load on some ranks
         raise StartupError(
-            f"{tag_dir} was written by {saved_world} ranks, this run has {dist.get_world_size()}: resume on "
-            f"{saved_world} ranks (any sequence-parallel split of them works; ZeRO state is partitioned by rank)"
+            f"{tag_dir} was written by {saved_world} ranks, this run has {dist.get_world_size()}: start with "
+            '"checkpoint": {"load_universal": true} handled by the trainer (resume through ds_wallfacer.train)'
         )
     path, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     if path is None or not client or _CLIENT_KEY not in client:

@@ -117,6 +117,10 @@ def run(args: Any) -> int:
         def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
             return torch.optim.lr_scheduler.LambdaLR(opt, factor)  # DeepSpeed calls this with its optimizer
 
+    world_now = int(os.environ.get("WORLD_SIZE", "1"))
+    universal = resume_tag is not None and ckpt.saved_world_size(resume_tag) != world_now
+    if universal:  # written by another number of ranks: DeepSpeed's universal checkpoint re-partitions ZeRO state
+        ds_config = {**ds_config, "checkpoint": {**(ds_config.get("checkpoint") or {}), "load_universal": True}}
     engine, sp = wfi.initialize(model=model, config=ds_config, optimizer=optimizer, lr_scheduler=scheduler,
                                 seq_len=args.seq_len)
     rank, world, lay = dist.get_rank(), dist.get_world_size(), sp.layout
@@ -131,7 +135,7 @@ def run(args: Any) -> int:
     if rank == 0 and args.resume == "auto" and resume_tag is None:
         print(f"ds_wallfacer.train: no complete checkpoint in {out / 'checkpoints'}: starting fresh", flush=True)
     if resume_tag is not None:
-        saved = ckpt.load(engine, resume_tag)
+        saved = ckpt.load(engine, resume_tag, universal=universal)
         step = int(saved["step"])
         state = {k: saved[k] for k in state}
         if state["sequences_in_epoch"] % (micro * dp):

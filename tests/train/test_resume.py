@@ -7,6 +7,7 @@ tokenizer trained offline, on .jsonl documents; then
   ``latest`` names): ``--resume auto`` picks step_3 and steps 4..6 (an epoch wrap included) equal A's bitwise;
 - D: step_3 resumed with another sequence-parallel split of the 4 ranks (P = 2 x D = 2, same global batch):
   steps 4..6 equal A's within fp32 noise;
+- E: step_3 resumed on 1 rank through DeepSpeed's universal checkpoint: the same;
 - A's wandb run under --output_dir holds every loss; A's HF export loads with plain transformers, without
   ``lm.`` keys, and gives the logits of the consolidated DeepSpeed checkpoint; it loads as ``--model`` too.
 """
@@ -92,6 +93,21 @@ def test_resume_with_another_sequence_parallel_split(run_a: dict) -> None:
     got, want = losses(tmp / "d"), losses(a)
     assert sorted(got) == [4, 5, 6]
     for k in got:  # another attention split: fp32 rounding only
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-5), (k, got[k], want[k])
+
+
+def test_resume_on_another_number_of_ranks_through_a_universal_checkpoint(run_a: dict) -> None:
+    tmp, a = run_a["tmp"], run_a["tmp"] / "a"
+    cfg_e = _config(tmp / "p1.json", sp=1, ring_count=1, micro=2)
+    res = launch(1, tmp / "cwd", "--deepspeed_config", str(cfg_e), "--output_dir", str(tmp / "e"),
+                 "--resume", str(a / "checkpoints" / "step_3"), "--no_wandb", "--no_export", "--no_save",
+                 *run_a["common"])
+    s = summary(res)
+    assert (s["world_size"], s["sequence_parallel_size"], s["global_batch"]) == (1, 1, 2)
+    assert (a / "checkpoints" / "step_3_universal" / "zero").is_dir()
+    got, want = losses(tmp / "e"), losses(a)
+    assert sorted(got) == [4, 5, 6]
+    for k in got:  # ZeRO state gathered onto 1 rank, no sequence parallelism: fp32 rounding only
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-5), (k, got[k], want[k])
 
 
