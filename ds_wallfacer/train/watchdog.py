@@ -17,11 +17,13 @@ clock (time since a peer's counter last changed), so the clocks of different hos
 
 Verdicts: a peer on this host whose process is gone (pid and start time), at once; a peer that raised (its
 ``atexit`` hook marks it "failed"), at once; a peer silent for ``timeout_s``; the store itself silent for
-``timeout_s`` (its host process, rank 0 under the env:// rendezvous, is stopped or gone). The first rank to judge
-posts its verdict in the store, so the other ranks print the same names. Each rank then prints ONE line and
-leaves with ``os._exit``: its main thread may be stuck in a collective that nothing else would end. A stalled
-peer on this host is SIGKILLed first: stopped, or stuck holding the GIL, it would not act on the launcher's
-SIGTERM, and the launcher waits 30 s before it sends SIGKILL. A collective that raises because a peer vanished
+``timeout_s`` (its host process, rank 0 under the env:// rendezvous, is stopped or gone); this rank's launcher
+gone (the rank was orphaned, and nothing would end it). The first rank to judge posts its verdict in the store,
+so the other ranks print the same names. Each rank then prints ONE line and leaves with ``os._exit``: its main
+thread may be stuck in a collective that nothing else would end. A stalled peer on this host is also SIGKILLed:
+stopped, or stuck holding the GIL, it would not act on the launcher's SIGTERM, and the launcher waits 30 s
+before it sends SIGKILL. (So native code that holds the GIL for longer than ``timeout_s`` looks stalled too:
+choose the timeout above the longest such call.) A collective that raises because a peer vanished
 (gloo sees the closed connection at once) does not print its traceback: the rank waits for the verdict and
 prints that instead.
 
@@ -128,6 +130,7 @@ class Watchdog:
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup = -1
         self._old_excepthook: Any = None
+        self._parent = os.getppid()
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> "Watchdog":
@@ -235,6 +238,8 @@ class Watchdog:
         now = time.monotonic()
         if self._posted is not None:
             return f"{self._posted['what']} (detected by rank {self._posted['by']})", [], False
+        if os.getppid() != self._parent:  # reparented: nothing would end this rank when the job ends
+            return f"the process that launched this rank (pid {self._parent}) is gone", [], False
         done = {r for r, v in self._state.items() if v == _DONE}
         failed = [r for r, v in self._state.items() if v == _FAILED]
         if failed:
@@ -281,16 +286,13 @@ class Watchdog:
             if self._ended:
                 return
             self._ended = True
-        for info in kill:
-            if info.host == self.me.host and _process_alive(info):
-                try:
-                    os.kill(info.pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        _say(f"ds_wallfacer watchdog on {self.me.describe()}: {what}; ending this rank (exit code {code}) so that "
+             "the launcher ends the job")
         if post and not self._store_lost:
             self._quick(lambda: self._store.set("fault", json.dumps({"what": what, "by": self.rank})))
-        _exit(f"ds_wallfacer watchdog on {self.me.describe()}: {what}; ending this rank (exit code {code}) so that "
-              "the launcher ends the job", code)
+        for pid in [i.pid for i in kill if i.host == self.me.host and _process_alive(i)]:
+            _ignore_errors(lambda pid=pid: os.kill(pid, signal.SIGKILL))
+        os._exit(code)  # not sys.exit: that would wait for the main thread, which may be stuck in a collective
 
     def _quick(self, fn: Any) -> None:
         """A store operation that must not delay the exit: the store may be the thing that is stuck."""
@@ -349,8 +351,9 @@ class Watchdog:
             for signum in data:
                 if signum in _SIGNAL_EXIT:
                     self._on_signal(signum)
-            if self._old_wakeup >= 0 and data.strip(b"\0"):
-                _ignore_errors(lambda: os.write(self._old_wakeup, data.replace(b"\0", b"")))
+            forward = data.replace(b"\0", b"")
+            if self._old_wakeup >= 0 and forward:  # whoever had the wakeup fd before still gets its bytes
+                _ignore_errors(lambda forward=forward: os.write(self._old_wakeup, forward))
             if b"\0" in data:
                 os.close(r)
                 os.close(w)
@@ -403,9 +406,8 @@ def _ignore_errors(fn: Any) -> None:
         pass
 
 
-def _exit(line: str, code: int) -> None:
-    """One line, flushed, then leave at once (``sys.exit`` would wait for the main thread's collective)."""
+def _say(line: str) -> None:
+    """One line on stderr after what this rank printed so far, written whole even if the process dies next."""
     for stream in (sys.stdout, sys.stderr):
         _ignore_errors(stream.flush)
     _ignore_errors(lambda: os.write(2, (line + "\n").encode()))
-    os._exit(code)

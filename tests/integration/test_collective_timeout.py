@@ -3,7 +3,6 @@ initialises torch.distributed itself), DeepSpeed's data-parallel group (its clon
 otherwise get torch's 30-minute gloo default) and the sequence-parallel groups. 2 gloo ranks, real DeepSpeed."""
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch

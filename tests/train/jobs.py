@@ -59,7 +59,7 @@ class Job:
     def wait_for(self, pattern: str, *, timeout: float = 240) -> None:
         """Until a line of the output matches ``pattern``; fails with the output's tail if the job ends first."""
         deadline = time.monotonic() + timeout
-        rx = re.compile(pattern, re.M)
+        rx = re.compile(pattern, re.MULTILINE)
         while not rx.search(self.output()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"{pattern!r} never printed (exit {self.proc.poll()}):\n{self.output()[-4000:]}")
@@ -85,6 +85,12 @@ class Job:
             except (ProcessLookupError, psutil.Error):
                 pass
         return out
+
+    def wait_gone(self, *, deadline: float) -> list[psutil.Process]:
+        """Until no process of the job's session is left or ``time.monotonic()`` passes ``deadline``; what is left."""
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
     def kill(self) -> None:
         for p in self.leftovers():

@@ -25,16 +25,17 @@ def _train(tmp_path: Path) -> Job:
         "--steps", "2000", "--watchdog_timeout", str(WATCHDOG_S)))
 
 
-def _fault(tmp_path: Path, rank: int, sig: signal.Signals) -> tuple[Job, dict[int, int], float]:
-    """Start training, wait for step 2, send ``sig`` to ``rank``; returns the job, the rank pids and the seconds
-    from the signal to the end of the whole job."""
+def _fault(tmp_path: Path, rank: int, sig: signal.Signals) -> tuple[Job, dict[int, int], float, list]:
+    """Start training, wait for step 2, send ``sig`` to ``rank``; returns the job, the rank pids, the seconds
+    from the signal to the end of the launcher and the processes of the job still alive after the fault bound."""
     with _train(tmp_path) as job:
         job.wait_for(r"^step 2 loss")
         pids = rank_pids(job, 2)
         t0 = time.monotonic()
         job.signal_pid(pids[rank], sig)
         job.wait(timeout=FAULT_BOUND_S + 30)
-        return job, pids, time.monotonic() - t0
+        elapsed = time.monotonic() - t0
+        return job, pids, elapsed, job.wait_gone(deadline=t0 + FAULT_BOUND_S)
 
 
 @pytest.mark.parametrize("rank,sig,what", [
@@ -43,7 +44,7 @@ def _fault(tmp_path: Path, rank: int, sig: signal.Signals) -> tuple[Job, dict[in
 ], ids=["sigkill-rank0", "sigstop-rank1"])
 def test_dead_or_stalled_rank_ends_the_job_and_is_named(tmp_path: Path, rank: int, sig: signal.Signals,
                                                          what: str) -> None:
-    job, pids, elapsed = _fault(tmp_path, rank, sig)
+    job, pids, elapsed, left = _fault(tmp_path, rank, sig)
     out = job.output()
     print(f"{sig.name} rank {rank}: job ended {elapsed:.1f} s after the fault")  # the figure, with pytest -s
     assert job.returncode != 0, out[-3000:]
@@ -54,14 +55,16 @@ def test_dead_or_stalled_rank_ends_the_job_and_is_named(tmp_path: Path, rank: in
     assert len(lines) == 1, out[-3000:]  # one line, not one per thread
     assert re.search(named, lines[0]) and re.search(what, lines[0]), lines[0]
     assert "Traceback" not in out, out[-3000:]
-    assert job.leftovers() == [], "processes of the job outlived it"
+    assert left == [], f"processes of the job outlived it: {left}"
 
 
 def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     with _train(tmp_path) as job:
         job.wait_for(r"^step 2 loss")
+        t0 = time.monotonic()
         job.interrupt()
         job.wait(timeout=FAULT_BOUND_S)
+        left = job.wait_gone(deadline=t0 + FAULT_BOUND_S)  # the runner returns before its launcher is done
     out = job.output()
     assert job.returncode != 0, out[-3000:]
     for rank in (0, 1):
@@ -71,4 +74,4 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     tracebacks = out.split("Traceback (most recent call last):")[1:]
     assert len(tracebacks) <= 1, out[-3000:]
     assert all("deepspeed/launcher/runner.py" in tb and "ds_wallfacer" not in tb for tb in tracebacks), out[-3000:]
-    assert job.leftovers() == [], "processes of the job outlived it"
+    assert left == [], f"processes of the job outlived it: {left}"

@@ -1,4 +1,4 @@
-"""The watchdog on gloo ranks in-process: slow but healthy ranks (a step three times the timeout, spent inside a
+"""The watchdog on gloo ranks in-process: slow but healthy ranks (steps 2.5 times the timeout, spent inside a
 collective) never trigger it; every rank reads every peer's heartbeat and where it runs; a clean stop leaves
 every rank "done"."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ def _slow_steps(rank: int, world: int) -> dict:
 
     from ds_wallfacer.train.watchdog import Watchdog
 
-    wd = Watchdog(timeout_s=2, interval_s=0.5, handle_signals=False).start()
-    for _ in range(3):
+    wd = Watchdog(timeout_s=1, interval_s=0.25, handle_signals=False).start()
+    for _ in range(2):
         if rank == 1:
-            time.sleep(3.0)  # the others wait in the barrier for longer than the timeout
+            time.sleep(2.5)  # the others wait in the barrier for longer than the timeout
         dist.barrier()
     seen = {"lost": wd._store_lost, "infos": sorted(wd._infos), "beats": sorted(wd._state)}
     wd.stop()
