@@ -185,8 +185,11 @@ def check_position_wise(
             if y.shape[:-1] != x.shape[:-1]:
                 return f"its forward maps {tuple(x.shape)} to {tuple(y.shape)}, not [..., S, d] -> [..., S, d']"
             alone = torch.cat([run(x[:, i : i + 1]) for i in range(tokens)], dim=1)
-            # mini-sequences are fed flat, [c, d]: the module must take that shape too
-            flat = run(x[0])
+            # mini-sequences are fed flat, [c, d]: the module must take that shape too (a sparse-MoE block does not)
+            try:
+                flat = run(x[0])
+            except Exception as e:  # noqa: BLE001 - as below: not an MLP we can chunk
+                return f"its forward raised {type(e).__name__}: {e} on a flat [{tokens}, {hidden_size}] input"
             if not isinstance(flat, torch.Tensor) or flat.shape != y.shape[1:]:
                 return f"on a flat [{tokens}, {hidden_size}] input its forward returns {getattr(flat, 'shape', flat)}"
             alone = torch.cat([alone, flat.unsqueeze(0)], dim=0)
