@@ -212,6 +212,30 @@ def _open_keys(cfg: WallFacerConfig) -> list[str]:
     return keys
 
 
+def _check_sp_size(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_heads: int,
+                   rpn: int | None) -> None:
+    """A fixed P that does not divide the world: the error lists the sizes that resolve with the other settings as
+    given (the safe rule tried on each divisor), so that every size it offers runs (an explicit ring_count or
+    ulysses_degree rules some divisors out)."""
+    if cfg.sequence_parallel_size == "auto":
+        return
+    p = int(cfg.sequence_parallel_size)
+    if p >= 1 and world_size % p == 0:
+        return
+    ok = []
+    for d in divisors(world_size):
+        try:
+            _safe_rule(replace(cfg, sequence_parallel_size=d), world_size=world_size, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, rpn=rpn, notes=[])
+        except ValueError:
+            continue
+        ok.append(d)
+    raise ValueError(
+        f"wallfacer.sequence_parallel_size = {p} does not divide the world size {world_size}: valid sizes for "
+        f"{world_size} ranks are {ok} (with the other wallfacer settings as given)"
+    )
+
+
 def resolve_auto(
     cfg: WallFacerConfig,
     *,
@@ -238,6 +262,7 @@ def resolve_auto(
     if given is not None and cfg.seq_len is not None and given != cfg.seq_len:
         raise ValueError(f"wallfacer.seq_len = {cfg.seq_len} but the training sequences have {given} tokens "
                          f"(initialize(seq_len=...)): drop one or make them equal")
+    _check_sp_size(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn)
     open_keys = _open_keys(cfg)
     if planner_inputs is not None and open_keys:
         seq_len = cfg.seq_len or planner_inputs.seq_len

@@ -144,23 +144,36 @@ HEADS = [
 ]
 
 
-def _valid_sizes(rank: int, world: int) -> tuple[list[int], list[str]]:
+# a bad sequence_parallel_size beside other settings, and the sizes its error must list (each must train)
+SIZE_CONFIGS = [
+    ({}, [1, 2, 4]),
+    ({"mode": "wallfacer", "ring_count": 2}, [4]),  # C = 2 needs C*C | P
+    ({"mode": "hybrid", "ulysses_degree": 2}, [2, 4]),
+]
+
+
+def _valid_sizes(rank: int, world: int) -> tuple[list[list[int]], list[str]]:
     from ds_wallfacer.integration import initialize
 
-    model = tiny_model("llama")
-    try:
-        initialize(model=model, config=_config({"sequence_parallel_size": 3}),
-                   optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-        return [], ["sequence_parallel_size 3 on 4 ranks was accepted"]
-    except ValueError as err:
-        found = re.search(r"valid sizes for \d+ ranks are \[([\d, ]+)\]", str(err))
-        if not found:
-            return [], [f"no list of valid sizes in: {err}"]
-    sizes = [int(s) for s in found.group(1).split(",")]
-    failures = []
-    for p in sizes:
-        failures += _train(rank, lambda: tiny_model("llama"), {"sequence_parallel_size": p}, f"P={p}")
-    return sizes, failures
+    listed, failures = [], []
+    for extra, _ in SIZE_CONFIGS:
+        model = tiny_model("llama")
+        try:
+            initialize(model=model, config=_config({"sequence_parallel_size": 3, **extra}),
+                       optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+            failures.append(f"sequence_parallel_size 3 on 4 ranks was accepted with {extra}")
+            continue
+        except ValueError as err:
+            found = re.search(r"valid sizes for \d+ ranks are \[([\d, ]*)\]", str(err))
+            if not found:
+                failures.append(f"no list of valid sizes in: {err}")
+                continue
+        sizes = [int(s) for s in found.group(1).split(",") if s.strip()]
+        listed.append(sizes)
+        for p in sizes:
+            failures += _train(rank, lambda: tiny_model("llama"), {"sequence_parallel_size": p, **extra},
+                               f"P={p} {extra}")
+    return listed, failures
 
 
 def _body(rank: int, world: int) -> dict:
@@ -177,4 +190,5 @@ def test_audit_refusals_head_variants_and_valid_sizes() -> None:
     for key in ("refusals", "heads", "size_failures"):
         failures = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res[key]]
         assert not failures, f"{key}:\n" + "\n".join(failures[:30])
-    assert all(res["sizes"] == [1, 2, 4] for res in results), [res["sizes"] for res in results]
+    want = [sizes for _, sizes in SIZE_CONFIGS]
+    assert all(res["sizes"] == want for res in results), [res["sizes"] for res in results]
