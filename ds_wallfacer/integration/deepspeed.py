@@ -8,8 +8,9 @@
 
 Start-up order: parse the ds_config and resolve the layout ("auto" values by the topology planner when the
 sequence length is known; pure and identical on every rank, so a bad config raises the same error everywhere
-before any collective), build every process group once, attach this rank's
-attention to the model's attention layers, apply Mini-Sequence chunking when configured, then hand DeepSpeed the
+before any collective), audit the model the same way (``audit.py``: what would train differently is refused),
+build every process group once, attach this rank's attention to the model's attention layers, show length-reading
+rotary embeddings the global length, apply Mini-Sequence chunking when configured, then hand DeepSpeed the
 model wrapped with the loss. DeepSpeed gets no sequence-parallel mpu: see ``loss.py`` for why every ZeRO stage
 then normalises gradients correctly.
 """
