@@ -227,7 +227,17 @@ class Watchdog:
 
     # -- judge thread ------------------------------------------------------------------------------
     def _judge(self) -> None:
-        while not self._stopping.wait(0.5):
+        tick = 0.5
+        last = time.monotonic()
+        while not self._stopping.wait(tick):
+            now = time.monotonic()
+            if now - last > tick + self.interval_s:
+                # this process itself was paused (SIGSTOP and SIGCONT, a suspended VM): the silence it sees is its
+                # own, so every peer and the store get a fresh grace instead of a verdict
+                self._last_ok = now
+                self._changed = dict.fromkeys(self._changed, now)
+                self._gone_since.clear()
+            last = now
             verdict = self._verdict()
             if verdict is not None:
                 self._end(*verdict)
