@@ -73,13 +73,13 @@ def _read_ds_config(path: str) -> dict[str, Any]:
     return raw
 
 
-def _replica_mean(values: torch.Tensor, *, sp_size: int) -> torch.Tensor:
+def _replica_mean(values: torch.Tensor, *, layout: Any) -> torch.Tensor:
     """[k] on every rank (equal within a sequence-parallel group) -> their mean over the data-parallel replicas,
     in float64 (one value per replica, so D = 1 returns the value exactly)."""
-    world = dist.get_world_size()
-    rows = [torch.empty_like(values) for _ in range(world)]
+    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, values)
-    return torch.stack(rows[::sp_size]).double().mean(0).cpu()
+    firsts = [rows[layout.sp_ranks(d)[0]] for d in range(layout.dp_size)]
+    return torch.stack(firsts).double().mean(0).cpu()
 
 
 def run(args: Any) -> int:
@@ -186,7 +186,7 @@ def run(args: Any) -> int:
                 total[0] += engine(**to_dev(batch)).double() * count
                 total[1] += count
         engine.train()
-        s = _replica_mean(total, sp_size=lay.sp_size)
+        s = _replica_mean(total, layout=lay)
         return float(s[0] / s[1])
 
     log_file = out / "metrics.jsonl"
@@ -219,7 +219,7 @@ def run(args: Any) -> int:
         lr = float(engine.get_lr()[0])
         sp.comm.reset()
         t0 = time.perf_counter()
-        acc = torch.zeros(1, device=engine.device)
+        acc = torch.zeros(2, device=engine.device)  # loss, MoE router aux loss
         for _ in range(gas):
             batch = next(it, None)
             if batch is None:  # epoch done: reshuffle
@@ -230,14 +230,17 @@ def run(args: Any) -> int:
             loss = engine(**to_dev(batch))
             engine.backward(loss)
             engine.step()  # DeepSpeed updates at the accumulation boundary
-            acc += loss.detach().float()
+            acc[0] += loss.detach().float()
+            if sp.aux_loss is not None:
+                acc[1] += sp.aux_loss.float()
             state["sequences_in_epoch"] += micro * dp
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         step += 1
         state["tokens_seen"] += seq_per_step * args.seq_len
-        loss_v = float(_replica_mean(acc / gas, sp_size=lay.sp_size)[0])
+        means = _replica_mean(acc / gas, layout=lay)
+        loss_v = float(means[0])
         losses.append(loss_v)
         step_times.append(dt)
         gn = engine.get_global_grad_norm()
@@ -248,6 +251,8 @@ def run(args: Any) -> int:
         }
         if gn is not None:
             values["grad_norm"] = float(gn)
+        if sp.aux_loss is not None:  # included in the loss, times router_aux_loss_coef
+            values["aux_loss"] = float(means[1])
         if peak is not None:
             values["mfu"] = values["model_tflops"] / (peak * world)
         if data.eval.size and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
