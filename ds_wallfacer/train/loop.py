@@ -94,7 +94,10 @@ def run(args: Any) -> int:
     from ..config import parse_ds_config
 
     ds_config, wandb_section = split_wandb_section(_read_ds_config(args.deepspeed_config))
-    run_cfg = parse_ds_config(ds_config)
+    try:
+        run_cfg = parse_ds_config(ds_config)
+    except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
+        raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
     out = Path(args.output_dir)
     resume_tag = ckpt.resolve_resume(args.resume, out)
     dtype = dtype_of(run_cfg.deepspeed)

@@ -103,6 +103,10 @@ def test_start_up_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
                                  "num_hidden_layers": 1, "num_attention_heads": 4}))
     err = _refusal(capsys, "--model", str(small), *out)
     assert "the tokenizer has 256 tokens but the model's vocab_size is 100" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "wallfacer": {"ring_count": 0}}))
+    err = _refusal(capsys, "--deepspeed_config", str(bad), *out)
+    assert "wallfacer.ring_count = 0 is invalid" in err
 
 
 def test_refusal_exits_non_zero_with_one_line(tmp_path: Path) -> None:
