@@ -18,14 +18,14 @@ clock (time since a peer's counter last changed), so the clocks of different hos
 Verdicts: a peer on this host whose process is gone (pid and start time), at once; a peer that raised (its
 ``atexit`` hook marks it "failed"), at once; a peer silent for ``timeout_s``; the store itself silent for
 ``timeout_s`` (its host process, rank 0 under the env:// rendezvous, is stopped or gone); this rank's launcher
-gone (the rank was orphaned, and nothing would end it). The first rank to judge posts its verdict in the store,
-so the other ranks print the same names. Each rank then prints ONE line and leaves with ``os._exit``: its main
-thread may be stuck in a collective that nothing else would end. A stalled peer on this host is also SIGKILLed:
-stopped, or stuck holding the GIL, it would not act on the launcher's SIGTERM, and the launcher waits 30 s
-before it sends SIGKILL. (So native code that holds the GIL for longer than ``timeout_s`` looks stalled too:
-choose the timeout above the longest such call.) A collective that raises because a peer vanished
-(gloo sees the closed connection at once) does not print its traceback: the rank waits for the verdict and
-prints that instead.
+or the ``deepspeed`` runner gone (the rank was orphaned, and nothing would end it). The first rank to judge
+posts its verdict in the store, so the other ranks print the same names. Each rank then prints ONE line and
+leaves with ``os._exit``: its main thread may be stuck in a collective that nothing else would end. A stalled
+peer on this host is also SIGKILLed: stopped, or stuck holding the GIL, it would not act on the launcher's
+SIGTERM, and the launcher waits 30 s before it sends SIGKILL. (So native code that holds the GIL for longer than
+``timeout_s`` looks stalled too: choose the timeout above the longest such call.) A collective that raises
+because a peer vanished (gloo sees the closed connection at once) does not print its traceback: the rank waits
+for the verdict and prints that instead.
 
 SIGINT (Ctrl-C) and SIGTERM (the launcher stopping the job after another rank failed) end the rank the same way,
 with one line instead of a traceback per thread. Python runs signal handlers in the main thread only, and only
@@ -38,12 +38,14 @@ import atexit
 import datetime
 import json
 import os
+import select
 import signal
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -57,6 +59,10 @@ _DONE, _FAILED = "done", "failed"
 _COMM_ERRORS = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer")
 """Text of the errors a collective raises when a peer vanishes."""
 _SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shell's 128 + signal number
+_SIGINT, _SIGTERM = int(signal.SIGINT), int(signal.SIGTERM)
+_CTRL_C_GRACE_S = 0.5
+"""Ctrl-C reaches every process of the job at once and the launcher answers it with SIGTERM: a SIGINT that
+arrives within this grace after a SIGTERM wins, so the rank's line says what the user did."""
 
 
 @dataclass(frozen=True)
@@ -75,13 +81,34 @@ class RankInfo:
 
 
 def _process_alive(info: RankInfo) -> bool:
+    return _alive(info.pid, info.started)
+
+
+def _alive(pid: int, started: float) -> bool:
     import psutil  # a DeepSpeed dependency
 
     try:
-        proc = psutil.Process(info.pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - info.started) < 1.0
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - started) < 1.0
     except psutil.NoSuchProcess:
         return False
+
+
+def _launchers() -> list[tuple[int, float, str]]:
+    """(pid, start time, name) of the processes whose end orphans this rank: its parent and, under the deepspeed
+    launcher, the ``deepspeed`` runner above its ``launch.py``. The runner forwards no SIGINT to ``launch.py``
+    (only its multi-node pdsh path does), so ``kill -INT <runner>`` would otherwise leave the job training."""
+    import psutil
+
+    parent = psutil.Process().parent()
+    if parent is None:
+        return []
+    out = [(parent.pid, parent.create_time(), "the process that launched this rank")]
+    if "deepspeed.launcher.launch" in " ".join(parent.cmdline()):
+        runner = parent.parent()
+        if runner is not None and any(Path(arg).name == "deepspeed" for arg in runner.cmdline()[:2]):
+            out.append((runner.pid, runner.create_time(), "the deepspeed runner of this job"))
+    return out
 
 
 def _store_host() -> str:
@@ -130,7 +157,7 @@ class Watchdog:
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup = -1
         self._old_excepthook: Any = None
-        self._parent = os.getppid()
+        self._launchers = _launchers()
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> "Watchdog":
@@ -248,8 +275,9 @@ class Watchdog:
         now = time.monotonic()
         if self._posted is not None:
             return f"{self._posted['what']} (detected by rank {self._posted['by']})", [], False
-        if os.getppid() != self._parent:  # reparented: nothing would end this rank when the job ends
-            return f"the process that launched this rank (pid {self._parent}) is gone", [], False
+        for pid, started, name in self._launchers:  # orphaned: nothing would end this rank when the job ends
+            if not _alive(pid, started):
+                return f"{name} (pid {pid}) is gone", [], False
         done = {r for r, v in self._state.items() if v == _DONE}
         failed = [r for r, v in self._state.items() if v == _FAILED]
         if failed:
@@ -358,18 +386,23 @@ class Watchdog:
         r, w = self._pipe
         while True:
             data = os.read(r, 64)
-            for signum in data:
-                if signum in _SIGNAL_EXIT:
-                    self._on_signal(signum)
+            if _SIGTERM in data and _SIGINT not in data and select.select([r], [], [], _CTRL_C_GRACE_S)[0]:
+                data += os.read(r, 64)
             forward = data.replace(b"\0", b"")
             if self._old_wakeup >= 0 and forward:  # whoever had the wakeup fd before still gets its bytes
                 _ignore_errors(lambda forward=forward: os.write(self._old_wakeup, forward))
+            for signum in (_SIGINT, _SIGTERM):
+                if signum in data:
+                    self._on_signal(signum)
             if b"\0" in data:
                 os.close(r)
                 os.close(w)
                 return
 
     def _on_signal_main(self, signum: int, frame: Any) -> None:
+        # the reader thread normally acts first; this runs only if the main thread gets to Python before it
+        if signum == _SIGTERM:
+            time.sleep(_CTRL_C_GRACE_S)
         self._on_signal(signum)
 
     def _on_signal(self, signum: int) -> None:

@@ -1,7 +1,8 @@
 """Faults through the real ``deepspeed`` launcher and the trainer (2 CPU ranks, a tiny Llama): a rank killed
 (SIGKILL) or stopped (SIGSTOP) mid-training ends the whole job non-zero within 60 s of the fault, with one line
 naming the rank; Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) stops every rank with one
-line each and no traceback from the ranks. No process of a job outlives its test."""
+line each and no traceback from the ranks, also when only the ``deepspeed`` runner gets it. No process of a job
+outlives its test."""
 from __future__ import annotations
 
 import re
@@ -38,6 +39,21 @@ def _fault(tmp_path: Path, rank: int, sig: signal.Signals) -> tuple[Job, dict[in
         return job, pids, elapsed, job.wait_gone(deadline=t0 + FAULT_BOUND_S)
 
 
+def _tracebacks(out: str) -> list[str]:
+    """Each Python traceback in ``out``: its first line to its exception line (the first one not indented)."""
+    blocks: list[list[str]] = []
+    current: list[str] | None = None
+    for line in out.splitlines():
+        if "Traceback (most recent call last):" in line:
+            current = [line]
+            blocks.append(current)
+        elif current is not None:
+            current.append(line)
+            if not line.startswith(" "):
+                current = None
+    return ["\n".join(b) for b in blocks]
+
+
 @pytest.mark.parametrize("rank,sig,what", [
     (0, signal.SIGKILL, r"exited"),  # rank 0 also serves the rendezvous store
     (1, signal.SIGSTOP, rf"sent no heartbeat for \d+\.\d s \(timeout {WATCHDOG_S} s\): stalled or stopped"),
@@ -54,24 +70,31 @@ def test_dead_or_stalled_rank_ends_the_job_and_is_named(tmp_path: Path, rank: in
     lines = [line for line in out.splitlines() if line.startswith(f"ds_wallfacer watchdog on rank {other} ")]
     assert len(lines) == 1, out[-3000:]  # one line, not one per thread
     assert re.search(named, lines[0]) and re.search(what, lines[0]), lines[0]
-    assert "Traceback" not in out, out[-3000:]
+    assert _tracebacks(out) == [], out[-3000:]
     assert left == [], f"processes of the job outlived it: {left}"
 
 
-def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", ["process-group", "runner-only"])
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path, target: str) -> None:
+    """``process-group``: Ctrl-C in a terminal (SIGINT to the runner, launch.py and the ranks). ``runner-only``:
+    ``kill -INT`` of the ``deepspeed`` process, which forwards nothing to its launch.py: the ranks see the runner
+    gone and end themselves."""
     with _train(tmp_path) as job:
         job.wait_for(r"^step 2 loss")
         t0 = time.monotonic()
-        job.interrupt()
+        if target == "process-group":
+            job.interrupt()
+        else:
+            job.signal_pid(job.proc.pid, signal.SIGINT)
         job.wait(timeout=FAULT_BOUND_S)
         left = job.wait_gone(deadline=t0 + FAULT_BOUND_S)  # the runner returns before its launcher is done
     out = job.output()
     assert job.returncode != 0, out[-3000:]
+    said = r"interrupted \(SIGINT\)" if target == "process-group" else r"the deepspeed runner of this job \(pid \d+\) is gone"
     for rank in (0, 1):
         lines = [line for line in out.splitlines() if line.startswith(f"ds_wallfacer watchdog on rank {rank} ")]
-        assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], out[-3000:]
+        assert len(lines) == 1 and re.search(said, lines[0]), out[-3000:]
     # the deepspeed runner has no SIGINT handler and prints one KeyboardInterrupt traceback of its own; ranks none
-    tracebacks = out.split("Traceback (most recent call last):")[1:]
-    assert len(tracebacks) <= 1, out[-3000:]
-    assert all("deepspeed/launcher/runner.py" in tb and "ds_wallfacer" not in tb for tb in tracebacks), out[-3000:]
+    tracebacks = _tracebacks(out)
+    assert len(tracebacks) <= 1 and all("deepspeed/launcher/runner.py" in tb for tb in tracebacks), tracebacks
     assert left == [], f"processes of the job outlived it: {left}"
