@@ -186,7 +186,7 @@ def _ranks_per_node(cfg: WallFacerConfig, given: int | None, environ: Mapping[st
         return int(cfg.ranks_per_node)
     if given is not None:
         return given
-    env = environ.get("LOCAL_WORLD_SIZE")
+    env = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE")  # torchrun's, the deepspeed launcher's
     return int(env) if env and env.isdigit() and int(env) > 0 else None
 
 

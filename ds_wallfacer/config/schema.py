@@ -73,7 +73,8 @@ class WallFacerConfig:
     kernel: str = "auto"
     """Block-attention kernel backend (``ds_wallfacer.attention.KERNELS``) or "auto" (by device and dtype)."""
     ranks_per_node: AutoInt = "auto"
-    """Ranks per node, for keeping teams / Ulysses groups inside a node; "auto" = LOCAL_WORLD_SIZE."""
+    """Ranks per node, for keeping teams / Ulysses groups inside a node; "auto" = LOCAL_WORLD_SIZE (torchrun) or
+    LOCAL_SIZE (the deepspeed launcher)."""
     placement: Literal["auto", "team-inner", "ring-inner"] = "auto"
     """Ring ranks on consecutive global ranks: teams ("team-inner") or sub-rings ("ring-inner"); "auto" = planner."""
     cluster: str = "auto"
