@@ -31,6 +31,7 @@ PURE = [
     "ds_wallfacer.attention.kernel_names",
     "ds_wallfacer.config",
     "ds_wallfacer.mst.config",
+    "ds_wallfacer.hf_config",
     "ds_wallfacer.planner",
     "ds_wallfacer.planner.cluster",
     "ds_wallfacer.planner.search",

@@ -1,4 +1,4 @@
-"""HF transformers + DeepSpeed integration (issue 4): ``attn_implementation="wallfacer"`` (WallFacer, Ulysses or
+"""HF transformers + DeepSpeed integration: ``attn_implementation="wallfacer"`` (WallFacer, Ulysses or
 the hybrid, chosen by the ds_config ``"wallfacer"`` section), the entry point around ``deepspeed.initialize``,
 the global token-mean loss. Importing this package registers the attention function with transformers."""
 from .audit import ModelAudit, audit_model

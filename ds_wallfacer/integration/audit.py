@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from ..hf_config import text_config
 from .moe import RouterAuxLoss, router_aux_loss
 from .rope import rope_problems
 
@@ -34,11 +35,6 @@ class ModelAudit:
     """The model's router aux loss (None: it adds none)."""
     rotary: list[str] = field(default_factory=list)
     """Rotary modules that read the sequence length (to be shown the global length)."""
-
-
-def _text_config(model: nn.Module) -> Any:
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def _attention_problems(model: nn.Module, text: Any, seq_len: int | None) -> list[str]:
@@ -119,7 +115,7 @@ def _lm_head_problems(model: nn.Module, mini_sequence: Any) -> list[str]:
 def audit_model(model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None) -> ModelAudit:
     """Check ``model`` for what sequence parallelism / MsT would compute differently; raise ValueError listing every
     problem with the setting to change, else return what the loss module must reproduce."""
-    text = _text_config(model)
+    text = text_config(model)
     problems = _attention_problems(model, text, seq_len)
     spec, moe = _moe_problems(model, mini_sequence)
     problems += moe

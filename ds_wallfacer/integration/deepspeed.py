@@ -1,4 +1,4 @@
-"""The one entry point around ``deepspeed.initialize`` (issue 4).
+"""The one entry point around ``deepspeed.initialize``.
 
     engine, sp = initialize(model=hf_causal_lm, config="ds_configs/hybrid.json", optimizer=...)
     for batch in sp.dataloader(dataset):
@@ -29,6 +29,7 @@ from torch import nn
 from ..comm import CommLayer
 from ..config import ParallelLayout, PlanInputs, RunConfig, parse_ds_config, resolve_auto
 from ..data.loader import SequenceParallelLoader, prepare_batch
+from ..hf_config import text_config
 from . import hf
 from .audit import audit_model
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
@@ -109,8 +110,7 @@ class SequenceParallel:
 
 def model_heads(model: nn.Module) -> tuple[int, int]:
     """(query heads, kv heads) from an HF model's (text) config."""
-    cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(model)
     hq = int(text.num_attention_heads)
     hk = int(getattr(text, "num_key_value_heads", None) or hq)
     return hq, hk
@@ -130,9 +130,8 @@ def cluster_preset() -> str:
 
 
 def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanInputs:
-    cfg = model.config
     return PlanInputs(
-        model=cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg,
+        model=text_config(model),
         seq_len=seq_len,
         micro_batch=run.micro_batch_size or 1,
         zero_stage=run.zero_stage,
@@ -198,43 +197,28 @@ def initialize(
     """
     import deepspeed
 
+    # 1. parse and resolve: pure and identical on every rank, so a bad config or model fails everywhere at once
     run = parse_ds_config(config)
     timeout = datetime.timedelta(seconds=run.wallfacer.collective_timeout_s)
     _init_distributed(timeout)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    hq, hk = model_heads(model)
-    layout = resolve_auto(run.wallfacer, world_size=world, num_heads=hq, num_kv_heads=hk, ranks_per_node=ranks_per_node,
-                          planner_inputs=_plan_inputs(model, run, seq_len))
-    ds_dict = run.deepspeed_dict(world_size=world, sp_size=layout.sp_size)
-    from ..attention.kernels import KERNELS
-
-    if layout.kernel != "auto" and layout.kernel not in KERNELS:
-        raise ValueError(f"wallfacer.kernel = {layout.kernel!r} is invalid: allowed are {['auto', *KERNELS]}")
-    if rank == 0:
-        log.warning("%s", layout.describe())
-    # pure checks of the model and its config (audit.py): the same error on every rank, before any group exists
+    layout = _resolve_layout(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
+    ds_dict = run.deepspeed_dict(world_size=layout.world_size, sp_size=layout.sp_size)
     found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence,
                         seq_len=seq_len if seq_len is not None else run.wallfacer.seq_len)
-
-    device = _rank_device()
+    # 2. groups, this rank's attention on every attention layer, global-length RoPE
+    device = _rank_device()  # current before any group is built (NCCL communicators use it)
     groups = build_sequence_parallel(layout, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
     hf.attach(model, attention, sp_size=layout.sp_size)
     rope = RopeLength()
     wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
-
-    mst_handle = None
-    ms = run.wallfacer.mini_sequence
-    if ms is not None:
-        from ..mst import apply_mini_sequence
-
-        mst_handle = apply_mini_sequence(model, ms, ds_config=ds_dict)
-    if local_loss is None:
-        local_loss = mini_sequence_loss if (ms is not None and ms.lm_head) else logits_loss
+    # 3. Mini-Sequence chunking and the loss module DeepSpeed wraps
+    mst_handle, local_loss = _apply_mini_sequence(model, run, ds_dict, local_loss)
     module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
                                       ignore_index=ignore_index, router_aux=found.router_aux, rope=rope,
                                       sp_size=layout.sp_size)
+    # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
     if optimizer is None and model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
@@ -248,3 +232,30 @@ def initialize(
         mini_sequence=mst_handle, pad_token_id=int(pad_token_id), ignore_index=ignore_index,
     )
     return engine, sp
+
+
+def _resolve_layout(
+    model: nn.Module, run: RunConfig, *, ranks_per_node: int | None, seq_len: int | None
+) -> ParallelLayout:
+    """The validated layout ("auto" by the planner when a length is known); rank 0 logs it and the reasons."""
+    hq, hk = model_heads(model)
+    layout = resolve_auto(run.wallfacer, world_size=dist.get_world_size(), num_heads=hq, num_kv_heads=hk,
+                          ranks_per_node=ranks_per_node, planner_inputs=_plan_inputs(model, run, seq_len))
+    if dist.get_rank() == 0:
+        log.warning("%s", layout.describe())
+    return layout
+
+
+def _apply_mini_sequence(
+    model: nn.Module, run: RunConfig, ds_dict: dict, local_loss: LocalLoss | None
+) -> tuple[Any, LocalLoss]:
+    """(MsT handle or None, the local loss): the chunked LM head when ``mini_sequence.lm_head`` is on."""
+    ms = run.wallfacer.mini_sequence
+    handle = None
+    if ms is not None:
+        from ..mst import apply_mini_sequence
+
+        handle = apply_mini_sequence(model, ms, ds_config=ds_dict)
+    if local_loss is None:
+        local_loss = mini_sequence_loss if (ms is not None and ms.lm_head) else logits_loss
+    return handle, local_loss

@@ -1,9 +1,9 @@
-"""The global token-mean causal-LM loss across sequence-parallel ranks (issue 4).
+"""The global token-mean causal-LM loss across sequence-parallel ranks.
 
 Each rank computes (loss_sum, token_count) over its shard's non-ignored ``shift_labels``; both are summed over
 the sequence-parallel group and divided: the same number a non-parallel run prints, on every rank.
 
-Gradient normalisation (DESIGN.md section 5): DeepSpeed is handed no sequence-parallel mpu, so for every ZeRO
+Note [Gradient normalisation across ZeRO stages] (docs/design.md §4): DeepSpeed is handed no sequence-parallel mpu, so for every ZeRO
 stage it treats all W = D * P ranks as data-parallel replicas and averages gradients over W. The sum over ranks
 is differentiable with an all-reduce backward, so every rank back-propagates P times its share of dL/dtheta;
 DeepSpeed's 1/W then leaves the sum over the P ranks of a group, averaged over the D replicas: exactly the

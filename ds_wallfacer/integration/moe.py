@@ -24,15 +24,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..hf_config import text_config
+
 __all__ = ["RouterAuxLoss", "router_aux_loss"]
 
 _COEF_ATTRS = ("router_aux_loss_coef", "aux_loss_coef")
 _Z_LOSS_KEYS = ("router_z_loss_coef", "z_loss_coef", "router_z_loss")
-
-
-def _text_config(model: nn.Module) -> Any:
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,7 @@ def _agrees_with_model(spec: RouterAuxLoss, fn: Any) -> str | None:
 def router_aux_loss(model: nn.Module) -> tuple[RouterAuxLoss | None, str | None]:
     """(spec, None) when the model adds a router aux loss this package reproduces; (None, None) when it adds none;
     (None, reason) when it adds one that cannot be reproduced (the start-up audit refuses it)."""
-    text = _text_config(model)
+    text = text_config(model)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     records = getattr(decoder, "_can_record_outputs", None) or {}
     is_moe = "router_logits" in records or hasattr(text, "output_router_logits")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..attention.hybrid import sequence_parallel_attention
-from ..comm import CommLayer, RankLayout, WallFacerGroups, build_groups
+from ..comm import CommLayer, WallFacerGroups, build_groups
 from ..comm.groups import DEFAULT_TIMEOUT
 from ..config import ParallelLayout
 from ..data.loader import ShardSpec
@@ -29,9 +29,9 @@ class SequenceParallelGroups:
     layout: ParallelLayout
     rank: int
     """Global rank."""
-    sp_index: int
-    """Data shard index in the sequence-parallel group: i * U + u with i the WallFacer index (``rank % P``
-    unless the placement permutes the ring ranks; ``ParallelLayout.shard_index``)."""
+    shard_index: int
+    """The data shard this rank holds: ``j * U + u`` with ``j`` its WallFacer index (``WorldLayout.shard_index``;
+    equal to ``sp_index`` unless the placement permutes the ring ranks)."""
     dp_index: int
     """Data-parallel replica."""
     sp_group: dist.ProcessGroup
@@ -42,49 +42,50 @@ class SequenceParallelGroups:
     """This rank's WallFacer groups over the R ring ranks (None when R = 1)."""
 
     @property
+    def sp_index(self) -> int:
+        """Position of this rank in its sequence-parallel group (``WorldLayout.sp_index``)."""
+        return self.layout.sp_index(self.rank)
+
+    @property
     def shard_spec(self) -> ShardSpec:
         lay = self.layout
         return ShardSpec(
-            index=self.sp_index, sp_size=lay.sp_size, ulysses_degree=lay.ulysses_degree, scheme=lay.sharding,
+            index=self.shard_index, sp_size=lay.sp_size, ulysses_degree=lay.ulysses_degree, scheme=lay.sharding,
             dp_rank=self.dp_index, dp_size=lay.dp_size,
         )
+
+
+def _new_groups(
+    rank_lists: Sequence[Sequence[int]], me: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup | None:
+    """Create one group per rank list (every rank, the same order: ``new_group`` is collective over the world);
+    return the one holding ``me``."""
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks=list(ranks), timeout=timeout)
+        if me in ranks:
+            mine = g
+    return mine
 
 
 def build_sequence_parallel(
     layout: ParallelLayout, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT
 ) -> SequenceParallelGroups:
-    """Create all groups of ``layout`` (call on every rank, identically) and return this rank's."""
+    """Create all groups of ``layout`` (call on every rank, identically) and return this rank's. Which ranks form
+    which group is ``layout.world``'s (``comm.world.WorldLayout``)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() first")
     me, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world_size:
         raise ValueError(f"layout is for {layout.world_size} ranks, but the world has {world}")
-    d_me, i_me = layout.dp_index(me), layout.sp_index(me)
-    r_me = i_me // layout.ulysses_degree  # ring rank: which U consecutive ranks form this rank's Ulysses group
-
-    sp_group = None
-    for d in range(layout.dp_size):
-        g = dist.new_group(ranks=list(layout.sp_ranks(d)), timeout=timeout)
-        if d == d_me:
-            sp_group = g
-    ulysses_group = None
-    if layout.ulysses_degree > 1:
-        for d in range(layout.dp_size):
-            for r in range(layout.ring_size):
-                g = dist.new_group(ranks=list(layout.ulysses_ranks(d, r)), timeout=timeout)
-                if (d, r) == (d_me, r_me):
-                    ulysses_group = g
-    wallfacer = None
-    if layout.ring_size > 1:
-        layouts = [
-            RankLayout(layout.ring_ranks(d, u), layout.ring_count, ranks_per_node=layout.ranks_per_node)
-            for d in range(layout.dp_size)
-            for u in range(layout.ulysses_degree)
-        ]
-        wallfacer = build_groups(layouts, timeout=timeout)
+    ranks = layout.world
+    sp_group = _new_groups(ranks.all_sp_ranks(), me, timeout)
+    ulysses_group = _new_groups(ranks.all_ulysses_ranks(), me, timeout) if layout.ulysses_degree > 1 else None
+    wallfacer = (build_groups(ranks.rank_layouts(layout.ranks_per_node), timeout=timeout)
+                 if layout.ring_size > 1 else None)
     assert sp_group is not None
     return SequenceParallelGroups(
-        layout=layout, rank=me, sp_index=layout.shard_index(me), dp_index=d_me, sp_group=sp_group,
+        layout=layout, rank=me, shard_index=ranks.shard_index(me), dp_index=ranks.dp_index(me), sp_group=sp_group,
         ulysses_group=ulysses_group, wallfacer=wallfacer,
     )
 

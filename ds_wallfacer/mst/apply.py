@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..hf_config import text_config
 from .checkpointing import MlpRecomputeFlag, RecomputeState, disable_layer_checkpointing, enable_layer_checkpointing
 from .config import MiniSequenceConfig, ResolvedSizes, resolve_sizes
 from .lm_head import _MST_ATTR, chunked_linear_cross_entropy
@@ -116,9 +117,7 @@ def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _hidden_size(model: nn.Module) -> int:
-    cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return int(text.hidden_size)
+    return int(text_config(model).hidden_size)
 
 
 def _router_classes(model: nn.Module) -> tuple[type, ...]:
@@ -178,45 +177,55 @@ def apply_mini_sequence(
     # shared by this model's MLP wrappers and its DeepSpeed checkpoint function (applied twice: the first one's)
     wrapped = [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), _MlpForward)]
     state = wrapped[0].state if wrapped else RecomputeState()
-
     if config.mlp:
-        forced = config.mlp_module_names is not None
-        names = config.mlp_module_names or _AUTO_MLP_NAMES
-        layers = find_decoder_layers(model)
-        if not layers:
-            raise ValueError(f"{type(model).__name__}: found no decoder layers to look for MLP modules in")
-        for lname, layer in layers:
-            found = [(n, getattr(layer, n)) for n in names if isinstance(getattr(layer, n, None), nn.Module)]
-            if forced and not found:
-                raise ValueError(f"mini_sequence.mlp_module_names={list(names)}: {lname} has no such child module")
-            for n, mod in found:
-                qual = f"{lname}.{n}"
-                if isinstance(mod.__dict__.get("forward"), _MlpForward):
-                    handle.mlp_modules.append(qual)  # applied twice: keep the first wrapping
-                    continue
-                why = _moe_block(model, mod) or check_position_wise(mod, mod.forward, hidden)
-                if why is not None:
-                    if forced:
-                        raise ValueError(
-                            f"{qual} ({type(mod).__name__}) is not a position-wise MLP: {why}; it cannot run in "
-                            f"mini-sequences (remove it from mini_sequence.mlp_module_names)"
-                        )
-                    handle.skipped[qual] = why
-                    continue
-                _mark_zero3_leaf(qual, mod)
-                mod.forward = _MlpForward(mod.forward, sizes.mlp_chunk_tokens, state)
-                handle.mlp_modules.append(qual)
-
+        _wrap_mlps(model, config, handle, state, hidden=hidden)
     if config.lm_head:
-        if not isinstance(head, nn.Linear):
-            raise ValueError(
-                f"{type(model).__name__}.get_output_embeddings() is {type(head).__name__}; the mini-sequence LM "
-                f"head needs an nn.Linear (set mini_sequence.lm_head to false)"
-            )
-        if not isinstance(head.__dict__.get("forward"), _HeadForward):
-            head.forward = _HeadForward(head.forward)
-        setattr(head, _MST_ATTR, sizes.lm_head_chunk_tokens)
-        handle.lm_head = next(n for n, m in model.named_modules() if m is head)
-
+        handle.lm_head = _wrap_lm_head(model, head, sizes.lm_head_chunk_tokens)
     enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config, state=state)
     return handle
+
+
+def _wrap_mlps(
+    model: nn.Module, config: MiniSequenceConfig, handle: MiniSequenceHandle, state: RecomputeState, *, hidden: int
+) -> None:
+    """Wrap every decoder layer's position-wise MLP (the forced names, or the usual ones found by the probe);
+    record wrapped and skipped modules in ``handle``."""
+    forced = config.mlp_module_names is not None
+    names = config.mlp_module_names or _AUTO_MLP_NAMES
+    layers = find_decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: found no decoder layers to look for MLP modules in")
+    for lname, layer in layers:
+        found = [(n, getattr(layer, n)) for n in names if isinstance(getattr(layer, n, None), nn.Module)]
+        if forced and not found:
+            raise ValueError(f"mini_sequence.mlp_module_names={list(names)}: {lname} has no such child module")
+        for n, mod in found:
+            qual = f"{lname}.{n}"
+            if isinstance(mod.__dict__.get("forward"), _MlpForward):
+                handle.mlp_modules.append(qual)  # applied twice: keep the first wrapping
+                continue
+            why = _moe_block(model, mod) or check_position_wise(mod, mod.forward, hidden)
+            if why is not None:
+                if forced:
+                    raise ValueError(
+                        f"{qual} ({type(mod).__name__}) is not a position-wise MLP: {why}; it cannot run in "
+                        f"mini-sequences (remove it from mini_sequence.mlp_module_names)"
+                    )
+                handle.skipped[qual] = why
+                continue
+            _mark_zero3_leaf(qual, mod)
+            mod.forward = _MlpForward(mod.forward, handle.sizes.mlp_chunk_tokens, state)
+            handle.mlp_modules.append(qual)
+
+
+def _wrap_lm_head(model: nn.Module, head: Any, chunk_tokens: int) -> str:
+    """Let the LM head compute the chunked loss when called with ``mst_labels``; returns its qualified name."""
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__}.get_output_embeddings() is {type(head).__name__}; the mini-sequence LM "
+            f"head needs an nn.Linear (set mini_sequence.lm_head to false)"
+        )
+    if not isinstance(head.__dict__.get("forward"), _HeadForward):
+        head.forward = _HeadForward(head.forward)
+    setattr(head, _MST_ATTR, chunk_tokens)
+    return next(n for n, m in model.named_modules() if m is head)

@@ -1,6 +1,6 @@
-"""Decoder-layer activation checkpointing for MsT (issue 3): DeepSpeed's, torch's, or none.
+"""Decoder-layer activation checkpointing for MsT: DeepSpeed's, torch's, or none.
 
-With checkpointing only each decoder layer's input is kept between forward and backward (DESIGN.md section 4).
+With checkpointing only each decoder layer's input is kept between forward and backward (docs/design.md §5).
 "deepspeed" uses ``deepspeed.checkpointing.checkpoint`` configured from the ds_config ``"activation_checkpointing"``
 section (partition_activations, cpu_checkpointing = CPU offload of the saved layer inputs,
 contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary, profile). DeepSpeed keeps that

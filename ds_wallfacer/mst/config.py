@@ -1,4 +1,4 @@
-"""Settings of the Mini-Sequence Transformer (DESIGN.md section 4): the ``"wallfacer": {"mini_sequence": {...}}``
+"""Settings of the Mini-Sequence Transformer (docs/design.md §5): the ``"wallfacer": {"mini_sequence": {...}}``
 section of the ds_config JSON, parsed once into a frozen dataclass, and the rule that turns ``"auto"`` into sizes.
 
 Sizes are given in TOKENS per mini-sequence (not as a count of mini-sequences): a token count is what bounds the
@@ -121,7 +121,7 @@ class ResolvedSizes:
 
 
 def auto_mlp_chunk_tokens(hidden_size: int) -> int:
-    """DESIGN.md section 4: about hidden_size tokens per MLP mini-sequence, i.e. M = ceil(S / d)."""
+    """MsT's rule (docs/design.md §5): about hidden_size tokens per MLP mini-sequence, i.e. M = ceil(S / d)."""
     return max(1, int(hidden_size))
 
 

@@ -1,4 +1,4 @@
-"""Mini-sequence LM head + cross-entropy (MsT, DESIGN.md section 4; issue 3).
+"""Mini-sequence LM head + cross-entropy (MsT, docs/design.md §5).
 
 Per mini-sequence of ``chunk_tokens`` tokens: fp32 logits = lm_head(h_c) (then the model's own scaling: Cohere's
 ``logit_scale``, Granite's ``logits_scaling``, Gemma-style final soft-capping; ``HeadTransform``),
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hf_config import text_config
 from .config import DEFAULT_LOGITS_BUDGET_MIB, auto_lm_head_chunk_tokens
 
 __all__ = [
@@ -166,7 +167,7 @@ def head_transform(model: nn.Module) -> HeadTransform:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return HeadTransform()
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     mtype = str(getattr(text, "model_type", "") or "")
     kw: dict[str, float] = {}
     for key in _SCALE_KEYS:

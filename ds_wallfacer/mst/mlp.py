@@ -1,4 +1,4 @@
-"""Mini-sequence MLP (MsT, DESIGN.md section 4; issue 3).
+"""Mini-sequence MLP (MsT, docs/design.md §5).
 
 Forward: the model's own MLP runs over mini-sequences of ``chunk_tokens`` tokens under no_grad; only the input is
 saved. Backward: each mini-sequence is recomputed with grad and differentiated with ``torch.autograd.grad``; the
@@ -10,7 +10,7 @@ ZeRO-3: the wrapped MLP module is marked a DeepSpeed "z3 leaf" module, so its pr
 gather all of its parameters once for all mini-sequences (instead of one all-gather per mini-sequence and
 sub-module, as with TiledMLP). This must happen before ``deepspeed.initialize`` registers the hooks.
 
-Recompute count per step (issue 3: "nothing is recomputed more often than needed"): the MLP forward runs TWICE per
+Recompute count per step (nothing is recomputed more often than needed): the MLP forward runs TWICE per
 mini-sequence, with or without decoder-layer checkpointing; HF + checkpointing also runs it twice.
 - no checkpointing: forward (no_grad), then once more with grad in backward.
 - checkpointing: the layer's forward (no_grad) and the MLP's own backward. The layer's recompute does not run it:
@@ -46,7 +46,7 @@ def _capture_rng(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def _chunks(n: int, chunk_tokens: int) -> range:
-    # ceil(n / chunk) mini-sequences; the last one is shorter; n < chunk gives one (issue 3: no dropped tail)
+    # ceil(n / chunk) mini-sequences; the last one is shorter; n < chunk gives one (no dropped tail)
     return range(0, n, chunk_tokens)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..hf_config import text_config
 from . import checkpoint as ckpt
 from .cli import StartupError, parse_args
 from .data import eval_batches, load_token_data, train_batches
@@ -107,7 +108,7 @@ def run(args: Any) -> int:
         args.data, loaded.tokenizer, tokenizer_id=loaded.tokenizer_id, eos_id=loaded.eos_id, seq_len=args.seq_len,
         eval_fraction=args.eval_fraction, text_field=args.text_field, cache_dir=args.cache_dir or out / "token_cache",
     )
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text_cfg = text_config(model)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = None
     if not run_cfg.has_optimizer:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..hf_config import text_config
 from .cli import StartupError
 
 __all__ = [
@@ -141,7 +142,7 @@ def load_model(spec: str, *, seq_len: int, dtype: torch.dtype, seed: int) -> Loa
         assert path is not None
         cfg = AutoConfig.from_pretrained(str(path))
         model_dir = path if kind == "pretrained" else path.parent
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text_cfg = text_config(cfg)
     limit = getattr(text_cfg, "max_position_embeddings", None)
     if limit is not None and seq_len > int(limit):
         raise StartupError(f"--seq_len {seq_len} is larger than the model's position limit max_position_embeddings = "

@@ -2,34 +2,16 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tests.models import tiny_model as _tiny_model
 
 VOCAB = 256
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-    attn_implementation="sdpa",
-)
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def tiny_model(family: str, *, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer, hidden-64, 4 q / 2 kv head model of the given family, fp32, train mode."""
-    torch.manual_seed(seed)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**_COMMON))
-    elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**_COMMON))  # q/k/v biases: exercised too
-    elif family == "mistral":
-        model = MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=None))
-    else:
-        raise ValueError(family)
-    return model.train()
+    """The shared tiny model (``tests/models.py``): 4 q / 2 kv heads, SDPA attention, vocabulary 256."""
+    return _tiny_model(family, seed=seed)
 
 
 def full_batch(seq_len: int, *, batch_size: int, seed: int, pad: int = 0) -> dict[str, torch.Tensor]:

@@ -11,7 +11,9 @@ from torch import nn
 
 from tests.dist_utils import run_distributed
 
-from .models import _COMMON, full_batch, hf_loss, tiny_model
+from tests.models import TINY_CONFIG
+
+from .models import full_batch, hf_loss, tiny_model
 from .variants import tiny_head, tiny_moe, tiny_rope
 
 LR = 0.5
@@ -47,7 +49,7 @@ def _hyperclovax() -> nn.Module:
     from transformers.models.hyperclovax.configuration_hyperclovax import HyperCLOVAXConfig
     from transformers.models.hyperclovax.modeling_hyperclovax import HyperCLOVAXForCausalLM
 
-    return HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**_COMMON, logits_scaling=0.5))  # logits * 0.5, unlike Granite
+    return HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**TINY_CONFIG, logits_scaling=0.5))  # logits * 0.5, unlike Granite
 
 
 def _with(family: str, **config) -> nn.Module:

@@ -59,7 +59,7 @@ def _attention_cases(rank: int, world: int, cases: list) -> list[str]:
         ref.backward(dout)
 
         def sh(x):
-            return shard_sequence(x.detach(), dim=2, index=groups.sp_index, sp_size=world, ulysses_degree=u,
+            return shard_sequence(x.detach(), dim=2, index=groups.shard_index, sp_size=world, ulysses_degree=u,
                                   scheme=sharding)
 
         ql, kl, vl = (sh(t).requires_grad_(True) for t in (q, k, v))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .models import _COMMON
+from tests.models import TINY_CONFIG
 
 # a large coefficient so that a missing or wrong aux loss moves the router far beyond the tolerances
 AUX_COEF = 0.5
@@ -19,18 +19,18 @@ def tiny_moe(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     if family == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        cfg = MixtralConfig(**_COMMON, **moe, num_local_experts=4, sliding_window=None)
+        cfg = MixtralConfig(**TINY_CONFIG, **moe, num_local_experts=4, sliding_window=None)
         model = MixtralForCausalLM(cfg)
     elif family == "qwen2_moe":
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-        cfg = Qwen2MoeConfig(**_COMMON, **moe, num_experts=4, moe_intermediate_size=32,
+        cfg = Qwen2MoeConfig(**TINY_CONFIG, **moe, num_experts=4, moe_intermediate_size=32,
                              shared_expert_intermediate_size=64, mlp_only_layers=[1])
         model = Qwen2MoeForCausalLM(cfg)
     elif family == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        cfg = Qwen3MoeConfig(**_COMMON, **moe, num_experts=4, moe_intermediate_size=32, head_dim=HEAD_DIM)
+        cfg = Qwen3MoeConfig(**TINY_CONFIG, **moe, num_experts=4, moe_intermediate_size=32, head_dim=HEAD_DIM)
         model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(family)
@@ -67,7 +67,7 @@ def tiny_rope(rope_type: str, *, family: str = "llama", seed: int = 0) -> torch.
     """A tiny Llama (or Phi-3) with the given ``rope_type``."""
     torch.manual_seed(seed)
     params, max_pos = _rope(rope_type)
-    common = {**_COMMON, "max_position_embeddings": max_pos}
+    common = {**TINY_CONFIG, "max_position_embeddings": max_pos}
     if family == "phi3":
         from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -86,18 +86,18 @@ def tiny_head(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     if family == "granite":
         from transformers import GraniteConfig, GraniteForCausalLM
 
-        model = GraniteForCausalLM(GraniteConfig(**_COMMON, logits_scaling=4.0, **overrides))
+        model = GraniteForCausalLM(GraniteConfig(**TINY_CONFIG, logits_scaling=4.0, **overrides))
     elif family == "cohere":
         from transformers import CohereConfig, CohereForCausalLM
 
-        model = CohereForCausalLM(CohereConfig(**_COMMON, logit_scale=0.25, **overrides))
+        model = CohereForCausalLM(CohereConfig(**TINY_CONFIG, logit_scale=0.25, **overrides))
     elif family == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         # a window longer than any test sequence: full attention, as the audit requires
         cfg = dict(attn_logit_softcapping=None, sliding_window=4096, final_logit_softcapping=3.0, head_dim=HEAD_DIM)
         cfg.update(overrides)
-        model = Gemma2ForCausalLM(Gemma2Config(**{**_COMMON, "attn_implementation": "eager"}, **cfg))
+        model = Gemma2ForCausalLM(Gemma2Config(**{**TINY_CONFIG, "attn_implementation": "eager"}, **cfg))
     else:
         raise ValueError(family)
     return model.train()

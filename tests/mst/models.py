@@ -2,46 +2,16 @@
 from __future__ import annotations
 
 import torch
-from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+
+from tests.models import tiny_model as _tiny_model
 
 VOCAB = 160
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-    attn_implementation="eager",
-)
+_SIZES = dict(intermediate_size=176, vocab_size=VOCAB, attn_implementation="eager")
 
 
 def tiny_model(kind: str, *, seed: int = 0, tie: bool = False) -> torch.nn.Module:
-    """A 2-layer, hidden-64 model of the given family, fp32, train mode, deterministic weights."""
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=tie))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**_COMMON, tie_word_embeddings=tie))
-    elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**_COMMON, tie_word_embeddings=tie, sliding_window=None))
-    elif kind == "gemma2":
-        model = Gemma2ForCausalLM(
-            Gemma2Config(**_COMMON, head_dim=16, final_logit_softcapping=5.0, tie_word_embeddings=True)
-        )
-    else:
-        raise ValueError(kind)
-    return model.train()
+    """The shared tiny model (``tests/models.py``) at the MsT tests' sizes: vocabulary 160, MLP width 176."""
+    return _tiny_model(kind, seed=seed, tie=tie, **_SIZES)
 
 
 def batch(seq_len: int, *, batch_size: int = 1, seed: int = 0, pad_from: int | None = None):
