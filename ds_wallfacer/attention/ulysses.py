@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import CommLayer
+from .checks import check_inputs_agree, local_error
 from .kernels import get_kernel
-from .wallfacer import _DTYPES, _local_error
 
 __all__ = ["InnerAttention", "LocalAttention", "UlyssesAttention", "all_to_all", "heads_to_seq", "seq_to_heads"]
 
@@ -172,36 +172,11 @@ class UlyssesAttention:
         return heads_to_seq(out, group=self.group, comm=self.comm, degree=u)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-        """Local checks, then one metadata all-gather so that every rank raises together: shards of different
-        shapes would otherwise abort inside the all-to-all (gloo: "Received data size doesn't match") or hang."""
         u = self.degree
-        error = _local_error(q, k, v)
+        error = local_error(q, k, v)
         if error is None and (q.shape[1] % u or (k.shape[1] % u and u % k.shape[1])):
             error = (f"Ulysses degree {u} must divide the {q.shape[1]} query heads and divide or be a multiple of "
                      f"the {k.shape[1]} kv heads")
-        meta = (
-            (0,) * 7
-            if error
-            else (q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], _DTYPES.index(q.dtype), int(causal))
-        )
-        key = (meta, error)
-        if key in self._checked:
-            return
         group = self.check_group if self.check_group is not None else self.group
-        row = torch.tensor([int(bool(error)), *meta], dtype=torch.int64, device=q.device)
-        rows = self.comm.all_gather(row, group, kind="check").tolist()
-        bad = [i for i, r in enumerate(rows) if r[0]]
-        if error:
-            raise ValueError(f"Ulysses attention: {error}")
-        if bad:
-            raise ValueError(f"Ulysses attention: sequence-parallel rank(s) {bad} rejected their inputs")
-        names = ("batch", "q heads", "kv heads", "local seq len", "head dim", "dtype", "causal")
-        for i, name in enumerate(names):
-            values = [r[1 + i] for r in rows]
-            if len(set(values)) > 1:
-                shown = [str(_DTYPES[x]) for x in values] if name == "dtype" else values
-                raise ValueError(
-                    f"Ulysses attention: {name} differs across sequence-parallel ranks: {shown} (by rank index); "
-                    "every rank must call attention with equally shaped shards of one sequence"
-                )
-        self._checked.add(key)
+        check_inputs_agree(q, k, v, causal=causal, error=error, who="Ulysses attention", comm=self.comm, group=group,
+                           checked=self._checked)

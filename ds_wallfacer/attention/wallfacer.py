@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 from ..comm import CommLayer, RankLayout, WallFacerGroups
 from ..data.chunks import SHARDINGS
-from .schedule import BlockCall, block_calls, call_work, team_chunk_order
+from .checks import check_inputs_agree, local_error
 from .kernels import BlockKernel, get_kernel
+from .schedule import BlockCall, block_calls, call_work, team_chunk_order
 
 __all__ = ["WallFacerAttention", "attention_work", "ring_schedule", "wallfacer_attention"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(eq=False)
@@ -85,33 +85,8 @@ class WallFacerAttention:
 
     # -- validation ------------------------------------------------------------------------------
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-        """Local checks, then one metadata all-gather so that every rank raises together (no hang)."""
-        error = _local_error(q, k, v)
-        meta = (
-            (0,) * 7
-            if error
-            else (q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], _DTYPES.index(q.dtype), int(causal))
-        )
-        key = (meta, error)
-        if key in self._checked:
-            return
-        row = torch.tensor([int(bool(error)), *meta], dtype=torch.int64, device=q.device)
-        rows = self.comm.all_gather(row, self.groups.sp_group, kind="check").tolist()
-        bad = [i for i, r in enumerate(rows) if r[0]]
-        if error:
-            raise ValueError(f"WallFacer attention: {error}")
-        if bad:
-            raise ValueError(f"WallFacer attention: sequence-parallel rank(s) {bad} rejected their inputs")
-        names = ("batch", "q heads", "kv heads", "local seq len", "head dim", "dtype", "causal")
-        for i, (name, mine) in enumerate(zip(names, meta)):
-            values = [r[1 + i] for r in rows]
-            if len(set(values)) > 1:
-                shown = [str(_DTYPES[x]) for x in values] if name == "dtype" else values
-                raise ValueError(
-                    f"WallFacer attention: {name} differs across sequence-parallel ranks: {shown} (by rank "
-                    "index); every rank must call attention with equally shaped shards of one sequence"
-                )
-        self._checked.add(key)
+        check_inputs_agree(q, k, v, causal=causal, error=local_error(q, k, v), who="WallFacer attention",
+                           comm=self.comm, group=self.groups.sp_group, checked=self._checked)
 
 
 def wallfacer_attention(
@@ -120,25 +95,6 @@ def wallfacer_attention(
 ) -> torch.Tensor:
     """Functional form of ``attn(q, k, v, causal=..., scale=...)``."""
     return attn(q, k, v, causal=causal, scale=scale)
-
-
-def _local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-    if k.shape != v.shape:
-        return f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}"
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-        return f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch, sequence or head_dim"
-    if q.shape[1] % k.shape[1] != 0:
-        return f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        return f"q, k, v dtypes must match and be one of {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.shape[2] % 2 != 0:
-        return (
-            f"local sequence length {q.shape[2]} is odd: each rank holds 2 of 2P chunks, so the full sequence "
-            "length must be divisible by 2P; pad the batch"
-        )
-    return None
 
 
 # -- layout helpers --------------------------------------------------------------------------------

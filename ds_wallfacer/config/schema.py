@@ -24,10 +24,11 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Union
 
+from .._sections import section_kwargs
 from ..attention.kernel_names import KERNEL_NAMES
 from ..comm.world import PLACEMENTS
 from ..data.chunks import SHARDINGS
@@ -130,13 +131,7 @@ class WallFacerConfig:
         """Parse and validate the section (None or {} gives the defaults). Unknown keys are an error."""
         if d is None:
             return cls()
-        if not isinstance(d, Mapping):
-            raise ValueError(f'ds_config "wallfacer" must be a JSON object, got {type(d).__name__}: {d!r}')
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(allowed))
-        if unknown:
-            raise ValueError(f"wallfacer: unknown key(s) {unknown}; valid keys are {allowed}")
-        kwargs = dict(d)
+        kwargs = section_kwargs(cls, d, name="wallfacer")
         if "mini_sequence" in kwargs and kwargs["mini_sequence"] is not None:
             kwargs["mini_sequence"] = _parse_mini_sequence(kwargs["mini_sequence"])
         return cls(**kwargs)

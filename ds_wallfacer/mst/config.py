@@ -8,8 +8,10 @@ local (per sequence-parallel rank) shard. Pure Python: no torch import, unit-tes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal, Union
+
+from .._sections import section_kwargs
 
 __all__ = [
     "DEFAULT_LOGITS_BUDGET_MIB",
@@ -92,15 +94,7 @@ class MiniSequenceConfig:
         """Parse and validate the ``mini_sequence`` sub-dict (None or {} gives the defaults)."""
         if d is None:
             return cls()
-        if not isinstance(d, dict):
-            raise ValueError(f"wallfacer.mini_sequence must be a JSON object, got {type(d).__name__}: {d!r}")
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(allowed))
-        if unknown:
-            raise ValueError(
-                f"wallfacer.mini_sequence: unknown key(s) {unknown}; allowed keys are {allowed}"
-            )
-        kwargs = dict(d)
+        kwargs = section_kwargs(cls, d, name="wallfacer.mini_sequence")
         if isinstance(kwargs.get("mlp_module_names"), list):
             kwargs["mlp_module_names"] = tuple(kwargs["mlp_module_names"])
         return cls(**kwargs)

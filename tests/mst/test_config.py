@@ -56,7 +56,7 @@ def test_bad_values_name_key_value_and_rule(key: str, value: object) -> None:
 
 
 def test_unknown_key() -> None:
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['chunks'\].*allowed keys"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['chunks'\].*valid keys"):
         MiniSequenceConfig.from_dict({"chunks": 4})
     with pytest.raises(ValueError, match="must be a JSON object"):
         MiniSequenceConfig.from_dict([1])  # type: ignore[arg-type]
