@@ -199,9 +199,9 @@ class Watchdog:
             self._store.set(f"hb/{self.rank}", _DONE)
             if self.rank == 0:
                 keys = [f"hb/{r}" for r in range(1, self.world)]
-                deadline = time.monotonic() + self.timeout_s
+                deadline, ended = time.monotonic() + self.timeout_s, (_DONE, _FAILED)
                 while keys and time.monotonic() < deadline:
-                    keys = [k for k in keys if not self._store.check([k]) or self._store.get(k).decode() not in (_DONE, _FAILED)]
+                    keys = [k for k in keys if not self._store.check([k]) or self._store.get(k).decode() not in ended]
                     time.sleep(0.2)
         except Exception:  # noqa: BLE001 - the store may be gone at the end of a job; nothing left to watch
             pass

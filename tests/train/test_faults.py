@@ -90,7 +90,8 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path, target: str) -> N
         left = job.wait_gone(deadline=t0 + FAULT_BOUND_S)  # the runner returns before its launcher is done
     out = job.output()
     assert job.returncode != 0, out[-3000:]
-    said = r"interrupted \(SIGINT\)" if target == "process-group" else r"the deepspeed runner of this job \(pid \d+\) is gone"
+    said = {"process-group": r"interrupted \(SIGINT\)",
+            "runner-only": r"the deepspeed runner of this job \(pid \d+\) is gone"}[target]
     for rank in (0, 1):
         lines = [line for line in out.splitlines() if line.startswith(f"ds_wallfacer watchdog on rank {rank} ")]
         assert len(lines) == 1 and re.search(said, lines[0]), out[-3000:]
