@@ -414,6 +414,9 @@ class Watchdog:
                     and self._infos[r].host == self.me.host and not _process_alive(self._infos[r])]
             what = (f"stopped by SIGTERM after {self._names(gone)} exited" if gone
                     else "stopped by SIGTERM (the launcher ends every rank when one fails or is interrupted)")
+            if gone and not self._store_lost:  # ranks on other hosts cannot see the process: tell them
+                verdict = {"what": f"{self._names(gone)} exited during training (its process is gone)", "by": self.rank}
+                self._quick(lambda: self._store.set("fault", json.dumps(verdict)))
         self._end(what, [], False, code=_SIGNAL_EXIT[signal.Signals(signum)])
 
 
