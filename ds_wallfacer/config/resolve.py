@@ -312,13 +312,13 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
     }
     # the loader pads each sequence to a multiple of 2P; plan for a length every P <= world size accepts
     n = padded_length(seq_len, world_size)
-    work = pl.Workload(seq_len=n, batch=inputs.micro_batch, elem_bytes=inputs.elem_bytes, zero_stage=inputs.zero_stage,
+    workload = pl.Workload(seq_len=n, batch=inputs.micro_batch, elem_bytes=inputs.elem_bytes, zero_stage=inputs.zero_stage,
                        offload_optimizer=inputs.offload_optimizer, offload_checkpoints=inputs.offload_checkpoints)
     model = pl.get_model(inputs.model)
     what = (f"cluster {cluster.name} ({cluster.nodes} x {cluster.ranks_per_node} ranks), model {model.name}, "
             f"seq_len {n}" + (f" (padded from {seq_len})" if n != seq_len else ""))
     try:
-        choice = pl.resolve(cluster, model, n, world_size, fixed, workload=work)
+        choice = pl.resolve(cluster, model, n, world_size, fixed, workload=workload)
     except pl.PlanError as e:
         notes.append(f"planner found no configuration for {what}: {e}; the safe rule chose instead")
         return None

@@ -42,26 +42,26 @@ def kv_heads_on_wire(model: ModelSpec, ulysses_degree: int, *, kv_replication: b
     return u if kv_replication and u % hk == 0 else None
 
 
-def attention_shapes(model: ModelSpec, cand: Candidate, work: Workload) -> tuple[AttnShape, AttnShape | None]:
+def attention_shapes(model: ModelSpec, cand: Candidate, workload: Workload) -> tuple[AttnShape, AttnShape | None]:
     """(full attention shape, the WallFacer shape over the R ring ranks: hq / U and hk / U heads per rank, kv
     heads replicated to U first when U is a multiple of them, as ``ulysses.py`` does)."""
-    hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=work.kv_replication)
+    hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=workload.kv_replication)
     if hk is None:
         raise ValueError(f"Ulysses degree {cand.ulysses_degree} does not fit {model.heads} heads / {model.kv_heads} kv heads")
-    full = AttnShape(work.batch, work.seq_len, model.heads, model.kv_heads, model.head_dim, work.elem_bytes)
+    full = AttnShape(workload.batch, workload.seq_len, model.heads, model.kv_heads, model.head_dim, workload.elem_bytes)
     if cand.ring_size == 1:
         return full, None
     u = cand.ulysses_degree
-    return full, AttnShape(work.batch, work.seq_len, model.heads // u, hk // u, model.head_dim, work.elem_bytes)
+    return full, AttnShape(workload.batch, workload.seq_len, model.heads // u, hk // u, model.head_dim, workload.elem_bytes)
 
 
 def layer_bytes(
-    model: ModelSpec, cand: Candidate, work: Workload, *, sp_index: int | None = None
+    model: ModelSpec, cand: Candidate, workload: Workload, *, sp_index: int | None = None
 ) -> dict[str, dict[str, int]]:
     """Bytes a rank sends per layer (attention call), by phase and kind, as the implementation counts them:
     the rank at index ``sp_index`` of its SP group, or (None) the busiest one (a team member with local != 0
     also sends the skew)."""
-    full, ring = attention_shapes(model, cand, work)
+    full, ring = attention_shapes(model, cand, workload)
     out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     if cand.ulysses_degree > 1:
         for phase, kinds in ulysses_bytes(full, degree=cand.ulysses_degree, sp_size=cand.sp_size).items():
@@ -128,9 +128,9 @@ class _KernelTimes:
     """LM head forward + backward."""
 
 
-def _kernel_times(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work: Workload) -> _KernelTimes:
+def _kernel_times(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workload: Workload) -> _KernelTimes:
     flops = cluster.flops * cluster.mfu
-    b, n, s = work.batch, work.seq_len, work.seq_len // cand.sp_size
+    b, n, s = workload.batch, workload.seq_len, workload.seq_len // cand.sp_size
     return _KernelTimes(
         linear=b * model.layer_matmul_flops(s) / flops,
         mlp=2.0 * b * s * model.mlp_matrices * model.hidden * model.intermediate / flops,
@@ -140,7 +140,7 @@ def _kernel_times(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work:
 
 
 def _attention_time(
-    kinds: dict[str, int], *, skew_fwd: int, attn: float, links: Links, cand: Candidate, work: Workload,
+    kinds: dict[str, int], *, skew_fwd: int, attn: float, links: Links, cand: Candidate, workload: Workload,
     backward: bool,
 ) -> tuple[float, float]:
     """(wall time of one attention call, its communication time before overlap), from its bytes by kind."""
@@ -155,32 +155,32 @@ def _attention_time(
         skew += _t(kinds["skew"] - skew_fwd, links.home, 1)
     hop = _t(kinds["ring"] / (g - 1), links.ring, 1) if g > 1 else 0.0
     step = attn / g
-    ring = (g - 1) * max(step, hop) + step if work.overlap else g * step + (g - 1) * hop
+    ring = (g - 1) * max(step, hop) + step if workload.overlap else g * step + (g - 1) * hop
     comm = a2a + coll + skew + (g - 1) * hop
     return a2a + coll + skew + ring, comm
 
 
-def _zero_traffic(model: ModelSpec, cluster: ClusterSpec, work: Workload) -> tuple[int, float]:
+def _zero_traffic(model: ModelSpec, cluster: ClusterSpec, workload: Workload) -> tuple[int, float]:
     """(bytes, seconds) of ZeRO's gradient reduce-scatter + parameter all-gather (+ one more gather per pass with
     stage 3) per step and rank."""
     w = cluster.world_size
     if w == 1:
         return 0, 0.0
-    nbytes = int((2 if work.zero_stage < 3 else 3) * work.elem_bytes * model.params * (w - 1) / w)
+    nbytes = int((2 if workload.zero_stage < 3 else 3) * workload.elem_bytes * model.params * (w - 1) / w)
     # NCCL runs one ring per NIC: the per-rank bytes cross each node boundary spread over all NICs
     bw = cluster.intra_bw if cluster.nodes == 1 else min(cluster.intra_bw, cluster.nic_bw * cluster.nics_per_node)
     return nbytes, nbytes / bw
 
 
 def estimate(
-    model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work: Workload, *, links: Links | None = None
+    model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workload: Workload, *, links: Links | None = None
 ) -> CostBreakdown:
     """Predict one training step of ``cand`` on ``cluster`` (``links``: a cached ``analyse_links`` result)."""
     links = links or analyse_links(cand, cluster)
-    t = _kernel_times(model, cluster, cand, work)
-    by = layer_bytes(model, cand, work)
+    t = _kernel_times(model, cluster, cand, workload)
+    by = layer_bytes(model, cand, workload)
     fb, bb = by["forward"], by["backward"]
-    common = dict(skew_fwd=fb.get("skew", 0), links=links, cand=cand, work=work)
+    common = dict(skew_fwd=fb.get("skew", 0), links=links, cand=cand, workload=workload)
     fwd_attn, fwd_comm = _attention_time(fb, attn=t.attention, backward=False, **common)
     bwd_attn, bwd_comm = _attention_time(bb, attn=_BWD_ATTN * t.attention, backward=True, **common)
     layer_fwd = t.linear + fwd_attn
@@ -189,7 +189,7 @@ def estimate(
     # and the MLP under MsT
     recompute, re_comm, re_bytes, re_compute = 0.0, 0.0, 0, 0.0
     if cand.checkpointing:
-        if work.recompute_attention:
+        if workload.recompute_attention:
             recompute, re_comm, re_bytes, re_compute = layer_fwd, fwd_comm, sum(fb.values()), t.linear + t.attention
         else:
             recompute, re_compute = t.linear, t.linear
@@ -200,15 +200,15 @@ def estimate(
     layers = model.layers
     compute = layers * (3 * t.linear + (1 + _BWD_ATTN) * t.attention + re_compute) + t.head
     comm = layers * (fwd_comm + bwd_comm + re_comm)
-    zero_bytes, zero_s = _zero_traffic(model, cluster, work)
+    zero_bytes, zero_s = _zero_traffic(model, cluster, workload)
     bwd_total = layers * (2 * t.linear + bwd_attn)
-    exposed_zero = max(0.0, zero_s - bwd_total) if work.overlap else zero_s
+    exposed_zero = max(0.0, zero_s - bwd_total) if workload.overlap else zero_s
     step = layers * (layer_fwd + bwd_attn + 2 * t.linear + recompute) + t.head + exposed_zero
     return CostBreakdown(
         fwd_bytes=dict(fb), bwd_bytes=dict(bb),
         step_bytes=layers * (sum(fb.values()) + sum(bb.values()) + re_bytes),
         zero_bytes=zero_bytes, compute_s=compute, comm_s=comm, zero_s=zero_s, step_s=step,
-        tokens_per_s=(cluster.world_size // cand.sp_size) * work.batch * work.seq_len / step,
+        tokens_per_s=(cluster.world_size // cand.sp_size) * workload.batch * workload.seq_len / step,
         attn_layer_s=fwd_attn + bwd_attn, links=links,
     )
 

@@ -67,20 +67,20 @@ class MemoryBreakdown:
         return ", ".join(f"{k} {getattr(self, k) / GIB:.1f}" for k in keys) + f" GiB; usable {self.usable / GIB:.1f} GiB"
 
 
-def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, work: Workload) -> MemoryBreakdown:
+def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workload: Workload) -> MemoryBreakdown:
     """Peak memory per rank of ``cand`` (raises ``ValueError`` when its Ulysses degree does not fit the heads)."""
-    w, s, psi = cluster.world_size, work.elem_bytes, model.params
-    b, n, p = work.batch, work.seq_len, cand.sp_size
+    w, s, psi = cluster.world_size, workload.elem_bytes, model.params
+    b, n, p = workload.batch, workload.seq_len, cand.sp_size
     tokens = b * (n // p)  # local tokens of this rank
     h, d, i, v = model.hidden, model.head_dim, model.intermediate, model.vocab
     hq = model.heads
-    hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=work.kv_replication)
+    hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=workload.kv_replication)
     if hk is None:
         raise ValueError(f"Ulysses degree {cand.ulysses_degree} does not fit {hq} heads / {model.kv_heads} kv heads")
-    stage = work.zero_stage
+    stage = workload.zero_stage
     weights = s * psi if stage < 3 else s * psi / w + 2 * s * max(model.layer_params, v * h)
     grads = s * psi if stage < 2 else s * psi / w
-    optimizer = 0.0 if work.offload_optimizer else 16.0 * psi / (w if stage >= 1 else 1)
+    optimizer = 0.0 if workload.offload_optimizer else 16.0 * psi / (w if stage >= 1 else 1)
 
     # attention working set, per rank: U q/kv heads groups of hq/U over N/R tokens = same element counts
     qkv = tokens * (hq + 2 * hk) * d  # elements of this rank's q, k, v (after any all-to-all: same count)
@@ -105,7 +105,7 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
     lm_head = 3 * head_tokens * v * _FP32 + 2 * tokens * h * s
 
     if cand.checkpointing:
-        kept = 2 if work.offload_checkpoints else model.layers
+        kept = 2 if workload.offload_checkpoints else model.layers
         checkpoints = kept * tokens * h * s
     else:
         per_layer = tokens * ((4 * h + (2 * hq + 2 * hk) * d) * s + c * hq * _FP32)
@@ -114,7 +114,7 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
         else:
             per_layer += tokens * h * s
         checkpoints = model.layers * per_layer
-    usable = cluster.mem_bytes * (1 - work.mem_headroom) - cluster.mem_reserved
+    usable = cluster.mem_bytes * (1 - workload.mem_headroom) - cluster.mem_reserved
     return MemoryBreakdown(
         weights=weights, grads=grads, optimizer=optimizer, checkpoints=checkpoints, attention=attn,
         team_copies=team_copies, layer=layer, lm_head=lm_head, usable=usable,

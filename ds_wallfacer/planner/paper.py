@@ -51,10 +51,10 @@ def comparisons(*, overlap: bool = True, settings=PAPER_SETTINGS) -> list[dict[s
     SP size P (MsT and checkpointing on, as in long-sequence training), with its speedup over ring."""
     out = []
     for cluster, model, p, n in settings:
-        work = Workload(seq_len=n, overlap=overlap)
+        workload = Workload(seq_len=n, overlap=overlap)
         fixed = {"sp_size": p, "mini_sequence": True, "activation_checkpointing": True}
         try:
-            pl = plan(cluster, model, n, world_size=None, fixed=fixed, workload=work)
+            pl = plan(cluster, model, n, world_size=None, fixed=fixed, workload=workload)
         except PlanError as e:
             out.append({"cluster": cluster, "model": model, "sp_size": p, "seq_len": n, "error": str(e)})
             continue

@@ -136,7 +136,7 @@ def _mode_ok(fixed_mode: Any, strategy: str) -> bool:
 
 
 def _mini_sequence_options(
-    model: ModelSpec, work: Workload, fixed: Mapping[str, Any]
+    model: ModelSpec, workload: Workload, fixed: Mapping[str, Any]
 ) -> tuple[list[bool], list[bool], int, int]:
     """(MsT on/off options, checkpointing options, MLP chunk tokens, LM-head chunk tokens) that ``fixed`` allows."""
     mst_opts = [True, False] if _free(fixed, "mini_sequence") else [bool(fixed["mini_sequence"])]
@@ -144,27 +144,27 @@ def _mini_sequence_options(
         mst_opts = [True]  # a chunk size implies MsT on
     ac_opts = [True, False] if _free(fixed, "activation_checkpointing") else [bool(fixed["activation_checkpointing"])]
     mlp_chunk = auto_mlp_chunk_tokens(model.hidden) if _free(fixed, "mlp_chunk_tokens") else int(fixed["mlp_chunk_tokens"])
-    head_chunk = (auto_lm_head_chunk_tokens(model.vocab, work.lm_head_budget_mib) if _free(fixed, "lm_head_chunk_tokens")
+    head_chunk = (auto_lm_head_chunk_tokens(model.vocab, workload.lm_head_budget_mib) if _free(fixed, "lm_head_chunk_tokens")
                   else int(fixed["lm_head_chunk_tokens"]))
     return mst_opts, ac_opts, mlp_chunk, head_chunk
 
 
 def _sequence_splits(
-    model: ModelSpec, world_size: int, work: Workload, fixed: Mapping[str, Any], skipped: list[str]
+    model: ModelSpec, world_size: int, workload: Workload, fixed: Mapping[str, Any], skipped: list[str]
 ) -> Iterable[tuple[int, int]]:
     """(P, U) pairs that divide the world, fit the heads and the sequence length; why others do not goes to
     ``skipped`` (reported for the whole world only, where a user would look for it)."""
-    n = work.seq_len
+    n = workload.seq_len
     for p in divisors(world_size):
         if not _free(fixed, "sp_size") and p != fixed["sp_size"]:
             continue
         for u in divisors(p):
             if not _free(fixed, "ulysses_degree") and u != fixed["ulysses_degree"]:
                 continue
-            if u > 1 and kv_heads_on_wire(model, u, kv_replication=work.kv_replication) is None:
+            if u > 1 and kv_heads_on_wire(model, u, kv_replication=workload.kv_replication) is None:
                 if p == world_size:
                     why = (f"{model.heads} query heads" if model.heads % u else
-                           f"{model.kv_heads} kv heads" + ("" if work.kv_replication else " (kv replication off)"))
+                           f"{model.kv_heads} kv heads" + ("" if workload.kv_replication else " (kv replication off)"))
                     skipped.append(f"Ulysses U={u}: does not divide {why}")
                 continue
             if n % seq_len_divisor(p):
@@ -188,15 +188,15 @@ def _ring_splits(ring_size: int, fixed: Mapping[str, Any]) -> Iterable[tuple[int
 
 
 def enumerate_candidates(
-    model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any] | None = None
+    model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed: Mapping[str, Any] | None = None
 ) -> tuple[list[Candidate], list[str]]:
     """Every valid candidate for the world size that respects ``fixed``, and why other settings are invalid."""
     fixed = dict(fixed or {})
     _check_fixed(fixed)
     skipped: list[str] = []
     out: list[Candidate] = []
-    mst_opts, ac_opts, mlp_chunk, head_chunk = _mini_sequence_options(model, work, fixed)
-    for p, u in _sequence_splits(model, cluster.world_size, work, fixed, skipped):
+    mst_opts, ac_opts, mlp_chunk, head_chunk = _mini_sequence_options(model, workload, fixed)
+    for p, u in _sequence_splits(model, cluster.world_size, workload, fixed, skipped):
         for c, pl in _ring_splits(p // u, fixed):
             for mst in mst_opts:
                 for ac in ac_opts:
@@ -208,7 +208,7 @@ def enumerate_candidates(
     return out, skipped
 
 
-def _evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cands: list[Candidate], *,
+def _evaluate(model: ModelSpec, cluster: ClusterSpec, workload: Workload, cands: list[Candidate], *,
               dedupe: bool) -> list[Row]:
     links: dict[tuple, Any] = {}
     rows = []
@@ -218,8 +218,8 @@ def _evaluate(model: ModelSpec, cluster: ClusterSpec, work: Workload, cands: lis
             links[key] = analyse_links(cand, cluster)
         if dedupe and cand.placement != "team-inner" and links[key] == links.get(key[:3] + ("team-inner",)):
             continue  # another placement with the same links: the same predictions
-        mem = memory_breakdown(model, cluster, cand, work)
-        cost = estimate(model, cluster, cand, work, links=links[key])
+        mem = memory_breakdown(model, cluster, cand, workload)
+        cost = estimate(model, cluster, cand, workload, links=links[key])
         reason = "" if mem.fits else (
             f"out of memory: needs {mem.total / GIB:.1f} GiB > {mem.usable / GIB:.1f} GiB usable "
             f"(largest: {mem.largest()} {getattr(mem, mem.largest()) / GIB:.1f} GiB)")
@@ -242,24 +242,24 @@ def plan(
     if world_size is not None:
         cluster = cluster.with_world_size(world_size)
     model = get_model(model)
-    work = replace(workload, seq_len=seq_len) if workload else Workload(seq_len=seq_len)
+    workload = replace(workload, seq_len=seq_len) if workload else Workload(seq_len=seq_len)
     fixed = {k: v for k, v in (fixed or {}).items() if v not in (None, "auto")}
-    cands, skipped = enumerate_candidates(model, cluster, work, fixed)
+    cands, skipped = enumerate_candidates(model, cluster, workload, fixed)
     if not cands:
-        raise PlanError(f"no valid configuration for {_request(cluster, model, work, fixed)}",
-                        _nearest_valid(model, cluster, work, fixed, skipped))
-    rows = _evaluate(model, cluster, work, cands, dedupe="placement" not in fixed)
+        raise PlanError(f"no valid configuration for {_request(cluster, model, workload, fixed)}",
+                        _nearest_valid(model, cluster, workload, fixed, skipped))
+    rows = _evaluate(model, cluster, workload, cands, dedupe="placement" not in fixed)
     fitting = sorted((r for r in rows if r.fits), key=_rank_key)
     rejected = sorted((r for r in rows if not r.fits), key=lambda r: r.memory.total)
     if not fitting:
         raise PlanError(
-            f"nothing fits in memory for {_request(cluster, model, work, fixed)}: the leanest configuration "
+            f"nothing fits in memory for {_request(cluster, model, workload, fixed)}: the leanest configuration "
             f"({rejected[0].candidate.label}) needs {rejected[0].memory.total / GIB:.1f} GiB per rank, "
             f"{rejected[0].memory.usable / GIB:.1f} GiB usable ({rejected[0].memory.describe()})",
-            _nearest_fitting(model, cluster, work, fixed),
+            _nearest_fitting(model, cluster, workload, fixed),
         )
     choice = _choose(fitting, rejected, fixed, cluster)
-    return Plan(cluster, model, work, tuple(fitting + rejected), tuple(skipped), choice)
+    return Plan(cluster, model, workload, tuple(fitting + rejected), tuple(skipped), choice)
 
 
 def resolve(
@@ -278,9 +278,9 @@ def resolve(
 # -- explanations --------------------------------------------------------------------------------------
 
 
-def _request(cluster: ClusterSpec, model: ModelSpec, work: Workload, fixed: Mapping[str, Any]) -> str:
+def _request(cluster: ClusterSpec, model: ModelSpec, workload: Workload, fixed: Mapping[str, Any]) -> str:
     given = ", ".join(f"{k}={v}" for k, v in fixed.items())
-    return (f"{model.name} at seq_len {work.seq_len} on {cluster.world_size} ranks ({cluster.name}, "
+    return (f"{model.name} at seq_len {workload.seq_len} on {cluster.world_size} ranks ({cluster.name}, "
             f"{cluster.ranks_per_node}/node)" + (f" with {given}" if given else ""))
 
 
@@ -324,7 +324,7 @@ def _nearest(values: Iterable[int], target: int, k: int = 4) -> list[int]:
     return sorted(sorted(set(values), key=lambda v: (abs(v - target), v))[:k])
 
 
-def _nearest_valid(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any],
+def _nearest_valid(model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed: Mapping[str, Any],
                    skipped: list[str]) -> list[str]:
     """For each fixed value, the values of that key that would be valid with the others kept."""
     out = list(dict.fromkeys(skipped))[:6]
@@ -332,16 +332,16 @@ def _nearest_valid(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed
         if key not in fixed:
             continue
         rest = {k: v for k, v in fixed.items() if k != key}
-        cands, _ = enumerate_candidates(model, cluster, work, rest)
+        cands, _ = enumerate_candidates(model, cluster, workload, rest)
         values = sorted({getattr(c, key) if key != "mode" else c.strategy for c in cands}, key=str)
         if values:
             shown = _nearest(values, fixed[key]) if isinstance(fixed[key], int) else values
             out.append(f"{key}={fixed[key]!r} is not possible here; feasible {key} values: {shown}")
     w = cluster.world_size
-    n = work.seq_len
+    n = workload.seq_len
     step = cluster.ranks_per_node if cluster.nodes > 1 else 1
     worlds = [x for x in range(step, 4 * w + 1, step) if x != w and x >= 1]
-    ok_worlds = [x for x in worlds if enumerate_candidates(model, cluster.with_world_size(x), work, fixed)[0]]
+    ok_worlds = [x for x in worlds if enumerate_candidates(model, cluster.with_world_size(x), workload, fixed)[0]]
     if ok_worlds:
         out.append(f"world sizes where {dict(fixed)} is valid: {_nearest(ok_worlds, w)}")
     p = fixed.get("sp_size", w)
@@ -352,20 +352,20 @@ def _nearest_valid(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed
     return out or [f"no setting of {dict(fixed)} is valid at world size {w}: drop the fixed values"]
 
 
-def _fits_any(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any]) -> bool:
-    cands, _ = enumerate_candidates(model, cluster, work, fixed)
-    return any(memory_breakdown(model, cluster, c, work).fits for c in cands)
+def _fits_any(model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed: Mapping[str, Any]) -> bool:
+    cands, _ = enumerate_candidates(model, cluster, workload, fixed)
+    return any(memory_breakdown(model, cluster, c, workload).fits for c in cands)
 
 
-def _nearest_fitting(model: ModelSpec, cluster: ClusterSpec, work: Workload, fixed: Mapping[str, Any]) -> list[str]:
+def _nearest_fitting(model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed: Mapping[str, Any]) -> list[str]:
     """The longest sequence that fits at this world size, and the smallest world size that fits this one."""
     out = []
-    w, n = cluster.world_size, work.seq_len
+    w, n = cluster.world_size, workload.seq_len
     unit = 2 * w
     lo, hi = 0, n // unit  # multiples of 2W tokens: valid for every SP size
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits_any(model, cluster, replace(work, seq_len=mid * unit), fixed):
+        if _fits_any(model, cluster, replace(workload, seq_len=mid * unit), fixed):
             lo = mid
         else:
             hi = mid - 1
@@ -375,11 +375,11 @@ def _nearest_fitting(model: ModelSpec, cluster: ClusterSpec, work: Workload, fix
     for x in (w * 2**k for k in range(1, 7)):
         x = -(-x // step) * step
         if n % (2 * x) == 0 or n % x == 0:
-            if _fits_any(model, cluster.with_world_size(x), work, fixed):
+            if _fits_any(model, cluster.with_world_size(x), workload, fixed):
                 out.append(f"{x} ranks ({x // cluster.ranks_per_node if cluster.nodes > 1 else 1} nodes) fit "
                            f"seq_len {n}")
                 break
-    if not work.offload_optimizer or not work.offload_checkpoints:
+    if not workload.offload_optimizer or not workload.offload_checkpoints:
         out.append("offloading the optimizer state / checkpointed activations to the CPU lowers the need")
     if fixed:
         out.append(f"or drop the fixed values {dict(fixed)}")
