@@ -1,0 +1,63 @@
+"""The trainer's 10-step loss curves under every sequence-parallel mode equal the run without sequence parallelism.
+
+Ring (C = 1), multi-ring WallFacer (C = 2), Ulysses (U = 4) and the hybrid (U = 2 x ring) on 4 ranks, each
+against the same trainer on one rank (P = 1: local attention, no collective), through the real ``deepspeed``
+launcher with the bundled data. fp32, SGD, no gradient clipping: a gradient off by a constant factor changes the
+curve (Adam and clipping would hide it). Every run sees the same batches in the same order (one sequence-parallel
+group, the same seed), so the losses must agree to fp32 noise at every step.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .helpers import DEEPSPEED, launch, losses, summary
+
+pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="the deepspeed launcher is not installed")
+
+STEPS = 10
+MODES = {
+    "ring": {"mode": "wallfacer", "ring_count": 1},
+    "wallfacer-C2": {"mode": "wallfacer", "ring_count": 2},
+    "ulysses": {"mode": "ulysses"},
+    "hybrid": {"mode": "hybrid", "ulysses_degree": 2},
+}
+
+
+def _config(path: Path, wallfacer: dict) -> Path:
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "zero_allow_untested_optimizer": True,
+        "wallfacer": {"sequence_parallel_size": "auto" if not wallfacer else 4, **wallfacer},
+    }))
+    return path
+
+
+def _run(tmp_path: Path, name: str, ranks: int, wallfacer: dict) -> tuple[dict, dict[int, float]]:
+    out = tmp_path / name
+    out.mkdir()
+    res = launch(ranks, tmp_path, "--deepspeed_config", str(_config(out / "ds.json", wallfacer)),
+                 "--steps", str(STEPS), "--seq_len", "64", "--output_dir", str(out), "--cache_dir",
+                 str(tmp_path / "cache"), "--no_wandb", "--no_save", "--no_export", "--eval_every", "1000")
+    return summary(res), losses(out)
+
+
+def test_loss_curves_of_every_mode_equal_the_run_without_sequence_parallelism(tmp_path: Path) -> None:
+    _, reference = _run(tmp_path, "p1", 1, {})
+    assert len(reference) == STEPS
+    assert reference[max(reference)] < reference[min(reference)]  # it learns
+    failures = []
+    for name, section in MODES.items():
+        info, curve = _run(tmp_path, name, 4, section)
+        assert info["sequence_parallel_size"] == 4, info
+        for step, want in reference.items():
+            got = curve[step]
+            if abs(got - want) > 2e-5 * max(1.0, abs(want)):
+                failures.append(f"{name} step {step}: loss {got:.7f} != {want:.7f} without sequence parallelism")
+    assert not failures, "\n".join(failures)
