@@ -74,11 +74,12 @@ def _read_ds_config(path: str) -> dict[str, Any]:
     return raw
 
 
-def _replica_mean(values: torch.Tensor, *, layout: Any) -> torch.Tensor:
+def _replica_mean(values: torch.Tensor, *, layout: Any, comm: Any) -> torch.Tensor:
     """[k] on every rank (equal within a sequence-parallel group) -> their mean over the data-parallel replicas,
-    in float64 (one value per replica, so D = 1 returns the value exactly)."""
-    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, values)
+    in float64 (one value per replica, so D = 1 returns the value exactly). Through the comm layer, which checks
+    the tensor is on the group's device."""
+    with comm.phase("metrics"):
+        rows = comm.all_gather(values, dist.group.WORLD)  # [W, k]
     firsts = [rows[layout.sp_ranks(d)[0]] for d in range(layout.dp_size)]
     return torch.stack(firsts).double().mean(0).cpu()
 
@@ -190,7 +191,7 @@ def run(args: Any) -> int:
                 total[0] += engine(**to_dev(batch)).double() * count
                 total[1] += count
         engine.train()
-        s = _replica_mean(total, layout=lay)
+        s = _replica_mean(total, layout=lay, comm=sp.comm)
         return float(s[0] / s[1])
 
     log_file = out / "metrics.jsonl"
@@ -243,7 +244,7 @@ def run(args: Any) -> int:
         dt = time.perf_counter() - t0
         step += 1
         state["tokens_seen"] += seq_per_step * args.seq_len
-        means = _replica_mean(acc / gas, layout=lay)
+        means = _replica_mean(acc / gas, layout=lay, comm=sp.comm)
         loss_v = float(means[0])
         losses.append(loss_v)
         step_times.append(dt)
