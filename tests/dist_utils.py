@@ -9,6 +9,7 @@ import datetime
 import os
 import socket
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -49,6 +50,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # DeepSpeed's CPU all-reduce segment of this rank, if a test initialised DeepSpeed without our initialize
+        for seg in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_{rank}"):
+            seg.unlink(missing_ok=True)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:

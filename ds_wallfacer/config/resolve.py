@@ -274,8 +274,18 @@ def resolve_auto(
                               num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=notes)
             if layout is not None:
                 return layout
-    return _safe_rule(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn,
-                      notes=notes)
+    layout = _safe_rule(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn,
+                        notes=notes)
+    seq_len = cfg.seq_len or (planner_inputs.seq_len if planner_inputs is not None else None)
+    if planner_inputs is not None and not open_keys and seq_len is not None:
+        # every size was set: the planner chooses nothing, but its prediction for this layout is still worth
+        # logging beside the measured step time (no note when it has none: the user's layout stands either way)
+        fixed = replace(cfg, ulysses_degree=layout.ulysses_degree, placement=layout.placement)
+        predicted = _planned(fixed, planner_inputs, seq_len, [], world_size=world_size, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=[])
+        if predicted is not None:
+            layout = replace(layout, planner_choice=predicted.planner_choice)
+    return layout
 
 
 def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: list[str], *, world_size: int,
@@ -324,9 +334,10 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
         return None
     values = {"mode": choice.mode, "sequence_parallel_size": choice.sp_size,
               "ulysses_degree": choice.ulysses_degree, "ring_count": choice.ring_count, "placement": choice.placement}
-    chosen = ", ".join(f"{k} = {values[k]}" for k in open_keys)
-    notes.append(f"planner chose {chosen} for {what}")
-    notes.extend(f"planner: {r}" for r in choice.reasons)
+    if open_keys:
+        chosen = ", ".join(f"{k} = {values[k]}" for k in open_keys)
+        notes.append(f"planner chose {chosen} for {what}")
+        notes.extend(f"planner: {r}" for r in choice.reasons)
     return ParallelLayout(
         world_size=world_size, sp_size=choice.sp_size, mode=choice.mode, ulysses_degree=choice.ulysses_degree,
         ring_count=choice.ring_count, num_heads=num_heads, num_kv_heads=num_kv_heads, sharding=cfg.sharding,

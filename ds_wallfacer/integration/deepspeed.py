@@ -19,7 +19,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -156,8 +158,50 @@ def _rank_device() -> torch.device:
     return torch.device(acc.device_name(local_rank))
 
 
+_STALE_BUILD_LOCK_S = 600.0
+
+
+def _clear_stale_build_lock(op_name: str = "deepspeed_shm_comm") -> None:
+    """Note [Stale JIT build lock]: on the CPU accelerator ``deepspeed.init_distributed`` JIT-loads a C++ op
+    (``ShareMemCommBuilder``) under torch's file lock in the extensions directory. A rank killed while holding it
+    (a crash, a timeout) leaves the lock behind, and every later run waits on it forever, before any process
+    group or watchdog exists. A lock older than any build (10 minutes) is stale: local rank 0 removes it, with a
+    warning, before initialising. Uses torch's private ``_get_build_directory``; does nothing if it is gone."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(op_name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except Exception:  # noqa: BLE001 - no lock (the usual case), or torch's private helper changed
+        return
+    if age > _STALE_BUILD_LOCK_S:
+        log.warning("ds_wallfacer: removing a stale torch extension build lock %s (%.0f s old): a run killed "
+                    "while building %s left it, and it would block every rank forever", lock, age, op_name)
+        lock.unlink(missing_ok=True)
+
+
+def release_shm_buffer() -> None:
+    """Note [DeepSpeed's CPU shared-memory buffers]: on the CPU accelerator DeepSpeed's all-reduce op creates one
+    ~66 MB shared-memory segment per rank (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and
+    never unlinks it, so every run leaks them into RAM (hundreds of runs filled a 24 GiB machine's /dev/shm). Each
+    rank maps every peer's segment inside ``init_distributed``; once all ranks are past it (the caller's barrier),
+    unlinking the name frees the memory when the last mapping goes, even if the run is killed later."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not dist.is_initialized():
+        return
+    for seg in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"):
+        seg.unlink(missing_ok=True)
+
+
 def _init_distributed(timeout: datetime.timedelta) -> None:
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    cpu = get_accelerator().device_name() == "cpu"
+    if cpu:
+        _clear_stale_build_lock()
     from deepspeed.utils import groups as ds_groups
 
     if not dist.is_initialized():
@@ -169,6 +213,9 @@ def _init_distributed(timeout: datetime.timedelta) -> None:
     # first, with ours.
     if getattr(ds_groups, "_WORLD_GROUP", 0) is None:
         ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
+    if cpu and dist.get_world_size() > 1:
+        dist.barrier()  # every rank has mapped every peer's segment (Note [DeepSpeed's CPU shared-memory buffers])
+        release_shm_buffer()
 
 
 def initialize(

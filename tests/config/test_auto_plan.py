@@ -59,9 +59,11 @@ def test_user_values_are_fixed_for_the_planner() -> None:
     lay = _resolve({"cluster": "h100x8", "mini_sequence": {"mlp_chunk_tokens": 64}})
     assert lay.planner_choice["mini_sequence"] is True and lay.planner_choice["mlp_chunk_tokens"] == 64
     assert lay.planner_choice["activation_checkpointing"] is True  # MsT's default layer checkpointing
-    # nothing left open: no planner run, no notes
+    # nothing left open: the user's layout, no notes; the planner only predicts its step time
     lay = _resolve({"sequence_parallel_size": 4, "ring_count": 2})
-    assert lay.planner_choice is None and lay.notes == () and lay.placement == "team-inner"
+    assert lay.notes == () and lay.placement == "team-inner" and (lay.sp_size, lay.ring_count) == (4, 2)
+    assert lay.planner_choice["sp_size"] == 4 and lay.planner_choice["ring_count"] == 2
+    assert lay.planner_choice["step_s"] > 0
 
 
 def test_environment_and_cluster_preset() -> None:
