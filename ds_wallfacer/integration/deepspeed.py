@@ -213,8 +213,9 @@ def _init_distributed(timeout: datetime.timedelta) -> None:
     # first, with ours.
     if getattr(ds_groups, "_WORLD_GROUP", 0) is None:
         ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
-    if cpu and dist.get_world_size() > 1:
-        dist.barrier()  # every rank has mapped every peer's segment (Note [DeepSpeed's CPU shared-memory buffers])
+    if cpu:
+        if dist.get_world_size() > 1:
+            dist.barrier()  # every rank has mapped every peer's segment (Note [DeepSpeed's CPU shared-memory buffers])
         release_shm_buffer()
 
 
