@@ -13,6 +13,7 @@ import torch
 from tests.dist_utils import run_distributed
 
 from .models import full_batch
+from .parity import param_failures, zero_section
 from .variants import AUX_COEF, MOE_FAMILIES, tiny_moe
 
 LR = 0.5
@@ -34,9 +35,7 @@ class Case:
 
 
 def _ds_config(case: Case) -> dict:
-    zero: dict = {"stage": case.stage}
-    if case.stage == 3:
-        zero.update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_prefetch_bucket_size=0)
+    zero = zero_section(case.stage)
     return {"train_micro_batch_size_per_gpu": case.batch_size, "gradient_clipping": 0, "zero_optimization": zero,
             "zero_allow_untested_optimizer": True, "wallfacer": case.wallfacer}
 
@@ -65,8 +64,6 @@ def _reference(case: Case, dp: int) -> tuple[dict, dict, dict]:
 
 
 def _run_case(rank: int, world: int, case: Case) -> list[str]:
-    from deepspeed.utils import safe_get_full_fp32_param
-
     from ds_wallfacer.integration import initialize
 
     ours = tiny_moe(case.family)
@@ -93,11 +90,7 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
                 failures.append(f"step 0 aux loss {aux:.7f} != non-parallel {want_aux:.7f}")
         engine.backward(loss)
         engine.step()
-    for name, p in engine.module.named_parameters():
-        key = name.removeprefix("lm.")
-        w = safe_get_full_fp32_param(p)
-        if not torch.allclose(w, ref_params[key], rtol=1e-4, atol=2e-6):
-            failures.append(f"param {key} after {STEPS} steps: max err {(w - ref_params[key]).abs().max().item():.3g}")
+    failures += param_failures(engine, ref_params, steps=STEPS)
     engine.destroy()
     return [f"[{case.name()}] rank {rank}: {f}" for f in failures]
 

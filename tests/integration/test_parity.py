@@ -16,6 +16,7 @@ import torch
 from tests.dist_utils import run_distributed
 
 from .models import full_batch, hf_loss, tiny_model
+from .parity import param_failures, zero_section
 
 LR = 0.5
 STEPS = 3
@@ -37,10 +38,7 @@ class Case:
 
 
 def _ds_config(case: Case) -> dict:
-    zero: dict = {"stage": case.stage}
-    if case.stage == 3:
-        # tiny parameters would otherwise stay unpartitioned ("persistent") and ZeRO-3 would not be exercised
-        zero.update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_prefetch_bucket_size=0)
+    zero = zero_section(case.stage)
     return {
         "train_micro_batch_size_per_gpu": case.batch_size,
         "gradient_accumulation_steps": case.gas,
@@ -70,8 +68,6 @@ def _reference(case: Case, dp: int) -> tuple[dict, dict]:
 
 
 def _run_case(rank: int, world: int, case: Case) -> list[str]:
-    from deepspeed.utils import safe_get_full_fp32_param
-
     from ds_wallfacer.integration import initialize
 
     ours = tiny_model(case.family)
@@ -91,11 +87,7 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
                 failures.append(f"step 0 loss {loss.item():.7f} != non-parallel {want:.7f}")
             engine.backward(loss)
             engine.step()
-    for name, p in engine.module.named_parameters():
-        key = name.removeprefix("lm.")
-        w = safe_get_full_fp32_param(p)
-        if not torch.allclose(w, ref_params[key], rtol=1e-4, atol=2e-6):
-            failures.append(f"param {key} after {STEPS} steps: max err {(w - ref_params[key]).abs().max().item():.3g}")
+    failures += param_failures(engine, ref_params, steps=STEPS)
     # every collective tensor went through the comm layer's device check (comm/ops.py), on the engine's device
     assert sp.comm.device == torch.device(engine.device), (sp.comm.device, engine.device)
     assert sp.comm.checked >= sum(sp.comm.calls.values()) and (sp.comm.checked > 0 or sp.layout.sp_size == 1)

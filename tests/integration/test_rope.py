@@ -13,6 +13,7 @@ import torch
 from tests.dist_utils import run_distributed
 
 from .models import full_batch, hf_loss
+from .parity import param_failures
 from .variants import tiny_rope
 
 LR = 0.5
@@ -45,8 +46,6 @@ def _reference(case: Case) -> tuple[list[float], dict]:
 
 
 def _run_case(rank: int, world: int, case: Case) -> list[str]:
-    from deepspeed.utils import safe_get_full_fp32_param
-
     from ds_wallfacer.integration import initialize
 
     ours = tiny_rope(case.rope_type, family=case.family)
@@ -61,11 +60,7 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
             failures.append(f"step 0 loss {loss.item():.7f} != non-parallel {ref_losses[0]:.7f}")
         engine.backward(loss)
         engine.step()
-    for name, p in engine.module.named_parameters():
-        key = name.removeprefix("lm.")
-        w = safe_get_full_fp32_param(p)
-        if not torch.allclose(w, ref_params[key], rtol=1e-4, atol=2e-6):
-            failures.append(f"param {key} after {STEPS} steps: max err {(w - ref_params[key]).abs().max().item():.3g}")
+    failures += param_failures(engine, ref_params, steps=STEPS)
     engine.destroy()
     return [f"[{case.name()}] rank {rank}: {f}" for f in failures]
 
