@@ -81,3 +81,48 @@ def test_cuda_kernels_match_reference(dtype, causal):
         torch.testing.assert_close(lse, lse_ref, atol=tol, rtol=0)
         for got, want in zip(kern.backward(do, q, k, v, out, lse, causal=causal, scale=128**-0.5), g_ref):
             torch.testing.assert_close(got.float(), want.float(), atol=5 * tol, rtol=0)
+
+
+def _masked_ref(q, k, v, do, keep, softcap, scale):
+    """float64 autograd: soft-capped logits, bool keep-mask; rows that see nothing give 0."""
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    s = torch.matmul(q, k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0).unsqueeze(-1))
+    o = torch.matmul(p, v.repeat_interleave(rep, 1))
+    o.backward(do.double())
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("name,softcap", [("reference", 0.0), ("reference", 5.0), ("cpu_flash", 0.0)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_mask_and_softcap(name, softcap, causal):
+    """A sliding-window-like keep-mask with some rows that see no key at all, and soft-capped logits."""
+    q, k, v, do = _inputs(4, 2, 20, 20, 32, torch.float32, seed=3)
+    i = torch.arange(20)
+    keep = ((i[:, None] - i[None, :]) < 6) & ((i[:, None] + i[None, :]) % 7 != 0)
+    keep[4] = False  # a query with no visible key in this block
+    keep = keep.expand(2, 1, 20, 20)
+    full = keep & (torch.ones(20, 20, dtype=torch.bool).tril() if causal else True)
+    kern = get_kernel(name, q, mask=True, softcap=bool(softcap))
+    scale = 3.0 / 32**0.5  # large logits, so the cap matters
+    out, lse = kern.forward(q, k, v, causal=causal, scale=scale, mask=keep, softcap=softcap)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = _masked_ref(q, k, v, do, full, softcap, scale)
+    torch.testing.assert_close(out.double(), o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=0)
+    assert torch.isinf(lse[:, :, 4]).all() and (out[:, :, 4] == 0).all()
+    grads = kern.backward(do, q, k, v, out, lse, causal=causal, scale=scale, mask=keep, softcap=softcap)
+    for got, want in zip(grads, (dq_ref, dk_ref, dv_ref)):
+        torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=0)
+
+
+def test_kernel_without_softcap_is_refused_by_name():
+    cpu = torch.zeros(1, 1, 2, 8)
+    assert get_kernel("auto", cpu, softcap=True).name == "reference"
+    assert get_kernel("auto", cpu, mask=True).name == "cpu_flash"
+    with pytest.raises(ValueError, match="'cpu_flash' cannot apply attention logit soft-capping.*reference"):
+        get_kernel("cpu_flash", cpu, softcap=True)

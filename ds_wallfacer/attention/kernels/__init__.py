@@ -22,14 +22,23 @@ if tuple(KERNELS) != KERNEL_NAMES or set(AUTO_ORDER) != set(KERNEL_NAMES):
     raise ImportError(f"kernel registry {list(KERNELS)} and kernel_names.py {KERNEL_NAMES} disagree")
 
 
-def get_kernel(name: str, sample: torch.Tensor | None = None) -> BlockKernel:
-    """The kernel called ``name``; ``"auto"`` picks the fastest that supports ``sample``'s device and dtype."""
+def _lacks(k: BlockKernel, *, mask: bool, softcap: bool) -> str | None:
+    if softcap and not k.supports_softcap:
+        return "attention logit soft-capping"
+    if mask and not k.supports_mask:
+        return "a sliding-window mask"
+    return None
+
+
+def get_kernel(name: str, sample: torch.Tensor | None = None, *, mask: bool = False, softcap: bool = False) -> BlockKernel:
+    """The kernel called ``name``; ``"auto"`` picks the fastest that supports ``sample``'s device and dtype and
+    what the model needs (``mask``: sliding windows; ``softcap``: attention logit soft-capping)."""
     if name == "auto":
         if sample is None:
             raise ValueError("kernel 'auto' needs a sample tensor to choose by device and dtype")
         for n in AUTO_ORDER:
             k = KERNELS[n]()
-            if k.supports(sample):
+            if k.supports(sample) and _lacks(k, mask=mask, softcap=softcap) is None:
                 return k
     if name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {['auto', *KERNELS]}")
@@ -38,5 +47,12 @@ def get_kernel(name: str, sample: torch.Tensor | None = None) -> BlockKernel:
         raise ValueError(
             f"attention kernel {name!r} does not support {sample.dtype} tensors on {sample.device}"
             + ("" if name != "flash_attn" else " (is flash-attn installed? pip install 'ds_wallfacer[flash]')")
+        )
+    missing = _lacks(k, mask=mask, softcap=softcap)
+    if missing is not None:
+        able = [n for n, cls in KERNELS.items() if _lacks(cls(), mask=mask, softcap=softcap) is None]
+        raise ValueError(
+            f"attention kernel {name!r} cannot apply {missing}, which this model uses: set \"wallfacer\": "
+            f"{{\"kernel\": \"auto\"}} or one of {able}"
         )
     return k

@@ -8,6 +8,11 @@ Shapes (``[B, h, S, d]``, the layout of HF attention functions and of torch SDPA
 - ``backward(dout, q, k, v, out, lse)`` with the *final* out and lse of the full attention (ring attention
   calls it block by block) -> dq, dk, dv in q's dtype or float32
 - ``causal`` is only asked for with Sq == Sk (a diagonal block, aligned top-left)
+- ``mask`` (optional): a bool tensor broadcastable to ``[B, hq, Sq, Sk]``, True where a query may see a key, on
+  top of ``causal`` (sliding windows). A query row that sees no key gets out 0 and lse -inf, and no gradient.
+  Only backends with ``supports_mask`` take one.
+- ``softcap`` (optional, 0 = off): logits are ``softcap * tanh(scale * q.k / softcap)`` before the softmax
+  (Gemma-2's ``attn_logit_softcapping``). Only backends with ``supports_softcap`` take one.
 """
 from __future__ import annotations
 
@@ -15,17 +20,22 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BlockKernel", "expand_kv", "reduce_kv_grad"]
+__all__ = ["BlockKernel", "check_options", "expand_kv", "reduce_kv_grad"]
 
 
 class BlockKernel(Protocol):
     name: str
+    supports_mask: bool
+    """Takes a ``mask`` (sliding windows)."""
+    supports_softcap: bool
+    """Takes a ``softcap`` > 0."""
 
     def supports(self, q: torch.Tensor) -> bool:
         """Whether this backend runs on q's device and dtype."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+        mask: torch.Tensor | None = None, softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -39,6 +49,8 @@ class BlockKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        mask: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -53,3 +65,11 @@ def reduce_kv_grad(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     b, hq, s, d = g.shape
     rep = hq // kv_heads
     return g if rep == 1 else g.view(b, kv_heads, rep, s, d).sum(dim=2)
+
+
+def check_options(kernel: BlockKernel, *, mask: torch.Tensor | None, softcap: float) -> None:
+    """Refuse options a backend cannot honour (the start-up audit refuses them earlier, naming the setting)."""
+    if mask is not None and not kernel.supports_mask:
+        raise ValueError(f"attention kernel {kernel.name!r} cannot apply an attention mask (sliding window)")
+    if softcap and not kernel.supports_softcap:
+        raise ValueError(f"attention kernel {kernel.name!r} cannot apply attention logit soft-capping")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import expand_kv, reduce_kv_grad
+from .base import check_options, expand_kv, reduce_kv_grad
 
 __all__ = ["CudaSdpaKernel"]
 
@@ -16,6 +16,8 @@ _aten = torch.ops.aten
 
 class CudaSdpaKernel:
     name = "cuda_sdpa"
+    supports_mask = False
+    supports_softcap = False
 
     def supports(self, q: torch.Tensor) -> bool:
         return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -24,7 +26,8 @@ class CudaSdpaKernel:
     def _flash(q: torch.Tensor) -> bool:
         return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, mask=None, softcap=0.0):
+        check_options(self, mask=mask, softcap=softcap)
         hq, sq = q.shape[1], q.shape[2]
         k, v = expand_kv(k, hq), expand_kv(v, hq)
         if self._flash(q):
@@ -33,7 +36,8 @@ class CudaSdpaKernel:
             out, lse, *_ = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
         return out, lse[..., :sq].float().contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None, softcap=0.0):
+        check_options(self, mask=mask, softcap=softcap)
         hk, hq, sq, sk = k.shape[1], q.shape[1], q.shape[2], k.shape[2]
         ke, ve = expand_kv(k, hq), expand_kv(v, hq)
         dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()

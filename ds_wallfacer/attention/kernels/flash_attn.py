@@ -9,6 +9,8 @@ import inspect
 
 import torch
 
+from .base import check_options
+
 __all__ = ["FlashAttnKernel", "flash_attn_available"]
 
 
@@ -36,6 +38,8 @@ class FlashAttnKernel:
     theirs), not per call."""
 
     name = "flash_attn"
+    supports_mask = False
+    supports_softcap = False
 
     def __init__(self) -> None:
         self._available: bool | None = None
@@ -61,7 +65,8 @@ class FlashAttnKernel:
             self._bwd = (_flash_attn_backward, _params(_flash_attn_backward))
         return self._bwd
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, mask=None, softcap=0.0):
+        check_options(self, mask=mask, softcap=softcap)
         res = _call(
             *self._forward_fn(),
             q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), dropout_p=0.0,
@@ -71,7 +76,8 @@ class FlashAttnKernel:
         out, lse = res[0], res[1]  # [B, S, h, d], [B, h, S]
         return out.transpose(1, 2), lse.float().contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None, softcap=0.0):
+        check_options(self, mask=mask, softcap=softcap)
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
         _call(
