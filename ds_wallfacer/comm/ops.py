@@ -13,6 +13,18 @@ volumes and benchmarks print them beside the cost formulas:
 Timeouts come from the process groups (``groups.py`` creates them with one), so a dead peer ends a
 collective with an error instead of a hang.
 
+Note [Measuring overlap]: WallFacer's ring steps start the next k/v exchange, run the block kernel, then wait, so
+the transfer hides behind the compute. Two things make that measurable without changing what is sent:
+
+- ``blocked_s`` holds the host time this rank spent blocked, by (phase, kind): in ``Pending.wait()`` (an
+  exchange's send/recv) and inside the blocking collectives (all-gather, reduce-scatter, all-to-all). Time an
+  exchange spends in flight while the caller computes is not counted: only what is left when the caller waits.
+  (On CUDA, NCCL ``wait`` returns once the compute stream is ordered after the transfer, so the host sees ~0:
+  synchronise the device around a call to time it there.)
+- ``serial = True`` makes ``exchange`` wait for its sends and receives before returning, so nothing overlaps: the
+  same bytes and the same results, with the whole transfer on the critical path. Overlapped minus serial time
+  is what the overlap saves (``launch/bench_overlap.py``).
+
 Note [Device of collective tensors]: an NCCL-only group (what DeepSpeed creates on GPUs) rejects a CPU tensor,
 while gloo on CPU accepts anything, so a CPU-only test suite cannot catch a tensor built without ``device=``.
 Every tensor handed to a collective therefore passes ``CommLayer.check_device``: it must be on the layer's
@@ -23,9 +35,10 @@ group's, on CPU as on GPU. Data that starts on the host (a batch signature) is m
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,13 +81,18 @@ class Pending:
     """Send buffers, held until the sends complete."""
 
     done: bool = False
+    on_wait: Callable[[float], None] | None = field(default=None, repr=False)
+    """Called with the seconds ``wait`` blocked (the comm layer's ``blocked_s`` accounting)."""
 
     def wait(self) -> list[torch.Tensor]:
         """Complete the exchange once; a second wait is a bug in the caller's schedule and raises."""
         if self.done:
             raise RuntimeError("Pending.wait() called twice on one exchange: each exchange is waited on exactly once")
+        t0 = time.perf_counter()
         for w in self.works:
             w.wait()
+        if self.on_wait is not None and self.works:
+            self.on_wait(time.perf_counter() - t0)
         self.works, self.keep, self.done = [], [], True
         return self.recvs
 
@@ -82,12 +100,18 @@ class Pending:
 class CommLayer:
     """Counted collectives. Holds no process groups itself: each call names the group it runs on."""
 
-    def __init__(self, *, device: torch.device | str | None = None) -> None:
+    def __init__(self, *, device: torch.device | str | None = None, serial: bool = False) -> None:
         self.device: torch.device | None = torch.device(device) if device is not None else None
         """The device every collective tensor must be on (None: any device the group's backend accepts)."""
+        self.serial = serial
+        """True: ``exchange`` completes before it returns, so no transfer overlaps compute (Note [Measuring
+        overlap]); settable at any time, it changes neither the bytes nor the results."""
         self.sent: Counter[tuple[str, str]] = Counter()
         """Bytes sent by this rank, keyed by (phase, kind)."""
         self.calls: Counter[tuple[str, str]] = Counter()
+        self.blocked_s: Counter[tuple[str, str]] = Counter()
+        """Seconds this rank was blocked waiting for communication, keyed by (phase, kind) (Note [Measuring
+        overlap]): in ``Pending.wait`` for exchanges, inside the call for the blocking collectives."""
         self.checked = 0
         """Tensors whose device was checked (Note [Device of collective tensors])."""
         self._phase = "forward"
@@ -133,6 +157,21 @@ class CommLayer:
         finally:
             self._phase = prev
 
+    def _blocked(self, key: tuple[str, str]) -> Callable[[float], None]:
+        def add(seconds: float) -> None:
+            self.blocked_s[key] += seconds
+
+        return add
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        key = (self._phase, kind)  # the phase of the call, fixed before it runs
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.blocked_s[key] += time.perf_counter() - t0
+
     def _count(self, kind: str, nbytes: int) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown comm kind {kind!r}; expected one of {KINDS}")
@@ -140,12 +179,18 @@ class CommLayer:
         self.calls[(self._phase, kind)] += 1
 
     def reset(self) -> None:
+        """Forget the counted bytes, calls and blocked time (e.g. at the start of a step)."""
         self.sent.clear()
         self.calls.clear()
+        self.blocked_s.clear()
 
     def by_kind(self, phase: str) -> dict[str, int]:
         """Bytes sent in ``phase`` per kind (every kind listed, zeros included)."""
         return {k: self.sent.get((phase, k), 0) for k in KINDS}
+
+    def blocked_by_kind(self, phase: str) -> dict[str, float]:
+        """Seconds blocked in ``phase`` per kind (every kind listed, zeros included)."""
+        return {k: self.blocked_s.get((phase, k), 0.0) for k in KINDS}
 
     # -- collectives -----------------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_gather") -> torch.Tensor:
@@ -157,7 +202,8 @@ class CommLayer:
             return x.unsqueeze(0)
         flat = x.reshape(-1)
         out = torch.empty(n * flat.numel(), dtype=x.dtype, device=x.device)
-        _all_gather(out, flat, group=group)
+        with self._timed(kind):
+            _all_gather(out, flat, group=group)
         self._count(kind, (n - 1) * _nbytes(x))
         return out.view(n, *x.shape)
 
@@ -170,7 +216,9 @@ class CommLayer:
         if n == 1:
             return x[0]
         out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
-        _reduce_scatter(out, x.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
+        flat = x.contiguous().view(-1)
+        with self._timed("reduce_scatter"):
+            _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group)
         self._count("reduce_scatter", (n - 1) * _nbytes(out))
         return out.view(x.shape[1:])
 
@@ -184,7 +232,8 @@ class CommLayer:
             return x if out is None else out.copy_(x)
         x = x.contiguous()
         out = torch.empty_like(x) if out is None else out
-        dist.all_to_all_single(out, x, group=group)
+        with self._timed("all_to_all"):
+            dist.all_to_all_single(out, x, group=group)
         self._count("all_to_all", (n - 1) * _nbytes(x) // n)
         return out
 
@@ -198,7 +247,9 @@ class CommLayer:
     ) -> Pending:
         """Start point-to-point sends and receives (global peer ranks); returns a handle to ``wait`` on.
 
-        A send to oneself must pair with a receive from oneself: it becomes a local copy, uncounted.
+        A send to oneself must pair with a receive from oneself: it becomes a local copy, uncounted. With
+        ``serial`` set the transfer completes here (its blocked time counted now) and ``wait`` only hands back
+        the receive buffers.
         """
         me = dist.get_rank()
         self.check_device("exchange", group, *(t for t, _ in sends), *(t for t, _ in recvs))
@@ -215,4 +266,10 @@ class CommLayer:
         for t in keep:
             self._count(kind, _nbytes(t))
         works = dist.batch_isend_irecv(ops) if ops else []
-        return Pending(works=list(works), recvs=[t for t, _ in recvs], keep=keep)
+        pending = Pending(works=list(works), recvs=[t for t, _ in recvs], keep=keep,
+                          on_wait=self._blocked((self._phase, kind)))
+        if self.serial and pending.works:
+            # complete now, keep the handle's contract: the caller still waits exactly once
+            recv_bufs = pending.wait()
+            pending = Pending(works=[], recvs=recv_bufs, keep=[])
+        return pending

@@ -1,0 +1,71 @@
+"""Forced-serial communication (``CommLayer.serial``) changes neither results nor bytes, and the blocked-time
+accounting (``CommLayer.blocked_s``) records every kind that was sent (Note [Measuring overlap] in
+``comm/ops.py``). ``launch/bench_overlap.py`` relies on both: it compares the times of the two modes as the same
+computation. No assertion here is about time."""
+from __future__ import annotations
+
+import torch
+
+from tests.dist_utils import run_distributed
+
+SEQ_PER_RANK = 16
+
+
+def _run(rank: int, world: int) -> list[dict]:
+    from ds_wallfacer.attention import WallFacerAttention
+    from ds_wallfacer.comm import CommLayer, RankLayout, build_groups
+    from ds_wallfacer.data import shard
+
+    gen = torch.Generator().manual_seed(0)
+    n = SEQ_PER_RANK * world
+    q, do = (torch.randn(2, 8, n, 32, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, n, 32, generator=gen) for _ in range(2))
+    sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme="zigzag")  # noqa: E731
+    results = []
+    for c in (1, 2):
+        groups = build_groups([RankLayout(tuple(range(world)), c)])
+        runs = {}
+        for serial in (False, True, False):  # overlapped, serial, overlapped again after switching back
+            comm = CommLayer(device="cpu")
+            comm.serial = serial
+            attn = WallFacerAttention(groups, comm=comm, kernel="cpu_flash")
+            ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+            out = attn(ql, kl, vl, causal=True)
+            out.backward(sh(do))
+            runs.setdefault(serial, []).append(dict(
+                tensors=[t.detach().clone() for t in (out, ql.grad, kl.grad, vl.grad)],
+                sent=dict(comm.sent), calls=dict(comm.calls), blocked=dict(comm.blocked_s),
+            ))
+        results.append(dict(c=c, overlapped=runs[False], serial=runs[True][0]))
+    return results
+
+
+def test_serial_communication_is_bitwise_identical_and_sends_the_same_bytes() -> None:
+    for rank, per_rank in enumerate(run_distributed(_run, 4, timeout_s=240)):
+        for res in per_rank:
+            label = f"rank {rank} C={res['c']}"
+            ref, again = res["overlapped"]
+            for run in (res["serial"], again):
+                for name, a, b in zip(("out", "dq", "dk", "dv"), ref["tensors"], run["tensors"]):
+                    assert torch.equal(a, b), f"{label}: {name} differs between overlapped and serial communication"
+                assert run["sent"] == ref["sent"], f"{label}: bytes {run['sent']} != {ref['sent']}"
+                assert run["calls"] == ref["calls"], f"{label}: calls {run['calls']} != {ref['calls']}"
+            for run in (ref, res["serial"]):
+                # every (phase, kind) that moved bytes was timed, and nothing else was
+                sent_keys = {key for key, b in run["sent"].items() if b > 0}
+                assert set(run["blocked"]) == sent_keys, f"{label}: blocked {run['blocked']} vs sent {run['sent']}"
+                assert all(s >= 0 for s in run["blocked"].values())
+            # P = 4: ring attention hops k/v along the ring; C = 2 has one ring step (G = 1), all skewed p2p
+            kind = "ring" if res["c"] == 1 else "skew"
+            assert ("forward", kind) in ref["sent"] and ("backward", kind) in ref["sent"], label
+
+
+def test_reset_clears_the_blocked_time() -> None:
+    from ds_wallfacer.comm import CommLayer
+
+    comm = CommLayer()
+    comm.blocked_s[("forward", "ring")] += 1.0
+    comm.sent[("forward", "ring")] += 8
+    assert comm.blocked_by_kind("forward")["ring"] == 1.0 and comm.blocked_by_kind("backward")["ring"] == 0.0
+    comm.reset()
+    assert comm.blocked_s == {} and comm.sent == {} and not comm.serial
