@@ -26,6 +26,7 @@ PURE = [
     "ds_wallfacer.comm.layout",
     "ds_wallfacer.comm.world",
     "ds_wallfacer.data.chunks",
+    "ds_wallfacer.data.balance",
     "ds_wallfacer.attention.schedule",
     "ds_wallfacer.attention.volume",
     "ds_wallfacer.attention.kernel_names",

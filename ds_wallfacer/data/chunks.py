@@ -5,15 +5,32 @@ docs/design.md §2.2):
 
 - ``zigzag``     chunks (i, 2P-1-i): with a causal mask every rank does the same attention work
 - ``contiguous`` chunks (2i, 2i+1): the last rank does about twice the average causal work
+- ``balanced``   for packed documents, P x ``chunks_per_rank`` chunks chosen by attention work per batch
+  (``balance.py``); a batch without documents has one causal sequence, for which zigzag is already balanced, so
+  there it is zigzag (and ``chunk_ids`` answers zigzag's chunks)
 
 ``seq_len_divisor`` / ``check_divisible`` are the one home of the rule "the sequence length must be divisible by 2P".
 """
 from __future__ import annotations
 
-__all__ = ["SCHEMES", "SHARDINGS", "check_divisible", "chunk_ids", "padded_length", "seq_len_divisor"]
+__all__ = [
+    "DEFAULT_CHUNKS_PER_RANK",
+    "SCHEMES",
+    "SHARDINGS",
+    "check_divisible",
+    "chunk_ids",
+    "padded_length",
+    "seq_len_divisor",
+]
 
-SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
-"""The values of ``wallfacer.sharding``: which two chunks each rank holds."""
+SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous", "balanced")
+"""The values of ``wallfacer.sharding``: which chunks each rank holds."""
+DEFAULT_CHUNKS_PER_RANK = 8
+"""Chunks per ring rank under "balanced". Measured on log-normal document mixes packed into 128K-token rows
+(``launch/bench_balance.py``, worst of 8 batches): with one row per micro-batch, the usual case at this length,
+8 keeps the busiest rank within 1.006x the mean for P = 4..64, 4 only within 1.44x (a single chunk of a long
+document's tail can outweigh a rank's share), zigzag 3.9x; with 4 rows, 4 already suffices (1.02x). More chunks
+mean shorter kernel calls (P = 64: 256-token chunks at 128K)."""
 SCHEMES = SHARDINGS  # the earlier name, kept for imports
 
 
@@ -51,6 +68,6 @@ def chunk_ids(index: int, sp_size: int, scheme: str = "zigzag") -> tuple[int, in
     _check_scheme(scheme)
     if not 0 <= index < sp_size:
         raise ValueError(f"rank index {index} outside 0..{sp_size - 1}")
-    if scheme == "zigzag":
+    if scheme in ("zigzag", "balanced"):  # "balanced" without documents is zigzag
         return (index, 2 * sp_size - 1 - index)
     return (2 * index, 2 * index + 1)
