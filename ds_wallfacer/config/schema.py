@@ -69,8 +69,9 @@ class WallFacerConfig:
     ulysses_degree: AutoInt = "auto"
     """U: Ulysses all-to-all degree over consecutive ranks; must divide the query heads and divide (or be a
     multiple of) the kv heads. "auto": 1 for wallfacer, P for ulysses, chosen for hybrid."""
-    sharding: Literal["zigzag", "contiguous"] = "zigzag"
-    """Load balancing of the ring dimension: zigzag (balanced causal work) or contiguous chunks."""
+    sharding: Literal["zigzag", "contiguous", "balanced"] = "zigzag"
+    """Load balancing of the ring dimension: zigzag (balanced causal work), contiguous chunks, or balanced
+    (packed documents: more, smaller chunks assigned by attention work per batch; zigzag without documents)."""
     kernel: str = "auto"
     """Block-attention kernel backend (``ds_wallfacer.attention.KERNELS``) or "auto" (by device and dtype)."""
     ranks_per_node: AutoInt = "auto"

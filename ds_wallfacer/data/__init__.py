@@ -1,5 +1,5 @@
-"""Sequence sharding (zigzag / contiguous), global position ids, the causal block schedule, and the
-sequence-parallel data loader (labels shifted before sharding)."""
+"""Sequence sharding (zigzag / contiguous / balanced), global position ids, the causal block schedule, the
+sequence-parallel data loader (labels shifted before sharding), packed documents and their attention work."""
 from .._lazy import lazy_exports
 
 _EXPORTS = {
@@ -7,10 +7,26 @@ _EXPORTS = {
     "ShardSpec": ".loader",
     "collate_right_padded": ".loader",
     "prepare_batch": ".loader",
-    "sequence_chunk_ids": ".loader",
-    "sequence_position_ids": ".loader",
-    "shard_sequence": ".loader",
-    "unshard_sequence": ".loader",
+    "sequence_chunk_ids": ".pieces",
+    "sequence_position_ids": ".pieces",
+    "shard_sequence": ".pieces",
+    "unshard_sequence": ".pieces",
+    "check_sequence_length": ".pieces",
+    "DEFAULT_CHUNKS_PER_RANK": ".chunks",
+    "balance_ratio": ".balance",
+    "balanced_assignment": ".balance",
+    "balanced_assignment_from_work": ".balance",
+    "check_assignment": ".balance",
+    "chunk_work": ".balance",
+    "lognormal_document_mix": ".balance",
+    "rank_work": ".balance",
+    "segment_work": ".balance",
+    "zigzag_assignment": ".balance",
+    "document_ids": ".packing",
+    "document_lengths_from_position_ids": ".packing",
+    "document_positions": ".packing",
+    "mask_document_ends": ".packing",
+    "normalize_document_lengths": ".packing",
     "SCHEMES": ".chunks",
     "SHARDINGS": ".chunks",
     "block_calls": "..attention.schedule",

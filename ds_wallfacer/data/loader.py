@@ -5,11 +5,10 @@ Turns batches of full sequences into this rank's shard: ``input_ids``, global ``
 ``ignore_index``). Every rank of a sequence-parallel group must see the same full batch; data-parallel
 replicas see different ones.
 
-Sequence layout: a sequence of N tokens is cut into 2P pieces; sequence-parallel rank ``i = r * U + u``
-(U = Ulysses degree, R = P / U ring ranks) holds pieces ``a*U + u`` and ``b*U + u`` where (a, b) are ring
-rank r's two chunks of 2R under ``scheme`` (zigzag: (r, 2R-1-r); contiguous: (2r, 2r+1)). U = 1 is the plain
-WallFacer layout of ``sharding.py``; after the Ulysses all-to-all a ring rank holds its chunks in order
-(``attention/hybrid.py``).
+Which pieces of a sequence each rank holds (zigzag / contiguous chunks of 2P, with Ulysses pieces, or an
+explicit chunk assignment) is ``pieces.py``. Packed batches (several documents per row, ``packing.py``) get
+per-document positions and labels and a ``document_ids`` map; under ``scheme="balanced"`` their chunks are
+chosen by attention work (``balance.py``).
 """
 from __future__ import annotations
 
@@ -19,7 +18,16 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .chunks import check_divisible, chunk_ids, padded_length
+from .balance import balanced_assignment, zigzag_assignment
+from .chunks import DEFAULT_CHUNKS_PER_RANK, padded_length
+from .packing import (
+    document_ids,
+    document_lengths_from_position_ids,
+    document_positions,
+    mask_document_ends,
+    normalize_document_lengths,
+)
+from .pieces import check_sequence_length, sequence_chunk_ids, sequence_position_ids, shard_sequence, unshard_sequence
 
 __all__ = [
     "SequenceParallelLoader",
@@ -31,52 +39,6 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
-
-
-def sequence_chunk_ids(index: int, *, sp_size: int, ulysses_degree: int = 1, scheme: str = "zigzag") -> tuple[int, int]:
-    """The two pieces (of 2P) held by sequence-parallel rank ``index``, in local order."""
-    u = ulysses_degree
-    if u < 1 or sp_size % u:
-        raise ValueError(f"ulysses_degree {u} must divide sequence_parallel_size {sp_size}")
-    ring, sub = divmod(index, u)
-    a, b = chunk_ids(ring, sp_size // u, scheme)
-    return (a * u + sub, b * u + sub)
-
-
-def _check_len(n: int, sp_size: int) -> None:
-    check_divisible(n, sp_size)
-
-
-def shard_sequence(
-    x: torch.Tensor, *, dim: int, index: int, sp_size: int, ulysses_degree: int = 1, scheme: str = "zigzag"
-) -> torch.Tensor:
-    """Full sequence along ``dim`` -> rank ``index``'s two pieces, concatenated."""
-    _check_len(x.shape[dim], sp_size)
-    pieces = x.chunk(2 * sp_size, dim=dim)
-    ids = sequence_chunk_ids(index, sp_size=sp_size, ulysses_degree=ulysses_degree, scheme=scheme)
-    return torch.cat([pieces[i] for i in ids], dim=dim)
-
-
-def unshard_sequence(
-    shards: Sequence[torch.Tensor], *, dim: int, ulysses_degree: int = 1, scheme: str = "zigzag"
-) -> torch.Tensor:
-    """The shards of all P ranks (in index order) -> the full sequence."""
-    p = len(shards)
-    pieces: dict[int, torch.Tensor] = {}
-    for i, s in enumerate(shards):
-        ids = sequence_chunk_ids(i, sp_size=p, ulysses_degree=ulysses_degree, scheme=scheme)
-        for c, piece in zip(ids, s.chunk(2, dim=dim)):
-            pieces[c] = piece
-    return torch.cat([pieces[c] for c in range(2 * p)], dim=dim)
-
-
-def sequence_position_ids(
-    seq_len: int, *, index: int, sp_size: int, ulysses_degree: int = 1, scheme: str = "zigzag"
-) -> torch.Tensor:
-    """Global position ids of rank ``index``'s tokens, [seq_len / P] (RoPE needs global positions)."""
-    return shard_sequence(
-        torch.arange(seq_len), dim=0, index=index, sp_size=sp_size, ulysses_degree=ulysses_degree, scheme=scheme
-    )
 
 
 @dataclass(frozen=True)
@@ -95,10 +57,15 @@ class ShardSpec:
     """Data-parallel replica of this rank."""
     dp_size: int = 1
     """Data-parallel replicas."""
+    chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK
+    """Chunks per ring rank under ``scheme="balanced"`` for packed batches (more: better balance, shorter
+    kernel calls); unused by the other schemes."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.sp_size or not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"invalid shard spec {self}")
+        if self.chunks_per_rank < 1:
+            raise ValueError(f"chunks_per_rank = {self.chunks_per_rank} is invalid: give a positive integer")
         sequence_chunk_ids(self.index, sp_size=self.sp_size, ulysses_degree=self.ulysses_degree, scheme=self.scheme)
 
 
@@ -109,6 +76,41 @@ def _as_2d(x: Any, name: str) -> torch.Tensor:
     if t.dim() != 2:
         raise ValueError(f"{name} must be [batch, seq_len] (or [seq_len]); got shape {tuple(t.shape)}")
     return t
+
+
+def _right_padding_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    if "attention_mask" not in batch:
+        return None
+    mask = _as_2d(batch["attention_mask"], "attention_mask")
+    if ((mask != 0) & (mask != 1)).any() or (mask[:, 1:] > mask[:, :-1]).any():
+        raise ValueError(
+            "attention_mask must be 1 for tokens followed only by 0 for right padding; left padding and "
+            "holes are not supported with sequence parallelism (the causal mask is never materialised)"
+        )
+    return mask
+
+
+def _documents(batch: Mapping[str, Any], mask: torch.Tensor | None, shape: torch.Size) -> list[list[int]] | None:
+    """Per row its documents' lengths when the batch is packed (``position_ids`` / ``document_lengths``)."""
+    if "position_ids" not in batch and "document_lengths" not in batch:
+        return None
+    real = mask.sum(dim=1).tolist() if mask is not None else [shape[1]] * shape[0]
+    docs = None
+    if "document_lengths" in batch:
+        docs = normalize_document_lengths(batch["document_lengths"], real_lengths=real)
+    if "position_ids" in batch:
+        pos = _as_2d(batch["position_ids"], "position_ids")
+        if pos.shape != shape:
+            raise ValueError(f"position_ids shape {tuple(pos.shape)} != input_ids shape {tuple(shape)}")
+        from_pos = document_lengths_from_position_ids(pos, real_lengths=real)
+        if docs is not None and docs != from_pos:
+            b = next(i for i, (x, y) in enumerate(zip(docs, from_pos)) if x != y)
+            raise ValueError(
+                f"row {b}: document_lengths {docs[b]} disagree with the documents of position_ids {from_pos[b]}; "
+                "give one of the two"
+            )
+        docs = from_pos
+    return docs
 
 
 def prepare_batch(
@@ -126,10 +128,20 @@ def prepare_batch(
     0 = right padding). N is padded on the right to a multiple of 2P (``pad=False``: a clear error instead).
     With padding of either kind, also ``token_mask`` [B, N / P] (1 = real token) and ``sequence_length`` [B, N / P]
     (N before the loader's padding), which the loss module uses for MoE router statistics and length-reading RoPE.
+
+    Packed batches (several documents per row) also carry ``position_ids`` [B, N] restarting at 0 at each
+    document, or ``document_lengths`` (``packing.py``). Then ``position_ids`` are positions inside each
+    document, the label of each document's last token is ``ignore_index``, and ``document_ids`` [B, N_padded]
+    int32 is the FULL document map (every rank gets the same: attention needs every rank's structure).
+
+    ``spec.scheme == "balanced"``: a packed batch is cut into R x ``spec.chunks_per_rank`` ring chunks
+    (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work
+    (``balance.balanced_assignment``); a batch without documents is laid out as zigzag. Either way
+    ``chunk_assignment`` [R, chunks per rank] int64 says which ring chunks every ring rank holds, ascending.
     """
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
-    known = {"input_ids", "labels", "shift_labels", "attention_mask"}
+    known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"}
     unknown = sorted(set(batch) - known)
     if unknown:
         raise ValueError(f"batch keys {unknown} are not supported by the sequence-parallel loader; known: {sorted(known)}")
@@ -139,33 +151,49 @@ def prepare_batch(
     for key in ("labels", "shift_labels", "attention_mask"):
         if key in batch and _as_2d(batch[key], key).shape != ids.shape:
             raise ValueError(f"{key} shape {tuple(_as_2d(batch[key], key).shape)} != input_ids shape {tuple(ids.shape)}")
+    mask = _right_padding_mask(batch)
+    docs = _documents(batch, mask, ids.shape)
     if "shift_labels" in batch:
         shift = _as_2d(batch["shift_labels"], "shift_labels").long().clone()
     else:
         labels = _as_2d(batch["labels"], "labels").long().clone() if "labels" in batch else ids.clone()
-        if "attention_mask" in batch:
-            mask = _as_2d(batch["attention_mask"], "attention_mask")
-            if ((mask != 0) & (mask != 1)).any() or (mask[:, 1:] > mask[:, :-1]).any():
-                raise ValueError(
-                    "attention_mask must be 1 for tokens followed only by 0 for right padding; left padding and "
-                    "holes are not supported with sequence parallelism (the causal mask is never materialised)"
-                )
+        if mask is not None:
             labels = labels.masked_fill(mask == 0, ignore_index)
         # [B, N] -> [B, N]: position i predicts token i + 1; the last position has no target
         shift = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
     n = n_in = ids.shape[1]
     # tokens the model attends to (HF counts only these in e.g. an MoE router's aux loss); 0 = padding
-    keep = _as_2d(batch["attention_mask"], "attention_mask").long() if "attention_mask" in batch else None
-    rem = padded_length(n, spec.sp_size) - n
+    keep = mask.long() if mask is not None else None
+    balanced = spec.scheme == "balanced" and docs is not None
+    unit = spec.sp_size * spec.chunks_per_rank if balanced else None
+    target = -(-n // unit) * unit if unit else padded_length(n, spec.sp_size)
+    rem = target - n
     if rem or n == 0:
         if not pad or n == 0:
-            _check_len(n, spec.sp_size)
+            check_sequence_length(n, spec.sp_size, pieces=unit)
         ids = F.pad(ids, (0, rem), value=pad_token_id)
         shift = F.pad(shift, (0, rem), value=ignore_index)
         keep = F.pad(keep if keep is not None else torch.ones_like(ids[:, :n]), (0, rem), value=0)
         n += rem
-    pos = torch.arange(n).expand(ids.shape[0], n)
-    kw = dict(dim=1, index=spec.index, sp_size=spec.sp_size, ulysses_degree=spec.ulysses_degree, scheme=spec.scheme)
+    kw: dict[str, Any] = dict(dim=1, index=spec.index, sp_size=spec.sp_size, ulysses_degree=spec.ulysses_degree,
+                              scheme=spec.scheme)
+    extra: dict[str, torch.Tensor] = {}
+    if docs is None:
+        pos = torch.arange(n).expand(ids.shape[0], n)
+    else:
+        doc_ids = document_ids(docs, seq_len=n)
+        pos = document_positions(doc_ids)
+        shift = mask_document_ends(shift, doc_ids, ignore_index=ignore_index)
+        extra["document_ids"] = doc_ids
+    if spec.scheme == "balanced":
+        ring = spec.sp_size // spec.ulysses_degree
+        if balanced:
+            assert docs is not None
+            rows = [[*d, n - sum(d)] for d in docs]  # padding is one more document for the attention
+            kw["assignment"] = balanced_assignment(rows, sp_size=ring, chunks_per_rank=spec.chunks_per_rank)
+            extra["chunk_assignment"] = torch.tensor(kw["assignment"], dtype=torch.int64)
+        else:
+            extra["chunk_assignment"] = torch.tensor(zigzag_assignment(ring), dtype=torch.int64)
     out = {
         "input_ids": shard_sequence(ids, **kw).contiguous(),
         "position_ids": shard_sequence(pos, **kw).contiguous(),
@@ -175,24 +203,37 @@ def prepare_batch(
         # only with padding: which local tokens are real, and the length the model would see without our padding
         out["token_mask"] = shard_sequence(keep, **kw).contiguous()
         out["sequence_length"] = torch.full_like(out["position_ids"], n_in)  # per token, sharded like the rest
+    out.update(extra)
     return out
 
 
 def collate_right_padded(
     items: Sequence[Any], *, pad_token_id: int = 0, ignore_index: int = -100
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     """Map-style items (a 1-D tensor / list of token ids, or a dict with ``input_ids`` and optional
-    ``labels``) -> one batch, right-padded to the longest item with an ``attention_mask``."""
+    ``labels``) -> one batch, right-padded to the longest item with an ``attention_mask``.
+
+    Packed items carry ``position_ids`` (restarting at 0 per document) or ``document_lengths`` (a list of ints);
+    when any item does, every row gets them (an item without is one document)."""
     rows = [it if isinstance(it, Mapping) else {"input_ids": it} for it in items]
     ids = [torch.as_tensor(r["input_ids"]).long().reshape(-1) for r in rows]
     n = max(len(x) for x in ids)
-    out = {
+    out: dict[str, Any] = {
         "input_ids": torch.stack([F.pad(x, (0, n - len(x)), value=pad_token_id) for x in ids]),
         "attention_mask": torch.stack([F.pad(torch.ones_like(x), (0, n - len(x))) for x in ids]),
     }
     if any("labels" in r for r in rows):
         labels = [torch.as_tensor(r.get("labels", x)).long().reshape(-1) for r, x in zip(rows, ids)]
         out["labels"] = torch.stack([F.pad(y, (0, n - len(y)), value=ignore_index) for y in labels])
+    if any("position_ids" in r for r in rows):
+        pos = [torch.as_tensor(r["position_ids"]).long().reshape(-1) if "position_ids" in r
+               else torch.arange(len(x)) for r, x in zip(rows, ids)]
+        out["position_ids"] = torch.stack([F.pad(q, (0, n - len(q))) for q in pos])  # padding: masked out
+    if any("document_lengths" in r for r in rows):
+        out["document_lengths"] = [
+            [int(v) for v in torch.as_tensor(r["document_lengths"]).reshape(-1).tolist()] if "document_lengths" in r
+            else [len(x)] for r, x in zip(rows, ids)
+        ]
     return out
 
 

@@ -1,0 +1,125 @@
+"""Packed batches: several documents per row, read from HF-style position ids or from document lengths.
+
+Why: packing short documents into long rows wastes no tokens on padding, but each document must be trained as
+if it were alone. The loader therefore gives every token its position inside its document (RoPE per
+document), drops the label of each document's last token (it would predict the next document's first token),
+and hands the attention one ``document_ids`` row per sequence so no query sees another document's keys.
+
+Two ways to describe the documents of a row (right padding excluded; ``attention_mask`` marks it):
+
+- ``position_ids`` [B, N] restarting at 0 at each document start, 0,1,2,0,1,0,... (the convention of
+  transformers' ``DataCollatorWithFlattening``);
+- ``document_lengths``: per row a list of ints, or a [B, max_docs] tensor padded with 0s, summing to the row
+  length.
+
+Right padding, the batch's and the loader's own, is one more document per row with the next id, so the
+attention treats it like any other document and it never mixes with real tokens.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = [
+    "document_ids",
+    "document_lengths_from_position_ids",
+    "document_positions",
+    "mask_document_ends",
+    "normalize_document_lengths",
+]
+
+_COLLATOR_HINT = (
+    "packed position ids restart at 0 at each document start and increase by 1 inside a document "
+    "(0,1,2,0,1,0,...: transformers' DataCollatorWithFlattening)"
+)
+
+
+def document_lengths_from_position_ids(position_ids: torch.Tensor, *, real_lengths: Sequence[int]) -> list[list[int]]:
+    """Per row, the lengths of its documents read from packed ``position_ids`` [B, N]: a document starts at every
+    0. Only the first ``real_lengths[b]`` tokens of row b are read (the rest is right padding). Raises when a row
+    does not start at 0 or a position inside a document is not the previous one plus 1."""
+    pos = position_ids.long()
+    out = []
+    for b, n in enumerate(real_lengths):
+        row = pos[b, :n]
+        if n == 0:
+            out.append([])
+            continue
+        if int(row[0]) != 0:
+            raise ValueError(f"position_ids of row {b} start at {int(row[0])}, not 0: {_COLLATOR_HINT}")
+        starts = row == 0
+        bad = (~starts[1:]) & (row[1:] != row[:-1] + 1)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0]) + 1
+            raise ValueError(
+                f"position_ids of row {b} go from {int(row[t - 1])} to {int(row[t])} at token {t}: {_COLLATOR_HINT}"
+            )
+        begin = starts.nonzero().flatten().tolist() + [n]
+        out.append([hi - lo for lo, hi in zip(begin, begin[1:])])
+    return out
+
+
+def normalize_document_lengths(lengths: Any, *, real_lengths: Sequence[int]) -> list[list[int]]:
+    """``document_lengths`` as given (per row a list of ints, or a [B, max_docs] tensor padded with 0s; a flat
+    list or 1-D tensor for a single row) -> per row a list of positive ints, checked to sum to the row's
+    ``real_lengths`` (its length before right padding). Zero lengths are dropped."""
+    rows_n = len(real_lengths)
+    if isinstance(lengths, torch.Tensor):
+        t = lengths if lengths.dim() != 1 else lengths.unsqueeze(0)
+        if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(
+                f"document_lengths as a tensor must be integer [batch, max_docs] padded with 0s; got {t.dtype} "
+                f"shape {tuple(lengths.shape)}"
+            )
+        rows = t.tolist()
+    else:
+        rows = list(lengths)
+        if rows and all(isinstance(x, int) and not isinstance(x, bool) for x in rows):
+            rows = [rows]  # one row
+    if len(rows) != rows_n:
+        raise ValueError(f"document_lengths has {len(rows)} rows but input_ids has {rows_n}: give one list per row")
+    out = []
+    for b, (row, n) in enumerate(zip(rows, real_lengths)):
+        row = list(row)
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in row):
+            raise ValueError(f"document_lengths of row {b} = {row} must be non-negative integers")
+        total = sum(row)
+        if total != n:
+            raise ValueError(
+                f"document_lengths of row {b} sum to {total}, but the row has {n} tokens (before right padding): "
+                "the lengths of a row's documents must add up to its length exactly"
+            )
+        out.append([x for x in row if x])
+    return out
+
+
+def document_ids(doc_lengths_per_row: Sequence[Sequence[int]], *, seq_len: int) -> torch.Tensor:
+    """[B, seq_len] int32: document index of each token (0, 1, 2, ... along each row); the tokens after a row's
+    documents (right padding) get one further id of their own."""
+    rows = []
+    for lengths in doc_lengths_per_row:
+        pad = seq_len - sum(lengths)
+        if pad < 0:
+            raise ValueError(f"documents of {sum(lengths)} tokens do not fit a row of {seq_len}")
+        counts = torch.tensor([*lengths, pad], dtype=torch.long)
+        rows.append(torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts))
+    return torch.stack(rows) if rows else torch.zeros(0, seq_len, dtype=torch.int32)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, N] long: each token's position inside its document (what the document would see processed alone)."""
+    n = doc_ids.shape[1]
+    idx = torch.arange(n).expand_as(doc_ids)
+    new = torch.ones_like(doc_ids, dtype=torch.bool)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(new, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start
+
+
+def mask_document_ends(shift_labels: torch.Tensor, doc_ids: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
+    """``shift_labels`` with the label of every document's last token set to ``ignore_index`` (it would
+    predict the next document's first token)."""
+    end = torch.ones_like(doc_ids, dtype=torch.bool)
+    end[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return shift_labels.masked_fill(end, ignore_index)
