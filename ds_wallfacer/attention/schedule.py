@@ -15,13 +15,16 @@ from ..data.chunks import chunk_ids
 __all__ = ["BlockCall", "block_calls", "call_work", "team_chunk_order"]
 
 
-def team_chunk_order(team: Sequence[int], sp_size: int, scheme: str = "zigzag") -> tuple[list[int], list[int]]:
-    """For a team's all-gathered tokens (member by member, each member's two chunks in local order):
+def team_chunk_order(
+    team: Sequence[int], sp_size: int, scheme: str = "zigzag", *, assignment: Sequence[Sequence[int]] | None = None
+) -> tuple[list[int], list[int]]:
+    """For a team's all-gathered tokens (member by member, each member's chunks in local order):
 
     returns (``chunks``, ``perm``): the team's chunk ids sorted ascending, and for each sorted position the
-    position in gathered order, so ``sorted = gathered[perm]`` at chunk granularity.
+    position in gathered order, so ``sorted = gathered[perm]`` at chunk granularity. ``assignment``: the chunks
+    of every ring rank (a balanced sharding of a packed batch) instead of ``scheme``'s two.
     """
-    gathered = [c for i in team for c in chunk_ids(i, sp_size, scheme)]
+    gathered = [c for i in team for c in (assignment[i] if assignment is not None else chunk_ids(i, sp_size, scheme))]
     perm = sorted(range(len(gathered)), key=gathered.__getitem__)
     return [gathered[p] for p in perm], perm
 

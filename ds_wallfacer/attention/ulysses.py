@@ -28,13 +28,16 @@ import torch.distributed as dist
 from ..comm import CommLayer
 from .checks import check_inputs_agree, local_error
 from .kernels import get_kernel
+from .schedule import BlockCall
+from .wallfacer import SequenceBatch, _merge, _window_mask, kernel_calls
 
 __all__ = ["InnerAttention", "LocalAttention", "UlyssesAttention", "all_to_all", "heads_to_seq", "seq_to_heads"]
 
 
 class InnerAttention(Protocol):
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
+        batch: SequenceBatch | None = None, window: int | None = None, softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
 
@@ -65,12 +68,14 @@ def _replicate_kv(x: torch.Tensor, degree: int) -> torch.Tensor:
 
 
 def seq_to_heads(
-    xs: list[torch.Tensor], *, group: dist.ProcessGroup, comm: CommLayer, degree: int
+    xs: list[torch.Tensor], *, group: dist.ProcessGroup, comm: CommLayer, degree: int, pieces: int = 2
 ) -> list[torch.Tensor]:
     """Sequence shards -> head shards, all tensors in one all-to-all.
 
-    Each x: [B, h, S_l, d] (h divisible by U) -> [B, h/U, U*S_l, d], pieces put in sequence order.
+    Each x: [B, h, S_l, d] (h divisible by U; ``pieces`` m pieces per rank) -> [B, h/U, U*S_l, d], pieces put in
+    sequence order.
     """
+    m = pieces
     u = degree
     shapes = [x.shape for x in xs]
     # [B, h, S_l, d] -> [U, B, h/U, S_l, d] -> [U, n_x]; packed: [U, sum n_x]
@@ -80,42 +85,80 @@ def seq_to_heads(
     for s in shapes:
         b, h, sl, d = s[0], s[1] // u, s[2], s[3]
         n = b * h * sl * d
-        y = recv[:, i : i + n].reshape(u, b, h, 2, sl // 2, d)  # [U(src), B, h/U, 2, S_l/2, d]
-        # -> [B, h/U, 2, U, S_l/2, d] -> [B, h/U, U*S_l, d]: chunk-major, pieces of each chunk by rank
+        y = recv[:, i : i + n].reshape(u, b, h, m, sl // m, d)  # [U(src), B, h/U, m, S_l/m, d]
+        # -> [B, h/U, m, U, S_l/m, d] -> [B, h/U, U*S_l, d]: chunk-major, pieces of each chunk by rank
         out.append(y.permute(1, 2, 3, 0, 4, 5).reshape(b, h, u * sl, d))
         i += n
     return out
 
 
-def heads_to_seq(x: torch.Tensor, *, group: dist.ProcessGroup, comm: CommLayer, degree: int) -> torch.Tensor:
+def heads_to_seq(
+    x: torch.Tensor, *, group: dist.ProcessGroup, comm: CommLayer, degree: int, pieces: int = 2
+) -> torch.Tensor:
     """Inverse of ``seq_to_heads`` for one tensor: [B, h/U, U*S_l, d] -> [B, h, S_l, d]."""
-    u = degree
+    u, m = degree, pieces
     b, h, su, d = x.shape
     sl = su // u
-    # [B, h/U, 2, U, S_l/2, d] -> [U(dst), B, h/U, 2, S_l/2, d] -> [U, n]
-    rows = x.reshape(b, h, 2, u, sl // 2, d).permute(3, 0, 1, 2, 4, 5).reshape(u, -1)
+    # [B, h/U, m, U, S_l/m, d] -> [U(dst), B, h/U, m, S_l/m, d] -> [U, n]
+    rows = x.reshape(b, h, m, u, sl // m, d).permute(3, 0, 1, 2, 4, 5).reshape(u, -1)
     recv = all_to_all(rows, group, comm)  # row j: head group j of my tokens
     # [U, B, h/U, S_l, d] -> [B, U*(h/U), S_l, d]
     return recv.reshape(u, b, h, sl, d).transpose(0, 1).reshape(b, u * h, sl, d)
 
 
+def _local_calls(q: torch.Tensor, causal: bool, batch: SequenceBatch | None, window: int | None):
+    """Kernel calls over the whole (gathered, in-order) sequence: one, or one per document segment / window
+    tile (None: the single plain call)."""
+    docs = batch.documents if batch is not None else None
+    if docs is None and window is None:
+        return None
+    n = q.shape[2]
+    return kernel_calls([0], [0], [BlockCall(0, 1, 0, 1, causal)], chunk_len=n, rows=q.shape[0], docs=docs,
+                        window=window)
+
+
 class _LocalFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kernel, causal: bool, scale: float):
+    def forward(ctx, q, k, v, kernel, causal: bool, scale: float, calls, window, softcap: float):
         with torch.no_grad():
-            out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+            if calls is None:
+                out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
+            else:  # documents / windows: fp32 accumulators, rows that see nothing stay at lse -inf
+                acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+                for c in calls:
+                    mask = None if c.mask is None else _window_mask((c.mask, window), q.device)
+                    o, l = kernel.forward(q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], causal=c.causal,
+                                          scale=scale, mask=mask, softcap=softcap)
+                    _merge(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
+                out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.causal, ctx.scale = kernel, causal, scale
+        ctx.kernel, ctx.causal, ctx.scale, ctx.calls, ctx.window, ctx.softcap = kernel, causal, scale, calls, window, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.to(q.dtype).contiguous()
         with torch.no_grad():
-            dq, dk, dv = ctx.kernel.backward(
-                dout.to(q.dtype).contiguous(), q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale
-            )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            if ctx.calls is None:
+                dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
+                                                 softcap=ctx.softcap)
+            else:
+                dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+                dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+                for c in ctx.calls:
+                    mask = None if c.mask is None else _window_mask((c.mask, ctx.window), q.device)
+                    gq, gk, gv = ctx.kernel.backward(
+                        dout[c.rows, :, c.qs], q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks],
+                        out[c.rows, :, c.qs], lse[c.rows, :, c.qs], causal=c.causal, scale=ctx.scale, mask=mask,
+                        softcap=ctx.softcap,
+                    )
+                    dq[c.rows, :, c.qs] += gq
+                    dk[c.rows, :, c.ks] += gk
+                    dv[c.rows, :, c.ks] += gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 @dataclass(eq=False)
@@ -128,13 +171,16 @@ class LocalAttention:
     """Chosen kernel per (device type, dtype): chosen once, not per call."""
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
+        batch: SequenceBatch | None = None, window: int | None = None, softcap: float = 0.0,
     ) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        key = (q.device.type, q.dtype)
+        softcap = float(softcap or 0.0)
+        key = (q.device.type, q.dtype, window is not None, bool(softcap))
         if key not in self._kernels:
-            self._kernels[key] = get_kernel(self.kernel, q)
-        return _LocalFn.apply(q, k, v, self._kernels[key], causal, scale)
+            self._kernels[key] = get_kernel(self.kernel, q, mask=window is not None, softcap=bool(softcap))
+        calls = _local_calls(q, causal, batch, window)
+        return _LocalFn.apply(q, k, v, self._kernels[key], causal, scale, calls, window, softcap)
 
 
 @dataclass(eq=False)
@@ -159,17 +205,20 @@ class UlyssesAttention:
         return dist.get_world_size(self.group)
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
+        batch: SequenceBatch | None = None, window: int | None = None, softcap: float = 0.0,
     ) -> torch.Tensor:
         u = self.degree
         if self.check_inputs:
             self._check(q, k, v, causal)
+        opts = dict(causal=causal, scale=scale, batch=batch, window=window, softcap=softcap)
         if u == 1:
-            return self.inner(q, k, v, causal=causal, scale=scale)
+            return self.inner(q, k, v, **opts)
+        m = len(batch.assignment[0]) if batch is not None and batch.assignment is not None else 2  # pieces per rank
         k, v = _replicate_kv(k, u), _replicate_kv(v, u)
-        qh, kh, vh = seq_to_heads([q, k, v], group=self.group, comm=self.comm, degree=u)
-        out = self.inner(qh, kh, vh, causal=causal, scale=scale)  # [B, hq/U, U*S_l, d]
-        return heads_to_seq(out, group=self.group, comm=self.comm, degree=u)
+        qh, kh, vh = seq_to_heads([q, k, v], group=self.group, comm=self.comm, degree=u, pieces=m)
+        out = self.inner(qh, kh, vh, **opts)  # [B, hq/U, U*S_l, d]
+        return heads_to_seq(out, group=self.group, comm=self.comm, degree=u, pieces=m)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
         u = self.degree

@@ -27,10 +27,11 @@ import torch.distributed as dist
 from ..comm import CommLayer, RankLayout, WallFacerGroups
 from ..data.chunks import SHARDINGS
 from .checks import check_inputs_agree, local_error
+from .documents import BatchDocuments, buffer_runs, global_ranges, segments, window_tiles
 from .kernels import BlockKernel, get_kernel
 from .schedule import BlockCall, block_calls, call_work, team_chunk_order
 
-__all__ = ["WallFacerAttention", "attention_work", "ring_schedule", "wallfacer_attention"]
+__all__ = ["SequenceBatch", "WallFacerAttention", "attention_work", "kernel_calls", "ring_schedule", "wallfacer_attention"]
 
 
 
@@ -53,6 +54,8 @@ class WallFacerAttention:
     """Attention score entries computed per batch and head, by phase."""
     _checked: set = field(default_factory=set, repr=False)
     _kernels: dict = field(default_factory=dict, repr=False)
+    _schedules: dict = field(default_factory=dict, repr=False)
+    """Ring schedules of the current batch (every layer shares them), by (causal, window, shape)."""
 
     @property
     def ring_count(self) -> int:
@@ -64,11 +67,12 @@ class WallFacerAttention:
         """G = R / C^2: ring steps per call (the sub-ring length)."""
         return self.groups.layout.group_size
 
-    def block_kernel(self, q: torch.Tensor) -> BlockKernel:
-        """The block kernel for q's device and dtype, chosen once per (device, dtype)."""
-        key = (q.device.type, q.dtype)
+    def block_kernel(self, q: torch.Tensor, *, mask: bool = False, softcap: bool = False) -> BlockKernel:
+        """The block kernel for q's device and dtype and what the layer needs (a window mask, soft-capping),
+        chosen once per combination."""
+        key = (q.device.type, q.dtype, mask, softcap)
         if key not in self._kernels:
-            self._kernels[key] = get_kernel(self.kernel, q)
+            self._kernels[key] = get_kernel(self.kernel, q, mask=mask, softcap=softcap)
         return self._kernels[key]
 
     def __post_init__(self) -> None:
@@ -76,12 +80,16 @@ class WallFacerAttention:
             raise ValueError(f"unknown sharding {self.sharding!r}; expected one of {SHARDINGS}")
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
+        batch: "SequenceBatch | None" = None, window: int | None = None, softcap: float = 0.0,
     ) -> torch.Tensor:
+        """``batch``: the documents and chunk assignment of a packed batch (None: one document per row, the
+        layout's sharding); ``window``: the layer's sliding window (None: full); ``softcap``: logit soft-capping."""
         if self.check_inputs:
             self._check(q, k, v, causal)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        return _WallFacerFn.apply(q, k, v, self, causal, scale)
+        opts = _Options(batch=batch, window=window, softcap=float(softcap or 0.0))
+        return _WallFacerFn.apply(q, k, v, self, causal, scale, opts)
 
     # -- validation ------------------------------------------------------------------------------
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
@@ -91,20 +99,22 @@ class WallFacerAttention:
 
 def wallfacer_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: WallFacerAttention, *, causal: bool = True,
-    scale: float | None = None,
+    scale: float | None = None, **options,
 ) -> torch.Tensor:
-    """Functional form of ``attn(q, k, v, causal=..., scale=...)``."""
-    return attn(q, k, v, causal=causal, scale=scale)
+    """Functional form of ``attn(q, k, v, causal=..., scale=..., batch=..., window=..., softcap=...)``."""
+    return attn(q, k, v, causal=causal, scale=scale, **options)
 
 
 # -- layout helpers --------------------------------------------------------------------------------
 
 
 def _to_team(g: torch.Tensor, perm: list[int]) -> torch.Tensor:
-    """Gathered [C, B, h, S_l, *r] (members in order) -> team order [B, h, S_t, *r] (chunks ascending)."""
+    """Gathered [C, B, h, S_l, *r] (members in order, m chunks each) -> team order [B, h, S_t, *r] (chunks
+    ascending); ``perm`` has C * m entries."""
     c, b, h, s = g.shape[:4]
     rest = g.shape[4:]
-    x = g.reshape(c, b, h, 2, s // 2, *rest).movedim(0, 2).reshape(b, h, 2 * c, s // 2, *rest)
+    m = len(perm) // c
+    x = g.reshape(c, b, h, m, s // m, *rest).movedim(0, 2).reshape(b, h, m * c, s // m, *rest)
     return x[:, :, perm].reshape(b, h, c * s, *rest)
 
 
@@ -112,11 +122,12 @@ def _from_team(x: torch.Tensor, perm: list[int], c: int) -> torch.Tensor:
     """Inverse of ``_to_team``: [B, h, S_t, *r] -> [C, B, h, S_l, *r]."""
     b, h, st = x.shape[:3]
     rest = x.shape[3:]
-    inv = [0] * len(perm)
+    n = len(perm)
+    inv = [0] * n
     for i, p in enumerate(perm):
         inv[p] = i
-    y = x.reshape(b, h, 2 * c, st // (2 * c), *rest)[:, :, inv]
-    return y.reshape(b, h, c, 2, st // (2 * c), *rest).movedim(2, 0).reshape(c, b, h, st // c, *rest)
+    y = x.reshape(b, h, n, st // n, *rest)[:, :, inv]
+    return y.reshape(b, h, c, n // c, st // n, *rest).movedim(2, 0).reshape(c, b, h, st // c, *rest)
 
 
 def _pack(*xs: torch.Tensor) -> torch.Tensor:
@@ -143,27 +154,65 @@ def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse:
 
 
 @dataclass(frozen=True)
+class SequenceBatch:
+    """What attention needs to know about the current batch beyond its tensors (built once per forward by the
+    integration from the loader's ``document_ids`` / ``chunk_assignment``)."""
+
+    documents: BatchDocuments | None = None
+    """Packed documents (None: one document per row)."""
+    assignment: tuple[tuple[int, ...], ...] | None = None
+    """Chunks held by every ring rank (a balanced sharding); None: the layout's ``sharding``."""
+
+
+@dataclass(frozen=True)
+class _Options:
+    batch: SequenceBatch | None
+    window: int | None
+    softcap: float
+
+
+@dataclass(frozen=True)
+class _KernelCall:
+    """One kernel call of a ring step: batch rows, query and key buffer slices, and a window mask's global
+    index ranges (None: no mask)."""
+
+    rows: slice
+    qs: slice
+    ks: slice
+    causal: bool
+    mask: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None
+    work: int
+
+
+@dataclass(frozen=True)
 class _RingSchedule:
-    """Static facts of one call on this rank: chunk orders, peers, block calls per ring step."""
+    """Static facts of one call on this rank: chunk orders, peers, kernel calls per ring step."""
 
     perm: list[int]
-    steps: list[list[BlockCall]]
+    steps: list[list[_KernelCall]]
     chunk_len: int
 
 
-def ring_schedule(layout: RankLayout, index: int, *, sharding: str, causal: bool) -> tuple[list[int], list[list[BlockCall]]]:
-    """Pure: for sequence-parallel rank ``index``, the team-order permutation of its gathered chunks and
-    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, docs/design.md §2.2)."""
+def _ring_chunks(layout: RankLayout, index: int, *, sharding: str, assignment=None):
+    """(sorted query chunks of the team, gathered->sorted permutation, sorted key chunks of every ring step)."""
     c, g, p = layout.ring_count, layout.group_size, layout.sp_size
     place = layout.places[index]
-    q_chunks, perm = team_chunk_order(range(place.team * c, (place.team + 1) * c), p, sharding)
+    q_chunks, perm = team_chunk_order(range(place.team * c, (place.team + 1) * c), p, sharding, assignment=assignment)
     kv_group = (place.group + place.local) % c
-    steps = []
+    k_steps = []
     for s in range(g):
         kv_team = kv_group * g + (place.pos - s) % g
-        k_chunks, _ = team_chunk_order(range(kv_team * c, (kv_team + 1) * c), p, sharding)
-        steps.append(block_calls(q_chunks, k_chunks, causal=causal))
-    return perm, steps
+        k_steps.append(team_chunk_order(range(kv_team * c, (kv_team + 1) * c), p, sharding, assignment=assignment)[0])
+    return q_chunks, perm, k_steps
+
+
+def ring_schedule(
+    layout: RankLayout, index: int, *, sharding: str, causal: bool, assignment=None
+) -> tuple[list[int], list[list[BlockCall]]]:
+    """Pure: for sequence-parallel rank ``index``, the team-order permutation of its gathered chunks and
+    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, docs/design.md §2.2)."""
+    q_chunks, perm, k_steps = _ring_chunks(layout, index, sharding=sharding, assignment=assignment)
+    return perm, [block_calls(q_chunks, k, causal=causal) for k in k_steps]
 
 
 def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len: int = 1) -> list[int]:
@@ -175,13 +224,91 @@ def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len
     ]
 
 
-def _schedule(attn: WallFacerAttention, s_local: int, causal: bool) -> _RingSchedule:
-    perm, steps = ring_schedule(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding, causal=causal)
-    return _RingSchedule(perm=perm, steps=steps, chunk_len=s_local // 2)
+def kernel_calls(
+    q_chunks, k_chunks, calls: list[BlockCall], *, chunk_len: int, rows: int, docs: BatchDocuments | None,
+    window: int | None,
+) -> list[_KernelCall]:
+    """The kernel calls of one ring step: one per block call, or, with packed documents or a sliding window,
+    one per document segment (and window tile) that has a visible pair (``documents.py``)."""
+    L, out = chunk_len, []
+    if docs is None and window is None:
+        for call in calls:
+            out.append(_KernelCall(slice(0, rows), slice(call.q_lo * L, call.q_hi * L),
+                                   slice(call.k_lo * L, call.k_hi * L), call.causal, None, rows * call_work(call, L)))
+        return out
+    docs = docs or BatchDocuments.single(seq_len=10**18, rows=rows)
+    for call in calls:
+        qc, kc = q_chunks[call.q_lo:call.q_hi], k_chunks[call.k_lo:call.k_hi]
+        q_runs, k_runs = buffer_runs(qc, L), buffer_runs(kc, L)
+        q0, k0 = call.q_lo * L, call.k_lo * L  # buffer offsets of the call inside the team / step buffer
+        for seg in segments(qc, kc, chunk_len=L, causal=call.causal, docs=docs, window=window):
+            r = slice(0, rows) if seg.row is None else slice(seg.row, seg.row + 1)
+            n_rows = rows if seg.row is None else 1
+            if not seg.windowed:
+                sq, sk = seg.q_hi - seg.q_lo, seg.k_hi - seg.k_lo
+                work = sq * (sq + 1) // 2 if seg.causal else sq * sk
+                out.append(_KernelCall(r, slice(q0 + seg.q_lo, q0 + seg.q_hi), slice(k0 + seg.k_lo, k0 + seg.k_hi),
+                                       seg.causal, None, n_rows * work))
+                continue
+            for t in window_tiles(seg, q_runs, k_runs, window=window):
+                gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
+                mask = (tuple(gq), tuple(gk)) if t.masked else None
+                work = n_rows * (_masked_work(gq, gk, window) if t.masked else (t.q_hi - t.q_lo) * (t.k_hi - t.k_lo))
+                out.append(_KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
+                                       False, mask, work))
+    return out
 
 
-def _sl(call: BlockCall, L: int) -> tuple[slice, slice]:
-    return slice(call.q_lo * L, call.q_hi * L), slice(call.k_lo * L, call.k_hi * L)
+def _masked_work(gq, gk, window: int) -> int:
+    """Visible pairs 0 <= i - j < window between global index ranges (closed form per pair of ranges)."""
+    total = 0
+    for qa, qb in gq:
+        for ka, kb in gk:
+            for i in range(qa, qb):  # per query: keys in [max(ka, i - window + 1), min(kb, i + 1))
+                total += max(0, min(kb, i + 1) - max(ka, i - window + 1))
+    return total
+
+
+def _window_mask(spec, device: torch.device) -> torch.Tensor:
+    """[Sq, Sk] bool: key j visible from query i iff 0 <= i - j < window (global indices)."""
+    (gq, gk), window = spec
+    qi = torch.cat([torch.arange(a, b, device=device) for a, b in gq]).unsqueeze(-1)
+    kj = torch.cat([torch.arange(a, b, device=device) for a, b in gk])
+    d = qi - kj
+    return (d >= 0) & (d < window)
+
+
+def _schedule(attn: WallFacerAttention, q: torch.Tensor, causal: bool, opts: _Options) -> _RingSchedule:
+    batch = opts.batch or SequenceBatch()
+    b, s_local = q.shape[0], q.shape[2]
+    key = (causal, opts.window, b, s_local, id(batch))
+    cache = attn._schedules
+    if key in cache and cache[key][0] is batch:
+        return cache[key][1]
+    if any(k[4] != id(batch) for k in cache):
+        cache.clear()  # a new batch: the previous batch's schedules are not needed again
+    q_chunks, perm, k_steps = _ring_chunks(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding,
+                                           assignment=batch.assignment)
+    m = len(perm) // attn.groups.layout.ring_count
+    if s_local % m:
+        raise ValueError(f"{s_local} local tokens cannot be cut into the {m} chunks each rank holds")
+    L = s_local // m
+    steps = [
+        kernel_calls(q_chunks, k, block_calls(q_chunks, k, causal=causal), chunk_len=L, rows=b,
+                     docs=batch.documents, window=opts.window)
+        for k in k_steps
+    ]
+    sched = _RingSchedule(perm=perm, steps=steps, chunk_len=L)
+    cache[key] = (batch, sched)
+    return sched
+
+
+def _block(x: torch.Tensor, call: _KernelCall, which: slice) -> torch.Tensor:
+    return x[call.rows, :, which]
+
+
+def _mask_of(call: _KernelCall, opts: _Options, device: torch.device) -> torch.Tensor | None:
+    return None if call.mask is None else _window_mask((call.mask, opts.window), device)
 
 
 # -- forward / backward ----------------------------------------------------------------------------
@@ -204,7 +331,7 @@ def _team_kv(bufs: torch.Tensor, perm: list[int]) -> torch.Tensor:
     return torch.stack([_to_team(bufs[:, 0], perm), _to_team(bufs[:, 1], perm)])
 
 
-def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, causal: bool, scale: float):
+def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: float, opts: _Options):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c = grp.layout.ring_count
     b, hq, sl, d = q.shape
@@ -218,17 +345,18 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, causal: b
     # 3. ring steps, double-buffered
     acc_out = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((b, hq, c * sl), float("-inf"), dtype=torch.float32, device=q.device)
-    L = sched.chunk_len
     for s, calls in enumerate(sched.steps):
         pending = None
         if s + 1 < len(sched.steps):
             nxt = torch.empty_like(cur)
             pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
         for call in calls:
-            qs, ks = _sl(call, L)
-            out, lse = kernel.forward(q_t[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], causal=call.causal, scale=scale)
-            _merge(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
-            attn.work["forward"] += call_work(call, L)
+            out, lse = kernel.forward(
+                _block(q_t, call, call.qs), _block(cur[0], call, call.ks), _block(cur[1], call, call.ks),
+                causal=call.causal, scale=scale, mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
+            )
+            _merge(acc_out[call.rows, :, call.qs], acc_lse[call.rows, :, call.qs], out, lse)
+            attn.work["forward"] += call.work
         if pending is not None:
             cur = pending.wait()[0]
     # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, d] -> [C, B, hq, S_l, d] -> own [B, hq, S_l, d]
@@ -240,7 +368,7 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, causal: b
     return out, lse_team
 
 
-def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, out, lse_team, causal: bool, scale: float):
+def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c = grp.layout.ring_count
     b, hq, sl, d = q.shape
@@ -255,7 +383,6 @@ def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, ou
     cur = _team_kv(bufs, sched.perm)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     dq_acc = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
-    L = sched.chunk_len
     dkv_pending = None
     last = len(sched.steps) - 1
     for s, calls in enumerate(sched.steps):
@@ -265,15 +392,16 @@ def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, ou
             kv_pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
         dkv = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
         for call in calls:
-            qs, ks = _sl(call, L)
+            qs, ks, rows = call.qs, call.ks, call.rows
             dq, dk, dv = kernel.backward(
-                do_t[:, :, qs], q_t[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], o_t[:, :, qs],
-                lse_team[:, :, qs], causal=call.causal, scale=scale,
+                do_t[rows, :, qs], q_t[rows, :, qs], cur[0][rows, :, ks], cur[1][rows, :, ks], o_t[rows, :, qs],
+                lse_team[rows, :, qs], causal=call.causal, scale=scale, mask=_mask_of(call, opts, q.device),
+                softcap=opts.softcap,
             )
-            dq_acc[:, :, qs] += dq
-            dkv[0][:, :, ks] += dk
-            dkv[1][:, :, ks] += dv
-            attn.work["backward"] += call_work(call, L)
+            dq_acc[rows, :, qs] += dq
+            dkv[0][rows, :, ks] += dk
+            dkv[1][rows, :, ks] += dv
+            attn.work["backward"] += call.work
         if dkv_pending is not None:
             dkv += dkv_pending.wait()[0]
         dkv = dkv.to(acc_dtype)
@@ -295,18 +423,18 @@ def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, ou
 
 class _WallFacerFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn: WallFacerAttention, causal: bool, scale: float):
-        kernel = attn.block_kernel(q)
-        sched = _schedule(attn, q.shape[2], causal)
+    def forward(ctx, q, k, v, attn: WallFacerAttention, causal: bool, scale: float, opts: _Options):
+        kernel = attn.block_kernel(q, mask=opts.window is not None, softcap=bool(opts.softcap))
+        sched = _schedule(attn, q, causal, opts)
         with torch.no_grad(), attn.comm.phase("forward"):
-            out, lse_team = _forward(attn, kernel, sched, q, k, v, causal, scale)
+            out, lse_team = _forward(attn, kernel, sched, q, k, v, scale, opts)
         ctx.save_for_backward(q, k, v, out, lse_team)
-        ctx.attn, ctx.kernel, ctx.sched, ctx.causal, ctx.scale = attn, kernel, sched, causal, scale
+        ctx.attn, ctx.kernel, ctx.sched, ctx.scale, ctx.opts = attn, kernel, sched, scale, opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse_team = ctx.saved_tensors
         with torch.no_grad(), ctx.attn.comm.phase("backward"):
-            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts)
+        return dq, dk, dv, None, None, None, None

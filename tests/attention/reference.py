@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["full_inputs", "reference_attention", "shard_errors"]
+__all__ = ["document_mask", "full_inputs", "reference_attention", "shard_errors"]
 
 
 def full_inputs(
@@ -23,14 +23,21 @@ def full_inputs(
     return mk(q_heads), mk(kv_heads), mk(kv_heads), mk(q_heads)
 
 
-def reference_attention(q, k, v, dout, *, causal: bool, scale: float | None = None, dtype=torch.float64):
-    """Full attention by autograd in ``dtype`` (float64: the ground truth): (out, dq, dk, dv)."""
+def reference_attention(
+    q, k, v, dout, *, causal: bool, scale: float | None = None, dtype=torch.float64, keep=None, softcap: float = 0.0
+):
+    """Full attention by autograd in ``dtype`` (float64: the ground truth): (out, dq, dk, dv). ``keep``: a bool
+    mask [B, 1, N, N] on top of ``causal`` (documents, windows); ``softcap``: logit soft-capping."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     s = torch.matmul(q, k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     out = torch.matmul(torch.softmax(s, -1), v.repeat_interleave(rep, 1))
     out.backward(dout.to(dtype))
     return out.detach(), q.grad, k.grad, v.grad
@@ -39,3 +46,16 @@ def reference_attention(q, k, v, dout, *, causal: bool, scale: float | None = No
 def shard_errors(got: list[torch.Tensor], want_full: list[torch.Tensor], shard_fn) -> list[float]:
     """Max abs error of each local result against ``shard_fn(full reference)``."""
     return [(g.double() - shard_fn(w).double()).abs().max().item() for g, w in zip(got, want_full)]
+
+
+def document_mask(doc_lengths: list[list[int]], *, window: int | None = None) -> torch.Tensor:
+    """[B, 1, N, N] bool: query i may see key j iff both are in the same document (and i - j < window)."""
+    rows = []
+    for lengths in doc_lengths:
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        m = ids[:, None] == ids[None, :]
+        if window is not None:
+            i = torch.arange(len(ids))
+            m &= (i[:, None] - i[None, :]) < window
+        rows.append(m)
+    return torch.stack(rows).unsqueeze(1)
