@@ -1,14 +1,20 @@
 """flash-attn (Dao-AILab) 2.x, when installed (``pip install ds_wallfacer[flash]``); CUDA, fp16/bf16.
 
-flash-attn's own layout is [B, S, h, d] and it handles grouped-query attention natively. Its private
-``_flash_attn_forward/_backward`` signatures changed across 2.x releases; that quirk lives here only.
+flash-attn's own layout is [B, S, h, d] and it handles grouped-query attention natively. Logit soft-capping is
+native from 2.6 on (``softcap``, forward and backward). Quirks of its private ``_flash_attn_forward/_backward``
+that live here only:
+
+- 2.5 / 2.6 take ``window_size=(left, right)``; 2.7+ take ``window_size_left`` / ``window_size_right``;
+- 2.5 / 2.6 return (out, q, k, v, out_padded, lse, S_dmask, rng_state); 2.7+ return (out, lse, S_dmask, rng_state);
+- 2.7+ wrap both in ``torch.library.custom_op``, whose signature reads ``(*args, **kwargs)``
+  (``_signature.Signature`` reads the wrapped function);
+- the backward writes into the dq, dk, dv it is given (2.7+ return only ``softmax_d``).
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from ._signature import Signature
 from .base import check_options
 
 __all__ = ["FlashAttnKernel", "flash_attn_available"]
@@ -22,15 +28,9 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _call(fn, params: frozenset[str], **kwargs):
-    """Pass only the keyword arguments (``params``: those this flash-attn version's ``fn`` accepts)."""
-    if "window_size" in params and "window_size_left" in kwargs:
-        kwargs["window_size"] = (kwargs.pop("window_size_left"), kwargs.pop("window_size_right"))
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
-
-
-def _params(fn) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
+def _lse(res: tuple) -> torch.Tensor:
+    """The log-sum-exp in either return layout (see the module docstring)."""
+    return res[5] if len(res) == 8 else res[1]
 
 
 class FlashAttnKernel:
@@ -39,52 +39,64 @@ class FlashAttnKernel:
 
     name = "flash_attn"
     supports_mask = False
-    supports_softcap = False
+    supports_softcap = True
+    """From flash-attn 2.6 on (the ``[flash]`` extra's floor); an older release refuses a softcap by name."""
 
     def __init__(self) -> None:
         self._available: bool | None = None
-        self._fwd: tuple | None = None
-        self._bwd: tuple | None = None
+        self._fwd: Signature | None = None
+        self._bwd: Signature | None = None
 
     def supports(self, q: torch.Tensor) -> bool:
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if q.shape[-1] % 8 or q.shape[-1] > 256:  # the private functions do not pad the head dim
+            return False
         if self._available is None:
             self._available = flash_attn_available()
-        return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and self._available
+        return self._available
 
-    def _forward_fn(self) -> tuple:
+    def _forward_fn(self) -> Signature:
         if self._fwd is None:
             from flash_attn.flash_attn_interface import _flash_attn_forward
 
-            self._fwd = (_flash_attn_forward, _params(_flash_attn_forward))
+            self._fwd = Signature(_flash_attn_forward)
         return self._fwd
 
-    def _backward_fn(self) -> tuple:
+    def _backward_fn(self) -> Signature:
         if self._bwd is None:
             from flash_attn.flash_attn_interface import _flash_attn_backward
 
-            self._bwd = (_flash_attn_backward, _params(_flash_attn_backward))
+            self._bwd = Signature(_flash_attn_backward)
         return self._bwd
+
+    @staticmethod
+    def _check_softcap(sig: Signature, softcap: float) -> None:
+        if softcap and "softcap" not in sig:
+            raise ValueError("attention kernel 'flash_attn' needs flash-attn >= 2.6 for logit soft-capping")
 
     def forward(self, q, k, v, *, causal, scale, mask=None, softcap=0.0):
         check_options(self, mask=mask, softcap=softcap)
-        res = _call(
-            *self._forward_fn(),
-            q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), dropout_p=0.0,
-            softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+        sig = self._forward_fn()
+        self._check_softcap(sig, softcap)
+        res = sig.call(
+            q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), dropout_p=0.0, softmax_scale=scale,
+            causal=causal, window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=float(softcap),
             alibi_slopes=None, return_softmax=False,
         )
-        out, lse = res[0], res[1]  # [B, S, h, d], [B, h, S]
-        return out.transpose(1, 2), lse.float().contiguous()
+        out = res[0]  # [B, S, h, d]; lse [B, h, S]
+        return out.transpose(1, 2), _lse(res).float().contiguous()
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None, softcap=0.0):
         check_options(self, mask=mask, softcap=softcap)
+        sig = self._backward_fn()
+        self._check_softcap(sig, softcap)
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        _call(
-            *self._backward_fn(),
+        sig.call(
             dout=dout.to(q.dtype).transpose(1, 2).contiguous(), q=qt, k=kt, v=vt,
             out=out.to(q.dtype).transpose(1, 2).contiguous(), softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv,
-            dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+            dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
+            window_size_right=-1, softcap=float(softcap), alibi_slopes=None, deterministic=False, rng_state=None,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
