@@ -56,7 +56,7 @@ def test_cpu_flash_low_precision_close_to_reference(dtype):
 def test_registry_auto_and_errors():
     cpu = torch.zeros(1, 1, 2, 8)
     assert get_kernel("auto", cpu).name == "cpu_flash"
-    assert set(KERNELS) == {"reference", "cpu_flash", "cuda_sdpa", "flash_attn"}
+    assert set(KERNELS) == {"reference", "cpu_flash", "cuda_sdpa", "flash_attn", "cudnn", "flash_attn3", "flash_attn4"}
     with pytest.raises(ValueError, match="unknown attention kernel 'nope'"):
         get_kernel("nope")
     with pytest.raises(ValueError, match="does not support"):

@@ -39,7 +39,7 @@ def test_defaults_and_documented_fields() -> None:
         ({"sequence_parallel_size": -2}, "wallfacer.sequence_parallel_size = -2 is invalid"),
         ({"sharding": "striped"}, "wallfacer.sharding = 'striped' is invalid: allowed are 'zigzag', 'contiguous'"),
         ({"kernel": "flash"}, "wallfacer.kernel = 'flash' is invalid: allowed are 'auto', 'reference', 'cpu_flash', "
-                              "'cuda_sdpa', 'flash_attn'"),
+                              "'cuda_sdpa', 'flash_attn', 'cudnn', 'flash_attn3', 'flash_attn4'"),
         ({"mode": "wallfacer", "ulysses_degree": 2}, 'needs mode "hybrid"'),
         ({"mode": "ulysses", "ring_count": 2}, 'mode "ulysses" has no ring dimension'),
         ({"mini_sequence": {"chunks": 4}}, "wallfacer.mini_sequence: unknown key(s) ['chunks']"),

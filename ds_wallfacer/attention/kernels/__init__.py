@@ -7,7 +7,10 @@ from ..kernel_names import AUTO_ORDER, KERNEL_NAMES
 from .base import BlockKernel
 from .cpu_flash import CpuFlashKernel
 from .cuda_sdpa import CudaSdpaKernel
+from .cudnn import CudnnKernel
 from .flash_attn import FlashAttnKernel, flash_attn_available
+from .flash_attn3 import FlashAttn3Kernel
+from .flash_attn4 import FlashAttn4Kernel
 from .reference import ReferenceKernel
 
 __all__ = ["BlockKernel", "KERNELS", "get_kernel", "flash_attn_available"]
@@ -17,7 +20,17 @@ KERNELS: dict[str, type] = {
     "cpu_flash": CpuFlashKernel,
     "cuda_sdpa": CudaSdpaKernel,
     "flash_attn": FlashAttnKernel,
+    "cudnn": CudnnKernel,
+    "flash_attn3": FlashAttn3Kernel,
+    "flash_attn4": FlashAttn4Kernel,
 }
+_INSTALL: dict[str, str] = {
+    "flash_attn": "is flash-attn installed? pip install 'ds_wallfacer[flash]'",
+    "flash_attn3": "it needs a Hopper GPU and FlashAttention-3, built from the flash-attn repository's hopper/",
+    "flash_attn4": "it needs an sm90+ GPU and pip install flash-attn-4",
+    "cudnn": "it needs fp16/bf16, head dim <= 128 and a torch build whose cuDNN attention runs on this GPU",
+}
+"""What a refused backend needs, for the error message."""
 if tuple(KERNELS) != KERNEL_NAMES or set(AUTO_ORDER) != set(KERNEL_NAMES):
     raise ImportError(f"kernel registry {list(KERNELS)} and kernel_names.py {KERNEL_NAMES} disagree")
 
@@ -46,7 +59,7 @@ def get_kernel(name: str, sample: torch.Tensor | None = None, *, mask: bool = Fa
     if sample is not None and not k.supports(sample):
         raise ValueError(
             f"attention kernel {name!r} does not support {sample.dtype} tensors on {sample.device}"
-            + ("" if name != "flash_attn" else " (is flash-attn installed? pip install 'ds_wallfacer[flash]')")
+            f" (head dim {sample.shape[-1]})" + (f": {_INSTALL[name]}" if name in _INSTALL else "")
         )
     missing = _lacks(k, mask=mask, softcap=softcap)
     if missing is not None:
