@@ -11,6 +11,8 @@ that live here only:
 - the bias rows are allocated 16-element aligned (sliced back to Sk), as PyTorch's front end aligns masks;
 - the lse comes back as [B, h, S, 1] or [B, h, S] depending on the release, and the backward takes exactly what
   the forward returned: the rank is read from this build's meta kernel and confirmed by the first real call;
+- q, k, v, out and dout go in contiguous (a block of a team-wide tensor is a strided view; one layout for all
+  five keeps the op's layout-matching paths and cached cuDNN graphs simple);
 - the backward's ``max_q`` / ``max_k`` are the true lengths (recent releases size the cuDNN graph with them);
   the dropout seed and offset are unused placeholders;
 - whether the op runs on a device, and its bias path, are probed once per process and (device, dtype, head
@@ -104,7 +106,7 @@ def _self_test(device: torch.device, dtype: torch.dtype, d: int) -> tuple[bool, 
 
     where = f"{device} ({dtype}, head dim {d})"
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
             if not agrees(True, None):
                 warnings.warn(f"cuDNN attention disagrees with the reference kernel on {where}: not used", stacklevel=4)
                 return False, False
@@ -147,7 +149,8 @@ class CudnnKernel:
         sk = k.shape[2]
         bias, seen = _bias(mask, causal, q, sk) if mask is not None else (None, None)
         res = _aten._scaled_dot_product_cudnn_attention(
-            q, expand_kv(k, hq), expand_kv(v, hq), bias, True, 0.0, causal, False, scale=scale
+            q.contiguous(), expand_kv(k, hq).contiguous(), expand_kv(v, hq).contiguous(), bias, True, 0.0, causal,
+            False, scale=scale,
         )
         out, lse = res[0], res[1]
         _lse_rank = lse.dim()
@@ -168,7 +171,7 @@ class CudnnKernel:
         lse = lse.reshape((b, hq, sq, 1) if lse_rank() == 4 else (b, hq, sq)).contiguous()
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-            dout.to(q.dtype).contiguous(), q, expand_kv(k, hq), expand_kv(v, hq), out.to(q.dtype).contiguous(), lse,
-            seed, seed, bias, None, None, sq, sk, 0.0, causal, scale=scale,
+            dout.to(q.dtype).contiguous(), q.contiguous(), expand_kv(k, hq).contiguous(), expand_kv(v, hq).contiguous(),
+            out.to(q.dtype).contiguous(), lse, seed, seed, bias, None, None, sq, sk, 0.0, causal, scale=scale,
         )
         return dq, reduce_kv_grad(dk, hk), reduce_kv_grad(dv, hk)
