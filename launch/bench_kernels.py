@@ -1,10 +1,14 @@
 """Block-attention kernels side by side: error against the reference and fwd+bwd speed, in one process.
 
     python launch/bench_kernels.py                      # CPU: reference vs cpu_flash, small shapes
-    python launch/bench_kernels.py --seq-lens 4096,16384 # on a GPU: cuda_sdpa (and flash_attn if installed)
+    python launch/bench_kernels.py --seq-lens 4096,16384 # on a GPU: every CUDA backend this machine supports
+    python launch/bench_kernels.py --dtypes bf16 --causal only --kernels cudnn,flash_attn4 --json out.json
 
-Prints a table (kernel, dtype, seq len, causal, max error of out/dq/dk/dv against the float32 reference
-kernel, median fwd+bwd milliseconds, TFLOP/s) and a last JSON line.
+Every registered backend that supports the tensors runs: cuda_sdpa and cudnn with any CUDA torch, flash_attn,
+flash_attn3 and flash_attn4 where installed (on the GPUs they support). Prints a table (kernel, dtype, seq len,
+causal, max error of out/dq/dk/dv against the float32 reference kernel, median fwd+bwd milliseconds, TFLOP/s),
+the fastest kernel per shape, and a last JSON line. TFLOP/s counts 4 * 3.5 * N^2 * h * d (half of it causal):
+fwd 2 matmuls, bwd 5, 2 FLOP per multiply-add.
 """
 from __future__ import annotations
 
@@ -43,7 +47,15 @@ def main() -> None:
     ap.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--ref-max-seq", type=int, default=8192, help="longest length checked against the reference")
+    ap.add_argument("--kernels", default=None, help="comma list of backends (default: every one that runs here)")
+    ap.add_argument("--causal", choices=("both", "only", "no"), default="both")
+    ap.add_argument("--json", default=None, help="also write the JSON result to this file")
     args = ap.parse_args()
+    names = [n for n in KERNELS if n != "reference"] if args.kernels is None else args.kernels.split(",")
+    for n in names:
+        if n not in KERNELS:
+            ap.error(f"unknown kernel {n!r}; choose from {list(KERNELS)}")
+    causals = {"both": (True, False), "only": (True,), "no": (False,)}[args.causal]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     seqs = [int(x) for x in (args.seq_lens or ("4096,16384" if cuda else "512")).split(",")]
@@ -54,7 +66,7 @@ def main() -> None:
     rows = []
     for dtype in dtypes:
         for n in seqs:
-            for causal in (True, False):
+            for causal in causals:
                 g = torch.Generator(device=device).manual_seed(0)
                 q, do = (torch.randn(1, hq, n, args.head_dim, generator=g, device=device, dtype=dtype) for _ in range(2))
                 k, v = (torch.randn(1, hk, n, args.head_dim, generator=g, device=device, dtype=dtype) for _ in range(2))
@@ -63,38 +75,52 @@ def main() -> None:
                 if n <= args.ref_max_seq:
                     o_r, l_r = ref.forward(q, k, v, causal=causal, scale=scale)
                     want = [o_r, *ref.backward(do, q, k, v, o_r, l_r, causal=causal, scale=scale)]
-                for name in KERNELS:
+                for name in names:
                     kern = KERNELS[name]()
-                    if name == "reference" or not kern.supports(q):
+                    if not kern.supports(q):
                         continue
                     try:
                         out, lse = kern.forward(q, k, v, causal=causal, scale=scale)
                         grads = kern.backward(do, q, k, v, out, lse, causal=causal, scale=scale)
+                        err = None if want is None else max(
+                            (a.float() - b.float()).abs().max().item() for a, b in zip([out, *grads], want))
+                        del out, lse, grads
+
+                        def step():
+                            o, l = kern.forward(q, k, v, causal=causal, scale=scale)
+                            kern.backward(do, q, k, v, o, l, causal=causal, scale=scale)
+
+                        sec = _time(step, device, args.iters)
                     except Exception as e:  # noqa: BLE001 - a broken backend is a row, not the end of the run
                         print(f"{name} {dtype} {n} causal={causal}: FAILED {type(e).__name__}: {e}"[:400])
                         rows.append(dict(kernel=name, dtype=str(dtype).replace("torch.", ""), seq_len=n,
                                          causal=causal, max_error=None, ms=float("nan"), tflops=0.0, failed=str(e)[:200]))
+                        if cuda:
+                            torch.cuda.empty_cache()
                         continue
-                    err = None if want is None else max(
-                        (a.float() - b.float()).abs().max().item() for a, b in zip([out, *grads], want))
-
-                    def step():
-                        o, l = kern.forward(q, k, v, causal=causal, scale=scale)
-                        kern.backward(do, q, k, v, o, l, causal=causal, scale=scale)
-
-                    sec = _time(step, device, args.iters)
                     flops = 4 * 3.5 * n * n * hq * args.head_dim * (0.5 if causal else 1.0)  # fwd 4 + bwd 10 per 2x2
                     rows.append(dict(kernel=name, dtype=str(dtype).replace("torch.", ""), seq_len=n, causal=causal,
                                      max_error=err, ms=sec * 1e3, tflops=flops / sec / 1e12))
-                    del out, lse, grads
                 if cuda:
                     torch.cuda.empty_cache()
     print(f"\nblock kernels on {device} (heads {hq}/{hk}, head dim {args.head_dim}, batch 1; fwd+bwd)")
-    print(f"{'kernel':10s} {'dtype':9s} {'seq':>6s} {'causal':>6s} {'max err':>9s} {'ms':>9s} {'TFLOP/s':>8s}")
+    print(f"{'kernel':12s} {'dtype':9s} {'seq':>6s} {'causal':>6s} {'max err':>9s} {'ms':>9s} {'TFLOP/s':>8s}")
     for r in rows:
         e = "-" if r["max_error"] is None else f"{r['max_error']:.2e}"
-        print(f"{r['kernel']:10s} {r['dtype']:9s} {r['seq_len']:6d} {str(r['causal']):>6s} {e:>9s} {r['ms']:9.2f} {r['tflops']:8.1f}")
-    print(json.dumps(dict(bench="kernels", device=str(device), rows=rows)))
+        print(f"{r['kernel']:12s} {r['dtype']:9s} {r['seq_len']:6d} {str(r['causal']):>6s} {e:>9s} {r['ms']:9.2f} {r['tflops']:8.1f}")
+    best = {}
+    for r in rows:
+        key = (r["dtype"], r["seq_len"], r["causal"])
+        if r["tflops"] > best.get(key, {}).get("tflops", 0.0):
+            best[key] = r
+    print("fastest: " + "; ".join(f"{d} {n} causal={c}: {r['kernel']} {r['tflops']:.1f} TFLOP/s"
+                                  for (d, n, c), r in best.items()))
+    result = dict(bench="kernels", device=str(device), device_name=torch.cuda.get_device_name() if cuda else "cpu", heads=hq, kv_heads=hk, head_dim=args.head_dim,
+                  rows=rows)
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

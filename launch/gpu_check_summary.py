@@ -1,0 +1,52 @@
+"""The verdict lines of ``launch/gpu_check.sh``: block-kernel speed and WallFacer's P = 1 overhead against targets.
+
+    python launch/gpu_check_summary.py OUT_DIR        # reads bench_kernels.json and bench_p1.json there
+
+Targets: the fastest block kernel at >= 550 TFLOP/s fwd+bwd at 16K tokens (causal, bf16; PyTorch's cuda_sdpa path
+measured 311 on an H200), and WallFacer at P = 1 within 1.03x of its bare kernel. Prints one line per check and
+a last JSON line; a missing result file is reported, not fatal.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TARGET_TFLOPS = 550.0
+TARGET_RATIO = 1.03
+
+
+def summarize(out_dir: str | Path) -> dict:
+    out = Path(out_dir)
+    verdict: dict = {}
+    kernels = out / "bench_kernels.json"
+    if kernels.exists():
+        rows = [r for r in json.loads(kernels.read_text())["rows"] if r.get("causal") and not r.get("failed")]
+        for n in sorted({r["seq_len"] for r in rows}):
+            at = sorted((r for r in rows if r["seq_len"] == n), key=lambda r: -r["tflops"])
+            verdict[f"kernels_{n}"] = {r["kernel"]: round(r["tflops"], 1) for r in at}
+            if at:
+                best = at[0]
+                ok = best["tflops"] >= TARGET_TFLOPS if n >= 16384 else None
+                mark = "" if ok is None else (" (target >= 550: met)" if ok else " (target >= 550: NOT met)")
+                print(f"block kernels, {n} tokens causal: " + ", ".join(f"{k} {t}" for k, t in
+                                                                      verdict[f"kernels_{n}"].items()) + mark)
+    else:
+        print(f"no {kernels}")
+    p1 = out / "bench_p1.json"
+    if p1.exists():
+        for r in json.loads(p1.read_text())["rows"]:
+            if "failed" in r:
+                print(f"WallFacer P = 1, {r['seq_len']} tokens: {r['failed']}")
+                continue
+            verdict[f"p1_ratio_{r['seq_len']}"] = round(r["ratio"], 4)
+            print(f"WallFacer P = 1 / bare {r['kernel']}, {r['seq_len']} tokens: {r['ratio']:.3f} "
+                  f"(target <= {TARGET_RATIO}: {'met' if r['ratio'] <= TARGET_RATIO else 'NOT met'})")
+    else:
+        print(f"no {p1}")
+    print(json.dumps(dict(summary="gpu_check", **verdict)))
+    return verdict
+
+
+if __name__ == "__main__":
+    summarize(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_check")
