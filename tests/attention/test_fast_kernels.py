@@ -375,9 +375,10 @@ def _cuda_kernel(name: str, q: torch.Tensor):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", CUDA_KERNELS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("softcap", [0.0, 20.0])
+@pytest.mark.parametrize("dtype,causal,softcap", [  # few configurations: flash-attn-4 compiles each on first use
+    (torch.bfloat16, True, 0.0), (torch.bfloat16, False, 0.0), (torch.bfloat16, True, 20.0),
+    (torch.bfloat16, False, 20.0), (torch.float16, True, 0.0),
+])
 def test_cuda_backend_matches_float32_reference(name, dtype, causal, softcap):
     """bf16/fp16 kernel vs the float32 reference on the same (rounded) inputs, GQA 8/2, d = 128, 512 tokens:
     out and lse within 3e-2, gradients within 1.5e-1 (bf16 rounding of out and of the gradients themselves)."""

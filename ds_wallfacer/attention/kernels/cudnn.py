@@ -52,7 +52,11 @@ def lse_rank() -> int:
     global _lse_rank
     if _lse_rank is None:
         q = torch.empty(1, 1, 8, 64, device="meta", dtype=torch.bfloat16)
-        _lse_rank = _aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, False, False, scale=1.0)[1].dim()
+        try:
+            _lse_rank = _aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, False, False,
+                                                                  scale=1.0)[1].dim()
+        except Exception:  # noqa: BLE001 - no meta kernel in this build: the long-standing [B, h, S, 1]
+            return 4
     return _lse_rank
 
 
