@@ -4,8 +4,8 @@
 raises the same error and none waits in a collective) and returns what the loss module must reproduce (the MoE
 router aux loss, the rotary modules that read the sequence length). Each refusal names the setting to change.
 
-Refused: attention the sequence-parallel kernels cannot honour (dropout, logit soft-capping, a sliding window
-shorter than the known sequence length), a router aux or z-loss that cannot be reproduced, an MoE aux loss under
+Refused: attention the sequence-parallel kernels cannot honour (dropout; logit soft-capping or a sliding window
+with a block kernel, named in the config, that cannot apply them), a router aux or z-loss that cannot be reproduced, an MoE aux loss under
 reentrant layer checkpointing (it would lose the router gradient), RoPE types that cannot be given the global
 length, LM-head transforms the Mini-Sequence head does not apply.
 """
@@ -37,17 +37,29 @@ class ModelAudit:
     """Rotary modules that read the sequence length (to be shown the global length)."""
 
 
-def _attention_problems(model: nn.Module, text: Any, seq_len: int | None) -> list[str]:
+def _kernel_lacks(kernel: str, *, mask: bool, softcap: bool) -> str | None:
+    """What a kernel chosen by name cannot do for this model ("auto" picks one that can)."""
+    if kernel == "auto":
+        return None
+    from ..attention.kernels import KERNELS
+
+    k = KERNELS[kernel]()
+    if softcap and not k.supports_softcap:
+        able = [n for n, c in KERNELS.items() if c.supports_softcap]
+        return f"attention logit soft-capping, which kernel {kernel!r} cannot apply (kernels that can: {able})"
+    if mask and not k.supports_mask:
+        able = [n for n, c in KERNELS.items() if c.supports_mask]
+        return f"sliding-window attention, which kernel {kernel!r} cannot mask (kernels that can: {able})"
+    return None
+
+
+def _attention_problems(model: nn.Module, text: Any, seq_len: int | None, kernel: str) -> list[str]:
     out = []
     for key in _DROPOUT_KEYS:
         v = getattr(text, key, None)
         if isinstance(v, (int, float)) and v > 0:
             out.append(f"attention dropout {key}={v} is not supported by sequence-parallel attention: set {key}=0.0")
-    for key in _SOFTCAP_KEYS:
-        v = getattr(text, key, None)
-        if v:
-            out.append(f"attention logit soft-capping ({key}={v}) is not supported by sequence-parallel attention: "
-                       f"set {key}=None (the model then computes plain attention)")
+    softcap = any(getattr(text, key, None) for key in _SOFTCAP_KEYS)
     from .hf import attention_modules
 
     # Qwen2 / Gemma layers carry their own window (None on full-attention layers); Mistral / Mixtral read the config
@@ -55,12 +67,10 @@ def _attention_problems(model: nn.Module, text: Any, seq_len: int | None) -> lis
         m.sliding_window if hasattr(m, "sliding_window") else getattr(m.config, "sliding_window", None)
         for _, m in attention_modules(model)
     } - {None}
-    if windows and seq_len is not None and min(windows) < seq_len:
-        out.append(
-            f"sliding-window attention (window {min(windows)} < sequence length {seq_len}) is not supported by "
-            "sequence-parallel attention: set sliding_window=None in the model config (or train on sequences no "
-            "longer than the window)"
-        )
+    windowed = bool(windows) and (seq_len is None or min(windows) < seq_len)
+    lacks = _kernel_lacks(kernel, mask=windowed, softcap=softcap)
+    if lacks is not None:
+        out.append(f"the model uses {lacks}: set \"wallfacer\": {{\"kernel\": \"auto\"}}")
     return out
 
 
@@ -112,11 +122,13 @@ def _lm_head_problems(model: nn.Module, mini_sequence: Any) -> list[str]:
     return []
 
 
-def audit_model(model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None) -> ModelAudit:
+def audit_model(
+    model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None, kernel: str = "auto"
+) -> ModelAudit:
     """Check ``model`` for what sequence parallelism / MsT would compute differently; raise ValueError listing every
     problem with the setting to change, else return what the loss module must reproduce."""
     text = text_config(model)
-    problems = _attention_problems(model, text, seq_len)
+    problems = _attention_problems(model, text, seq_len, kernel)
     spec, moe = _moe_problems(model, mini_sequence)
     problems += moe
     wrap, rope = rope_problems(model)

@@ -35,6 +35,7 @@ from ..hf_config import text_config
 from . import hf
 from .audit import audit_model
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
+from .packing import PackedBatches
 from .rope import RopeLength, wrap_rotary
 from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch
 
@@ -252,7 +253,7 @@ def initialize(
     layout = _resolve_layout(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
     ds_dict = run.deepspeed_dict(world_size=layout.world_size, sp_size=layout.sp_size)
     found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence,
-                        seq_len=seq_len if seq_len is not None else run.wallfacer.seq_len)
+                        seq_len=seq_len if seq_len is not None else run.wallfacer.seq_len, kernel=layout.kernel)
     # 2. groups, this rank's attention on every attention layer, global-length RoPE
     device = _rank_device()  # current before any group is built (NCCL communicators use it)
     groups = build_sequence_parallel(layout, timeout=timeout)
@@ -264,8 +265,9 @@ def initialize(
     # 3. Mini-Sequence chunking and the loss module DeepSpeed wraps
     mst_handle, local_loss = _apply_mini_sequence(model, run, ds_dict, local_loss)
     module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
-                                      ignore_index=ignore_index, router_aux=found.router_aux, rope=rope,
-                                      sp_size=layout.sp_size)
+                                      ignore_index=ignore_index, router_aux=found.router_aux,
+                                      rope=rope if found.rotary else None, sp_size=layout.sp_size,
+                                      packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec))
     # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
     if optimizer is None and model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]

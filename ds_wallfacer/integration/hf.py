@@ -17,7 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ATTN_IMPLEMENTATION", "attach", "attention_modules", "detach", "register", "wallfacer_attention_forward"]
+BATCH_KWARG = "wallfacer_batch"
+"""The model-forward keyword carrying a packed batch's documents and chunk assignment (``packing.py``)."""
+
+__all__ = ["ATTN_IMPLEMENTATION", "BATCH_KWARG", "attach", "attention_modules", "detach", "register", "wallfacer_attention_forward"]
 
 ATTN_IMPLEMENTATION = "wallfacer"
 _ATTR = "_wallfacer_attention"
@@ -49,17 +52,20 @@ def wallfacer_attention_forward(
         )
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported by wallfacer attention; set it to 0")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attention logit soft-capping is not supported by wallfacer attention")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = kwargs.get("sliding_window")
     full = query.shape[2] * module.__dict__[_SP_SIZE]
-    if window is not None and window < full:
-        raise ValueError(
-            f"sliding-window attention (window {window} < sequence length {full}) is not supported by wallfacer "
-            "attention; set sliding_window to null in the model config"
-        )
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    out = attn(query, key, value, causal=causal, scale=scaling)  # [B, hq, S_l, d]
+    if window is not None:
+        if int(window) < 1:
+            raise ValueError(f"{type(module).__name__}: sliding_window = {window} is invalid: give a positive window "
+                             "or null for full attention")
+        if not causal:
+            raise ValueError(f"{type(module).__name__}: a sliding window on bidirectional attention is not supported")
+        if int(window) >= full:  # every key of the sequence is inside the window: plain causal attention, as in HF
+            window = None
+    out = attn(query, key, value, causal=causal, scale=scaling, batch=kwargs.get(BATCH_KWARG),
+               window=None if window is None else int(window), softcap=float(kwargs.get("softcap") or 0.0))
+    # [B, hq, S_l, d]
     return out.transpose(1, 2).contiguous(), None
 
 

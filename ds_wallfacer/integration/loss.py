@@ -28,12 +28,14 @@ from torch import nn
 
 from ..comm import CommLayer
 from .moe import RouterAuxLoss
+from .packing import BATCH_KWARG, PackedBatches
 from .rope import RopeLength
 
 __all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "logits_loss", "mini_sequence_loss"]
 
 LocalLoss = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""``fn(lm, *, input_ids, position_ids, shift_labels, ignore_index) -> (loss_sum fp32, token_count)``."""
+"""``fn(lm, *, input_ids, position_ids, shift_labels, ignore_index, **model_kwargs) -> (loss_sum fp32, token_count)``;
+``model_kwargs`` (only for packed or balanced batches) go to the model's forward, which hands them to attention."""
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -64,10 +66,10 @@ def global_token_mean(
 
 def logits_loss(
     lm: nn.Module, *, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
-    ignore_index: int = -100,
+    ignore_index: int = -100, **model_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum, count) from the model's own logits (fp32 cross-entropy, like HF's loss)."""
-    logits = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # [B, S_l, V]
+    logits = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs).logits  # [B, S_l, V]
     labels = shift_labels.reshape(-1).to(logits.device)
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels, ignore_index=ignore_index, reduction="sum"
@@ -77,12 +79,12 @@ def logits_loss(
 
 def mini_sequence_loss(
     lm: nn.Module, *, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
-    ignore_index: int = -100,
+    ignore_index: int = -100, **model_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum, count) with the Mini-Sequence LM head: the backbone's hidden states, then chunked head + CE."""
     from ..mst import mini_sequence_causal_lm_loss
 
-    out = lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    out = lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return mini_sequence_causal_lm_loss(lm, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index)
 
@@ -107,8 +109,10 @@ class SequenceParallelCausalLM(nn.Module):
         router_aux: RouterAuxLoss | None = None,
         rope: RopeLength | None = None,
         sp_size: int = 1,
+        packing: PackedBatches | None = None,
     ) -> None:
         super().__init__()
+        self._packing = packing
         self.lm = lm
         self._group, self._comm, self._local_loss, self.ignore_index = group, comm, local_loss, ignore_index
         self.router_aux, self._rope, self._sp_size = router_aux, rope, sp_size
@@ -131,7 +135,20 @@ class SequenceParallelCausalLM(nn.Module):
         shift_labels: torch.Tensor,
         token_mask: torch.Tensor | None = None,
         sequence_length: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        chunk_assignment: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        model_kwargs: dict[str, Any] = {}
+        if document_ids is not None or chunk_assignment is not None:
+            if self._packing is None:
+                raise ValueError("this batch packs documents (document_ids / chunk_assignment), but the model was "
+                                 "not built by ds_wallfacer.integration.initialize, which sets up packed batches")
+            model_kwargs[BATCH_KWARG] = self._packing.batch(position_ids, document_ids, chunk_assignment)
+            if self._rope is not None:
+                raise ValueError(
+                    "packed documents with a RoPE type that reads the sequence length (dynamic / longrope): each "
+                    "document would need its own scaling; train without packing or with a fixed RoPE type"
+                )
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None
@@ -139,7 +156,7 @@ class SequenceParallelCausalLM(nn.Module):
             with rope:
                 loss_sum, count = self._local_loss(
                     self.lm, input_ids=input_ids, position_ids=position_ids, shift_labels=shift_labels,
-                    ignore_index=self.ignore_index,
+                    ignore_index=self.ignore_index, **model_kwargs,
                 )
             captured = self._captured
         finally:

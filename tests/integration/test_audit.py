@@ -75,9 +75,10 @@ def _remote_rope() -> nn.Module:
 # (name, model factory, wallfacer section, initialize kwargs, text the error must contain)
 REFUSALS = [
     ("attention dropout", lambda: _with("llama", attention_dropout=0.1), {}, {}, "set attention_dropout=0.0"),
-    ("attention soft-capping", lambda: tiny_head("gemma2", attn_logit_softcapping=50.0), {}, {},
-     "set attn_logit_softcapping=None"),
-    ("sliding window", lambda: _with("mistral", sliding_window=8), {}, {"seq_len": 32}, "set sliding_window=None"),
+    ("attention soft-capping with a kernel that cannot", lambda: tiny_head("gemma2", attn_logit_softcapping=50.0),
+     {"kernel": "cpu_flash"}, {}, "which kernel 'cpu_flash' cannot apply (kernels that can: ['reference'"),
+    ("sliding window with a kernel that cannot mask", lambda: _with("mistral", sliding_window=8),
+     {"kernel": "flash_attn"}, {"seq_len": 32}, "which kernel 'flash_attn' cannot mask"),
     ("MoE aux loss under reentrant checkpointing", lambda: tiny_moe("mixtral"), {"mini_sequence": {}}, {},
      '"activation_checkpointing": "torch"'),
     ("MoE aux loss under reentrant HF checkpointing", _moe_reentrant, {}, {}, '{"use_reentrant": False}'),

@@ -81,7 +81,7 @@ def tiny_rope(rope_type: str, *, family: str = "llama", seed: int = 0) -> torch.
 
 def tiny_head(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     """Granite (``logits_scaling``), Cohere (``logit_scale``) or Gemma-2 (``final_logit_softcapping``; attention
-    soft-capping and sliding windows off, which the audit would refuse)."""
+    soft-capping and sliding windows off: those have their own tests in test_packed.py)."""
     torch.manual_seed(seed)
     if family == "granite":
         from transformers import GraniteConfig, GraniteForCausalLM
@@ -94,7 +94,7 @@ def tiny_head(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     elif family == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
-        # a window longer than any test sequence: full attention, as the audit requires
+        # a window longer than any test sequence: full attention
         cfg = dict(attn_logit_softcapping=None, sliding_window=4096, final_logit_softcapping=3.0, head_dim=HEAD_DIM)
         cfg.update(overrides)
         model = Gemma2ForCausalLM(Gemma2Config(**{**TINY_CONFIG, "attn_implementation": "eager"}, **cfg))
