@@ -43,10 +43,13 @@ class AttnShape:
                 self.batch * self.q_heads * s_l)
 
 
-def wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int, local: int) -> dict[str, dict[str, int]]:
-    """Bytes sent by a rank with team position ``local``, per phase and kind, for one attention call."""
+def wallfacer_bytes(
+    shape: AttnShape, *, sp_size: int, ring_count: int, local: int, ring_steps: int | None = None
+) -> dict[str, dict[str, int]]:
+    """Bytes sent by a rank with team position ``local``, per phase and kind, for one attention call.
+    ``ring_steps``: the steps a sliding window leaves (``wallfacer.ring_steps``; None: all G)."""
     p, c = sp_size, ring_count
-    g = p // (c * c)
+    g = p // (c * c) if ring_steps is None else ring_steps
     s, a = shape.elem_bytes, shape.accum_bytes
     n_q, n_kv, n_l = shape.per_rank(p)
     kv_dests = c - (1 if local == 0 else 0)  # the skewed gather sends the own k/v shard to each lane

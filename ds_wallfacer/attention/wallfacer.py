@@ -18,6 +18,7 @@ only its own shards (plus the team's fp32 lse) between forward and backward.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -190,7 +191,10 @@ class _RingSchedule:
 
     perm: list[int]
     steps: list[list[_KernelCall]]
+    """Kernel calls of every ring step that runs (a sliding window may cut the ring short: ``ring_steps``)."""
     chunk_len: int
+    home: tuple[tuple[int, ...], tuple[int, ...]]
+    """(dests, sources) of the final dk/dv send home after the last step that runs (``RankLayout.home_peers``)."""
 
 
 def _ring_chunks(layout: RankLayout, index: int, *, sharding: str, assignment=None):
@@ -298,9 +302,38 @@ def _schedule(attn: WallFacerAttention, q: torch.Tensor, causal: bool, opts: _Op
                      docs=batch.documents, window=opts.window)
         for k in k_steps
     ]
-    sched = _RingSchedule(perm=perm, steps=steps, chunk_len=L)
+    lay, index = attn.groups.layout, attn.groups.place.index
+    n_steps = len(steps)
+    if opts.window is not None and batch.documents is None:
+        n_steps = ring_steps(lay, sharding=attn.sharding, causal=causal, window=opts.window, chunk_len=L,
+                             assignment=batch.assignment)
+    sched = _RingSchedule(perm=perm, steps=steps[:n_steps], chunk_len=L, home=lay.home_peers(index, n_steps))
     cache[key] = (batch, sched)
     return sched
+
+
+@functools.lru_cache(maxsize=64)
+def ring_steps(layout: RankLayout, *, sharding: str, causal: bool, window: int, chunk_len: int, assignment=None) -> int:
+    """Pure: ring steps a sliding window needs on the whole sub-ring group (Note [Ring steps under a sliding
+    window]): one more than the last step at which ANY rank still has a visible query/key pair."""
+    last = 0
+    for i in range(layout.sp_size):
+        q_chunks, _, k_steps = _ring_chunks(layout, i, sharding=sharding, assignment=assignment)
+        for s in range(len(k_steps) - 1, last, -1):
+            calls = block_calls(q_chunks, k_steps[s], causal=causal)
+            if kernel_calls(q_chunks, k_steps[s], calls, chunk_len=chunk_len, rows=1, docs=None, window=window):
+                last = s
+                break
+    return last + 1
+
+
+# Note [Ring steps under a sliding window]: k/v blocks travel one hop per step and every rank relays what it
+# received, so a step can only be dropped when no rank needs it or any later step. Without documents the window
+# makes that a static fact of the layout: the ring stops after ``ring_steps`` steps on every rank (no send, no
+# receive, no kernel call for the rest), and in backward each rank sends the dk/dv of the block it holds at that
+# point straight to its owners (``RankLayout.home_peers``). With contiguous sharding and a window no longer than
+# a chunk, that is 2 steps for any P; zigzag holds an early and a late chunk per rank, so its last step is still
+# needed and it saves only kernel calls. Skipping by documents is data-dependent: those blocks are still relayed.
 
 
 def _block(x: torch.Tensor, call: _KernelCall, which: slice) -> torch.Tensor:
@@ -411,7 +444,7 @@ def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, ou
         else:  # skewed reduce-scatter: each member of the block's team gets its slice, one per lane
             slices = torch.stack([_from_team(dkv[0], sched.perm, c), _from_team(dkv[1], sched.perm, c)], dim=1)
             homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
-            dkv_pending = comm.exchange(list(zip(slices, place.home_dests)), list(zip(homes, place.home_sources)),
+            dkv_pending = comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])),
                                         kind="skew", group=grp.sp_group)
         if kv_pending is not None:
             cur = kv_pending.wait()[0]

@@ -148,6 +148,18 @@ class RankLayout:
             kv_team=((group + local) % c) * g + pos,
         )
 
+    def home_peers(self, index: int, steps: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """After a ring cut to ``steps`` steps (sliding windows need no more): the ranks rank ``index`` sends the
+        dk/dv slices of its last block to (one per lane of that block's team), and the ranks it receives its own
+        slices from. ``steps = G`` gives ``home_dests`` / ``home_sources``."""
+        c, g = self.ring_count, self.group_size
+        team, local = divmod(index, c)
+        group, pos = divmod(team, g)
+        r = self.ranks
+        dests = tuple(r[self.index_of(group=group + local, pos=pos - (steps - 1), local=m)] for m in range(c))
+        sources = tuple(r[self.index_of(group=group - j, pos=pos + (steps - 1), local=j)] for j in range(c))
+        return dests, sources
+
     # -- placement -------------------------------------------------------------------------------
     def node_of(self, rank: int) -> int | None:
         return None if self.ranks_per_node is None else rank // self.ranks_per_node

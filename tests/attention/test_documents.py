@@ -100,3 +100,49 @@ def test_documents_windows_softcap_match_single_process(world: int) -> None:
         for r in res:
             assert max(r["errs"]) <= 2e-5, f"P={world} rank {rank}: {r}"
             assert r["control"] > 1e-2, f"P={world} rank {rank}: documents / window changed nothing: {r}"
+
+
+def _window_ring(rank: int, world: int) -> list[dict]:
+    """A window no longer than a chunk: contiguous sharding cuts the ring to 2 steps (fewer bytes, counted and
+    derived alike); zigzag keeps every step. Outputs and gradients stay exact either way."""
+    from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
+    from ds_wallfacer.attention.wallfacer import ring_steps
+    from ds_wallfacer.comm import RankLayout, build_groups
+    from ds_wallfacer.data import shard
+    from tests.attention.reference import document_mask, full_inputs, reference_attention
+
+    n, window, out = SEQ_PER_RANK * world, 5, []
+    for c in [1, 2] if world % 4 == 0 else [1]:
+        groups = build_groups([RankLayout(tuple(range(world)), c)])
+        for sharding in ("contiguous", "zigzag"):
+            q, k, v, do = full_inputs(batch=1, q_heads=4, kv_heads=2, seq_len=n, head_dim=16, dtype=torch.float32)
+            want = reference_attention(q, k, v, do, causal=True, keep=document_mask([[n]], window=window))
+            sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=sharding)  # noqa: E731
+            attn = WallFacerAttention(groups, kernel="cpu_flash", sharding=sharding)
+            ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+            o = attn(ql, kl, vl, causal=True, window=window)
+            o.backward(sh(do))
+            errs = [(a.double() - sh(b)).abs().max().item() for a, b in zip((o, ql.grad, kl.grad, vl.grad), want)]
+            steps = ring_steps(groups.layout, sharding=sharding, causal=True, window=window, chunk_len=n // world // 2)
+            shape = AttnShape(1, n, 4, 2, 16, elem_bytes=4)
+            derived = wallfacer_bytes(shape, sp_size=world, ring_count=c, local=groups.place.local, ring_steps=steps)
+            full = wallfacer_bytes(shape, sp_size=world, ring_count=c, local=groups.place.local)
+            got = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd in derived[ph]} for ph in derived}
+            out.append(dict(c=c, sharding=sharding, errs=errs, steps=steps, g=world // (c * c), got=got,
+                            derived=derived, full=full))
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_sliding_window_cuts_the_ring_and_its_bytes(world: int) -> None:
+    for rank, res in enumerate(run_distributed(_window_ring, world, timeout_s=300)):
+        for r in res:
+            label = f"P={world} rank {rank} C={r['c']} {r['sharding']}"
+            assert max(r["errs"]) <= 1e-5, (label, r["errs"])
+            assert r["got"] == r["derived"], (label, r["got"], r["derived"])
+            if r["sharding"] == "contiguous":
+                assert r["steps"] == min(2, r["g"]), (label, r["steps"])
+                if r["g"] > 2:
+                    assert r["got"]["forward"]["ring"] < r["full"]["forward"]["ring"], label
+            else:
+                assert r["steps"] == r["g"], (label, r["steps"])
