@@ -2,11 +2,12 @@
 
 Per mini-sequence of ``chunk_tokens`` tokens: fp32 logits = lm_head(h_c) (then the model's own scaling: Cohere's
 ``logit_scale``, Granite's ``logits_scaling``, Gemma-style final soft-capping; ``HeadTransform``),
-cross-entropy SUM, and its gradient w.r.t. the logits by autograd; the chunk's gradients w.r.t. h and the head's
-weight/bias are formed right away and the logits are dropped. So full [T, V] logits never exist and the logits are
-computed ONCE per step (no recompute). The autograd function returns these gradients from ``backward`` scaled by
-the incoming gradient: the head weight gets exactly one ordinary gradient (the MsT reference code's 2x bug came from
-also writing ``.grad`` by hand); ZeRO 1/2/3 and gradient accumulation work unchanged.
+cross-entropy SUM, and its gradient w.r.t. the logits, formed in the logits' own buffer (Note [Lean LM head]); the
+chunk's gradients w.r.t. h and the head's weight/bias are formed right away and the logits are dropped. So full
+[T, V] logits never exist, one [c, V] buffer is alive at a time, and the logits are computed ONCE per step (no
+recompute). The autograd function returns these gradients from ``backward`` scaled (in place) by the incoming
+gradient: the head weight gets exactly one ordinary gradient (the MsT reference code's 2x bug came from also writing
+``.grad`` by hand); ZeRO 1/2/3 and gradient accumulation work unchanged.
 
 Normalisation: the function returns (loss_sum, token_count) over labels != ignore_index. A single process divides
 (see ``mini_sequence_lm_loss``). With sequence parallelism every rank holds a shard of the tokens: all-reduce
@@ -41,7 +42,14 @@ _SLICE_BYTES = 64 << 20
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """(sum of CE(t(x @ W^T + b)), count) over mini-sequences, t the model's ``HeadTransform``; gradients formed in
-    forward, returned in backward."""
+    forward, returned in backward.
+
+    Memory (Note [Lean LM head]): one [c, V] fp32 buffer per mini-sequence (``_logits_grad_``: the logits become
+    their own gradient in place), plus the dx [T, d] and dW [V, d] accumulators that carry the gradients from
+    forward to backward; backward scales those in place and hands them to autograd, so no second [V, d] copy is
+    ever made. The accumulators are consumed by the one backward a forward has: a second backward through the
+    same graph (``retain_graph=True``) raises.
+    """
 
     @staticmethod
     def forward(ctx, x, labels, weight, bias, chunk_tokens: int, ignore_index: int, transform: "HeadTransform"):
@@ -57,17 +65,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for s in range(0, n, chunk_tokens):
             xc, yc = x[s : s + chunk_tokens], labels[s : s + chunk_tokens]  # [c, d], [c]
             z = F.linear(xc, weight, bias).float()  # [c, V] fp32: the only logits alive
-            with torch.enable_grad():
-                z.requires_grad_(need_any)
-                zz = transform(z)
-                lc = F.cross_entropy(zz, yc, ignore_index=ignore_index, reduction="sum")
-                gz = torch.autograd.grad(lc, z)[0] if need_any else None  # [c, V] fp32
-            loss += lc.detach()
-            del zz, z
+            lc, gz = _logits_grad_(z, yc, ignore_index, transform, need_grad=need_any)  # gz is z, overwritten
+            loss += lc
             if gz is None:
                 continue
             g = gz.to(weight.dtype)
-            del gz
+            del gz, z
             if need_x:
                 torch.matmul(g, weight, out=dx[s : s + xc.shape[0]])  # [c, V] @ [V, d] -> [c, d]
             if need_w:
@@ -83,19 +86,75 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del g
         count = (labels != ignore_index).sum()
         ctx.mark_non_differentiable(count)
-        ctx.save_for_backward(dx, dw, db)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        # kept on ctx, not saved: backward consumes them (scales in place and gives them away)
+        ctx.grads = [dx, dw, db]
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return loss, count
 
     @staticmethod
     def backward(ctx, g_loss: torch.Tensor, _g_count: Any):
-        dx, dw, db = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
-        gx = dx * g_loss.to(dx.dtype) if dx is not None else None
-        # cast first, then scale: one [V, d] temporary in the weight's dtype, not an fp32 one as well
-        gw = dw.to(w_dtype, copy=True).mul_(g_loss.to(w_dtype)) if dw is not None else None
-        gb = db.to(b_dtype, copy=True).mul_(g_loss.to(b_dtype)) if db is not None else None
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "the mini-sequence LM head's backward ran twice for one forward (retain_graph=True): its gradient "
+                "accumulators are consumed by the first backward; run the forward again"
+            )
+        ctx.grads = None
+        out = []
+        for acc, dtype in zip(grads, ctx.dtypes):
+            if acc is None:
+                out.append(None)
+            elif acc.dtype == dtype:
+                out.append(acc.mul_(g_loss.to(dtype)))  # in place: the accumulator becomes the gradient
+            else:
+                # cast first, then scale: one temporary in the parameter's (16-bit) dtype, not an fp32 one as well
+                out.append(acc.to(dtype).mul_(g_loss.to(dtype)))
+        del grads
+        gx, gw, gb = out
         return gx, None, gw, gb, None, None, None
+
+
+def _logits_grad_(
+    z: torch.Tensor, y: torch.Tensor, ignore_index: int, transform: "HeadTransform", *, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sum of CE(t(z), y) over rows with a target, d/dz of that sum) for fp32 logits z [c, V], IN PLACE.
+
+    Note [Lean LM head]: autograd through ``F.cross_entropy`` keeps three [c, V] tensors beside the logits (the
+    log-softmax it saves, the gradient of the NLL and the gradient it returns), four in all: what made the head the
+    step's peak. Here the softmax is formed in z itself (exp of the shifted logits, normalised), the target
+    entries get -1 and rows without a target 0: that is the gradient, returned as z. Soft-capping needs tanh's
+    derivative, one more [c, V] buffer; the linear scalings fold into constants.
+    """
+    valid = y != ignore_index  # [c]
+    target = torch.where(valid, y, torch.zeros_like(y)).unsqueeze(1)  # [c, 1], a valid index for ignored rows
+    factor = 1.0  # d t(z) / dz of the linear scalings
+    if transform.scale is not None:
+        z.mul_(transform.scale)
+        factor *= transform.scale
+    if transform.divisor is not None:
+        z.div_(transform.divisor)
+        factor /= transform.divisor
+    tanh = None
+    if transform.softcap:
+        tanh = z.div_(transform.softcap).tanh_().clone() if need_grad else z.div_(transform.softcap).tanh_()
+        z.mul_(transform.softcap)
+    z_target = z.gather(1, target).squeeze(1)  # [c]
+    shift = z.amax(dim=1, keepdim=True)  # [c, 1]
+    z.sub_(shift).exp_()  # exp(z - max) in place
+    total = z.sum(dim=1, keepdim=True)  # [c, 1]
+    lse = total.log().add_(shift).squeeze(1)  # [c]
+    loss = torch.where(valid, lse - z_target, torch.zeros_like(lse)).sum()
+    if not need_grad:
+        return loss, None
+    z.div_(total)  # softmax
+    z.scatter_add_(1, target, torch.where(valid, -1.0, 0.0).to(z.dtype).unsqueeze(1))  # minus the one-hot target
+    z.mul_(valid.unsqueeze(1))  # rows without a target: no gradient
+    if tanh is not None:
+        z.mul_(tanh.square_().neg_().add_(1.0))  # d(cap * tanh(u / cap)) / du = 1 - tanh^2
+        del tanh
+    if factor != 1.0:
+        z.mul_(factor)
+    return loss, z
 
 
 @dataclass(frozen=True)

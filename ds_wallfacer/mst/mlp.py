@@ -93,38 +93,67 @@ class MiniSequenceMLPFunction(torch.autograd.Function):
         flat = x.detach().reshape(-1, x.shape[-1])  # [T, d]
         g = grad_out.reshape(-1, grad_out.shape[-1])  # [T, d_out]
         dx = torch.empty_like(flat) if need_x else None
-        # summing mini-sequence gradients of 16-bit parameters in fp32 keeps one rounding, like one big matmul
-        acc: list[torch.Tensor | None] = [None] * len(params)
+        acc = _GradAccumulators(len(params))
         cpu_rng, cuda_rng = ctx.rng
         devices = _rng_devices(x)
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(cpu_rng)
-            for d, state in zip(devices, cuda_rng):
-                torch.cuda.set_rng_state(state, d)
-            for s in _chunks(flat.shape[0], ctx.chunk_tokens):
-                xc = flat[s : s + ctx.chunk_tokens].requires_grad_(need_x)
-                with torch.enable_grad():
-                    y = ctx.run(xc)  # intermediates of one mini-sequence only: [c, I]
-                    inputs = ([xc] if need_x else []) + params
-                    grads = torch.autograd.grad(y, inputs, g[s : s + xc.shape[0]], allow_unused=True)
-                if need_x:
-                    dx[s : s + xc.shape[0]] = grads[0]
-                    grads = grads[1:]
-                for i, gp in enumerate(grads):
-                    if gp is None:
-                        continue
-                    if acc[i] is None:
-                        acc[i] = gp.float() if gp.dtype in _LOW_PRECISION else gp
-                    else:
-                        acc[i].add_(gp)
-                del y, grads
-        it = iter(acc)
+        handles = [p.register_hook(acc.hook(i)) for i, p in enumerate(params)]
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(cpu_rng)
+                for d, state in zip(devices, cuda_rng):
+                    torch.cuda.set_rng_state(state, d)
+                for s in _chunks(flat.shape[0], ctx.chunk_tokens):
+                    xc = flat[s : s + ctx.chunk_tokens].requires_grad_(need_x)
+                    with torch.enable_grad():
+                        y = ctx.run(xc)  # intermediates of one mini-sequence only: [c, I]
+                        inputs = ([xc] if need_x else []) + params
+                        grads = torch.autograd.grad(y, inputs, g[s : s + xc.shape[0]], allow_unused=True)
+                    if need_x:
+                        dx[s : s + xc.shape[0]] = grads[0]
+                    del y, grads  # the parameters' entries are stride-0 zeros: their values went to acc
+        finally:
+            for h in handles:
+                h.remove()
+        it = iter(acc.sums)
         param_grads = []
         for p, need in zip(ctx.params, need_p):
             gp = next(it) if need else None
             param_grads.append(gp.to(p.dtype) if gp is not None else None)
         dx_out = dx.view_as(x) if need_x else None
         return (None, dx_out, None, None, *param_grads)
+
+
+class _GradAccumulators:
+    """Per-parameter sums of the mini-sequences' gradients, added the moment autograd forms each one.
+
+    Note [Lean MLP backward]: ``torch.autograd.grad`` hands back the gradients of all its inputs together at the
+    end, so with three weight matrices each mini-sequence held three fresh [I, d] gradients beside the three sums
+    (and the recomputed intermediates). A tensor hook on each parameter (run by ``autograd.grad`` before it
+    captures a gradient) adds the gradient to the sum as soon as it exists and gives autograd a stride-0 zero
+    tensor to capture instead, so at most one fresh gradient is alive. The first mini-sequence's gradient becomes
+    the sum itself (no copy) unless it is 16-bit (summed in fp32: one rounding, like one big matmul) or aliases
+    another sum.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.sums: list[torch.Tensor | None] = [None] * n
+
+    def hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def add(grad: torch.Tensor) -> torch.Tensor:
+            total = self.sums[i]
+            if total is not None:
+                total.add_(grad)
+            elif grad.dtype in _LOW_PRECISION:
+                self.sums[i] = grad.float()
+            elif grad._base is not None or not grad.is_contiguous() or any(
+                t is not None and t.data_ptr() == grad.data_ptr() for t in self.sums
+            ):
+                self.sums[i] = grad.clone(memory_format=torch.contiguous_format)  # a view, or shared: own it
+            else:
+                self.sums[i] = grad
+            return grad.new_zeros(()).expand_as(grad)
+
+        return add
 
 
 def mini_sequence_mlp(
