@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a .txt / .jsonl / .parquet file, a folder of them, or a datasets.save_to_disk folder")
     g.add_argument("--text_field", default="text", help="the text column of .jsonl / .parquet / saved datasets")
     g.add_argument("--seq_len", type=int, default=512, help="tokens per training sequence")
+    g.add_argument("--document_masking", action="store_true",
+                   help="each document (text up to and including EOS) attends only to itself, with positions "
+                        "restarting at 0, as if trained alone (packed documents; default: one causal stream)")
     g.add_argument("--eval_fraction", type=float, default=0.05,
                    help="share of sequences held out for evaluation (0 = no evaluation)")
     g.add_argument("--eval_every", type=int, default=50, help="evaluate every N optimizer steps (and at the end)")

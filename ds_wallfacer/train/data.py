@@ -172,32 +172,47 @@ def load_token_data(
     return TokenData(train=seqs[: n - n_eval], eval=seqs[n - n_eval :], tokens=tokens, cache_file=cache, cache_hit=hit)
 
 
-class _Batches:
-    """An iterable of full batches (``SequenceParallelLoader`` hands batch j to replica j % D)."""
+def document_lengths(row: np.ndarray, eos_id: int) -> list[int]:
+    """A token row -> the lengths of its documents: each ends with (and includes) an EOS token; the tail after the
+    last EOS is a document cut by the row end."""
+    ends = (np.flatnonzero(np.asarray(row) == eos_id) + 1).tolist()
+    bounds = [0, *[e for e in ends if e < len(row)], len(row)]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
-    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
-        self._rows = rows
+
+class _Batches:
+    """An iterable of full batches (``SequenceParallelLoader`` hands batch j to replica j % D); with ``eos_id``,
+    each batch also carries ``document_lengths`` (documents end at EOS), so attention never crosses a document."""
+
+    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray | None]], *, eos_id: int | None = None) -> None:
+        self._rows, self._eos = rows, eos_id
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for ids, labels in self._rows:
             batch = {"input_ids": torch.from_numpy(np.array(ids, dtype=np.int64))}
             if labels is not None:
                 batch["labels"] = torch.from_numpy(labels)
+            if self._eos is not None:
+                batch["document_lengths"] = [document_lengths(r, self._eos) for r in np.asarray(ids)]
             yield batch
 
 
-def train_batches(seqs: np.ndarray, *, micro: int, dp: int, epoch: int, seed: int, start: int = 0) -> _Batches:
+def train_batches(
+    seqs: np.ndarray, *, micro: int, dp: int, epoch: int, seed: int, start: int = 0, eos_id: int | None = None
+) -> _Batches:
     """Epoch ``epoch``'s global micro-batches from sequence ``start`` on (a multiple of ``micro * dp``); the
-    epoch holds ``len(seqs) // (micro * dp)`` rounds of one micro-batch per replica."""
+    epoch holds ``len(seqs) // (micro * dp)`` rounds of one micro-batch per replica. ``eos_id``: document masking."""
     per_round = micro * dp
     if start % per_round:
         raise ValueError(f"data position {start} is not a multiple of micro batch x data-parallel size = {per_round}")
     perm = np.random.default_rng([seed, epoch]).permutation(len(seqs))
     end = len(seqs) // per_round * per_round
-    return _Batches([(seqs[perm[j : j + micro]], None) for j in range(start, end, micro)])
+    return _Batches([(seqs[perm[j : j + micro]], None) for j in range(start, end, micro)], eos_id=eos_id)
 
 
-def eval_batches(seqs: np.ndarray, *, micro: int, dp: int) -> tuple[_Batches, list[int]]:
+def eval_batches(
+    seqs: np.ndarray, *, micro: int, dp: int, eos_id: int | None = None
+) -> tuple[_Batches, list[int]]:
     """Every held-out sequence once, in rounds of one micro-batch per replica (all ranks run the same number of
     forwards: ZeRO-3 gathers parameters over the whole world); missing rows repeat a sequence with every label
     ignored. Returns the batches and each batch's counted tokens (targets: seq_len - 1 per real row)."""
@@ -211,5 +226,8 @@ def eval_batches(seqs: np.ndarray, *, micro: int, dp: int) -> tuple[_Batches, li
         real = [i < len(seqs) for i in idx]
         labels[[not r for r in real]] = -100
         rows.append((ids, labels))
-        counts.append(sum(real) * (seqs.shape[1] - 1))
-    return _Batches(rows), counts
+        if eos_id is None:
+            counts.append(sum(real) * (seqs.shape[1] - 1))
+        else:  # no target for each document's last token
+            counts.append(sum(len(r) - len(document_lengths(r, eos_id)) for r, ok in zip(ids, real) if ok))
+    return _Batches(rows, eos_id=eos_id), counts

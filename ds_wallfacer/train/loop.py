@@ -177,12 +177,14 @@ def run(args: Any) -> int:
     def to_dev(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(engine.device) for k, v in batch.items()}
 
+    eos = loaded.eos_id if args.document_masking else None  # documents end at EOS (train/data.py)
+
     def epoch_iter(epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
-        src = train_batches(data.train, micro=micro, dp=dp, epoch=epoch, seed=args.seed, start=start)
+        src = train_batches(data.train, micro=micro, dp=dp, epoch=epoch, seed=args.seed, start=start, eos_id=eos)
         return iter(sp.dataloader(src, batch_size=micro))
 
     def evaluate() -> float:
-        batches, counts = eval_batches(data.eval, micro=micro, dp=dp)
+        batches, counts = eval_batches(data.eval, micro=micro, dp=dp, eos_id=eos)
         mine = counts[lay.dp_index(rank)::dp]
         total = torch.zeros(2, dtype=torch.float64, device=engine.device)
         engine.eval()

@@ -61,3 +61,35 @@ def test_loss_curves_of_every_mode_equal_the_run_without_sequence_parallelism(tm
             if abs(got - want) > 2e-5 * max(1.0, abs(want)):
                 failures.append(f"{name} step {step}: loss {got:.7f} != {want:.7f} without sequence parallelism")
     assert not failures, "\n".join(failures)
+
+
+def _short_docs(path: Path) -> Path:
+    """The bundled text as one short document per sentence (20-200 bytes), so a 64-token sequence packs several."""
+    text = (Path(__file__).resolve().parents[2] / "launch" / "data" / "sample.txt").read_text()
+    docs = [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.strip()) > 20]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def test_document_masking_curves_equal_across_modes_and_differ_from_one_stream(tmp_path: Path) -> None:
+    """--document_masking: every document attends only to itself. Ring with balanced sharding and Ulysses on 4
+    ranks equal the one-rank run step by step; the plain stream (documents see each other) differs."""
+    data = _short_docs(tmp_path / "docs.jsonl")
+
+    def run(name: str, ranks: int, section: dict, *extra: str) -> dict[int, float]:
+        out = tmp_path / name
+        out.mkdir()
+        res = launch(ranks, tmp_path, "--deepspeed_config", str(_config(out / "ds.json", section)),
+                     "--steps", "4", "--seq_len", "64", "--data", str(data), "--output_dir", str(out), "--cache_dir",
+                     str(tmp_path / "cache"), "--no_wandb", "--no_save", "--no_export", "--eval_every", "1000", *extra)
+        summary(res)
+        return losses(out)
+
+    reference = run("p1", 1, {}, "--document_masking")
+    stream = run("p1-stream", 1, {})
+    assert max(abs(reference[s] - stream[s]) for s in reference) > 1e-3, (reference, stream)
+    for name, section in {"ring-balanced": {"mode": "wallfacer", "ring_count": 1, "sharding": "balanced"},
+                          "ulysses": {"mode": "ulysses"}}.items():
+        curve = run(name, 4, section, "--document_masking")
+        for step, want in reference.items():
+            assert abs(curve[step] - want) <= 2e-5 * max(1.0, abs(want)), (name, step, curve[step], want)
