@@ -2,23 +2,41 @@
 
 Pure arithmetic: the planner's cost model uses these, and the tests assert them against the bytes the
 comm layer counted. Symbols as in ``wallfacer.py``: n_q = B*hq*S_l*d and n_kv = B*hk*S_l*d elements per
-rank, S_l = N / P, s = input element size, a = element size of the summed partials/gradients (fp32 = 4).
+rank, n_l = B*hq*S_l rows, S_l = N / P, s = input element size; the tensors summed across ranks travel in the
+element sizes of ``SumDtypes`` (a_out, a_dq, a_ring, a_home; the implementation's defaults are
+``DEFAULT_SUM_DTYPES``, wallfacer.py Note [Summed tensors on the wire]).
+
+Per rank and call (g = G, or the steps a sliding window leaves; kv_dests = C, or C - 1 for local 0;
+home_dests = C, or C - 1 for local 0 when g = 1):
+
+- forward: all-gather (C-1)(n_q s + C n_l 4) (q, then the partial lse); reduce-scatter (C-1) n_q a_out;
+  skew kv_dests 2 n_kv s; ring (g-1) 2C n_kv s
+- backward: all-gather (C-1)(n_q s [q, unless kept from the forward] + n_q s [dO] + n_q s [out] or n_l 4
+  [delta, for kernels with ``backward_delta``]), one collective; reduce-scatter (C-1) n_q a_dq; skew
+  kv_dests 2 n_kv s + home_dests 2 n_kv a_home; ring (g-1) 2C n_kv (s + a_ring)
+- P = 1 (C = 1, local 0, g = 1): nothing; the kernel is called directly
 
 Differences from the paper's formulas (docs/design.md §2), all deliberate:
 - k/v are not all-gathered in the team: a skewed gather sends each rank's k/v shard straight to the C lanes
   that start with its team (C*2*n_kv*s; (C-1)*2*n_kv*s for local 0), so the paper's two k/v all-gathers
   are replaced by this one step; the paper's ring term starts counting after it
-- the forward reduce-scatter carries fp32 partial outputs (a = 4) plus an all-gather of the fp32 partial
-  lse (C*B*hq*S_l*4 per rank), so bf16 outputs are merged without rounding the partials
-- k/v rotate in backward (their gradients travel behind them in fp32, and each rank's slice goes home in
-  one final send that also undoes the skew, replacing the team reduce-scatter of dk/dv); q, out and dO are
-  re-gathered in the team and k/v re-fetched by the skewed gather instead of being kept
+- the forward reduce-scatter carries lse-weighted partial outputs (bounded by the output's scale, so they
+  travel in the input dtype by default) after an all-gather of the fp32 partial lse (C*B*hq*S_l*4 per rank)
+- k/v rotate in backward (their gradients travel behind them, in fp32 along the ring by default, and each
+  rank's slice goes home in one final send that also undoes the skew, replacing the team reduce-scatter of
+  dk/dv); q (unless kept), out (or delta) and dO are gathered in the team in one collective, and k/v are
+  re-fetched by the skewed gather instead of being kept
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AttnShape", "wallfacer_bytes", "ulysses_bytes", "paper_ring_bytes", "paper_wallfacer_bytes"]
+__all__ = [
+    "AttnShape", "DEFAULT_SUM_DTYPES", "SumDtypes", "wallfacer_bytes", "ulysses_bytes", "paper_ring_bytes",
+    "paper_wallfacer_bytes",
+]
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -33,8 +51,6 @@ class AttnShape:
     head_dim: int
     elem_bytes: int = 2
     """Element size of q, k, v (bf16 = 2)."""
-    accum_bytes: int = 4
-    """Element size of summed partial outputs and gradients on the wire (fp32 = 4)."""
 
     def per_rank(self, sp_size: int) -> tuple[int, int, int]:
         """(n_q, n_kv, n_lse): elements of q, of k (or v) and of q's lse on one rank."""
@@ -43,28 +59,70 @@ class AttnShape:
                 self.batch * self.q_heads * s_l)
 
 
+@dataclass(frozen=True)
+class SumDtypes:
+    """The dtype each tensor that WallFacer sums across ranks travels in: "input" (q's dtype) or a dtype name
+    ("float32", "bfloat16", "float16"). Sums on a rank are always fp32; these are what a partial sum is rounded
+    to before it is sent (``WallFacerAttention.accum_comm_dtype``)."""
+
+    out: str = "input"
+    """lse-weighted partial outputs, forward team reduce-scatter."""
+    dq: str = "input"
+    """dq partials, backward team reduce-scatter."""
+    dkv_ring: str = "float32"
+    """dk/dv accumulators passed along the sub-ring: a running sum rounded again at every hop."""
+    dkv_home: str = "input"
+    """Each lane's final dk/dv slice sent to the shard's owner (summed there in fp32, rounded once)."""
+
+    def __post_init__(self) -> None:
+        for name in ("out", "dq", "dkv_ring", "dkv_home"):
+            value = getattr(self, name)
+            if value != "input" and value not in _DTYPE_BYTES:
+                raise ValueError(f"SumDtypes.{name}={value!r}: expected 'input' or one of {sorted(_DTYPE_BYTES)}")
+
+    @classmethod
+    def uniform(cls, name: str) -> "SumDtypes":
+        """Every summed tensor in ``name`` ("input" or a dtype name)."""
+        return cls(name, name, name, name)
+
+    def nbytes(self, elem_bytes: int) -> tuple[int, int, int, int]:
+        """(a_out, a_dq, a_ring, a_home): element sizes on the wire for inputs of ``elem_bytes``."""
+        size = lambda n: elem_bytes if n == "input" else _DTYPE_BYTES[n]  # noqa: E731
+        return size(self.out), size(self.dq), size(self.dkv_ring), size(self.dkv_home)
+
+
+DEFAULT_SUM_DTYPES = SumDtypes()
+"""What ``WallFacerAttention`` sends by default (measured: wallfacer.py Note [Summed tensors on the wire])."""
+
+
 def wallfacer_bytes(
-    shape: AttnShape, *, sp_size: int, ring_count: int, local: int, ring_steps: int | None = None
+    shape: AttnShape, *, sp_size: int, ring_count: int, local: int, ring_steps: int | None = None,
+    sums: SumDtypes = DEFAULT_SUM_DTYPES, q_kept: bool = False, gather_out: bool = True,
 ) -> dict[str, dict[str, int]]:
     """Bytes sent by a rank with team position ``local``, per phase and kind, for one attention call.
-    ``ring_steps``: the steps a sliding window leaves (``wallfacer.ring_steps``; None: all G)."""
+    ``ring_steps``: the steps a sliding window leaves (``wallfacer.ring_steps``; None: all G); ``sums``: the
+    dtypes of the summed tensors (``WallFacerAttention.sum_dtypes``); ``q_kept``: the team's q kept from the
+    forward (``WallFacerAttention.keep_team_q``); ``gather_out``: backward gathers out (False: the fp32 delta,
+    for a kernel with ``backward_delta``)."""
     p, c = sp_size, ring_count
     g = p // (c * c) if ring_steps is None else ring_steps
-    s, a = shape.elem_bytes, shape.accum_bytes
+    s = shape.elem_bytes
+    a_out, a_dq, a_ring, a_home = sums.nbytes(s)
     n_q, n_kv, n_l = shape.per_rank(p)
     kv_dests = c - (1 if local == 0 else 0)  # the skewed gather sends the own k/v shard to each lane
     home_dests = c - (1 if local == 0 and g == 1 else 0)  # dk/dv slices returned to the block's team
     fwd = {
         "all_gather": (c - 1) * (n_q * s + c * n_l * 4),
-        "reduce_scatter": (c - 1) * n_q * a,
+        "reduce_scatter": (c - 1) * n_q * a_out,
         "skew": kv_dests * 2 * n_kv * s,
         "ring": (g - 1) * 2 * c * n_kv * s,
     }
+    gathered = (0 if q_kept else n_q * s) + n_q * s + (n_q * s if gather_out else n_l * 4)
     bwd = {
-        "all_gather": (c - 1) * 3 * n_q * s,
-        "reduce_scatter": (c - 1) * n_q * a,
-        "skew": kv_dests * 2 * n_kv * s + home_dests * 2 * n_kv * a,
-        "ring": (g - 1) * 2 * c * n_kv * (s + a),
+        "all_gather": (c - 1) * gathered,
+        "reduce_scatter": (c - 1) * n_q * a_dq,
+        "skew": kv_dests * 2 * n_kv * s + home_dests * 2 * n_kv * a_home,
+        "ring": (g - 1) * 2 * c * n_kv * (s + a_ring),
     }
     return {"forward": fwd, "backward": bwd}
 

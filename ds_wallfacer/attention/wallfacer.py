@@ -9,12 +9,15 @@ Forward, per call:
  2. skewed gather: member j of team (g, t) receives the k/v of team (g + j, t) straight from its C
     members (point-to-point, overlapping step 1), so no team copy of k/v is ever made
  3. G ring steps: k/v move one hop along the sub-ring (double-buffered, overlapping the block kernel);
-    (out, lse) merged into fp32 accumulators by log-sum-exp
- 4. all-gather the partial lse in the team, weight the partial outputs, reduce-scatter them (fp32)
+    (out, lse) merged into fp32 accumulators by log-sum-exp (``merge.merge_``)
+ 4. all-gather the partial lse in the team, weight the partial outputs, reduce-scatter them (in the input
+    dtype by default: Note [Summed tensors on the wire])
 Backward rotates k/v with their dk/dv accumulators (not q, dO, dq): with grouped-query attention this moves
 hk/hq of the bytes, and it mirrors the forward. After the last step each dk/dv slice goes straight to its
-owner (a skewed reduce-scatter). q, k, v, out and dO are re-gathered rather than saved, so a layer keeps
-only its own shards (plus the team's fp32 lse) between forward and backward.
+owner (a skewed reduce-scatter). q, dO and out are gathered in the team in ONE collective (a kernel with
+``backward_delta`` gets the fp32 delta = rowsum(dO * out) instead of out: 4 bytes per row rather than
+d elements), and k/v are re-fetched by the skewed gather, so a layer keeps only its own shards (plus the
+team's fp32 lse) between forward and backward. A one-rank group calls the kernel directly.
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ from ..data.chunks import SHARDINGS
 from .checks import check_inputs_agree, local_error
 from .documents import BatchDocuments, buffer_runs, global_ranges, segments, window_tiles
 from .kernels import BlockKernel, get_kernel
+from .kernels.base import expand_kv
+from .merge import merge_
 from .schedule import BlockCall, block_calls, call_work, team_chunk_order
+from .volume import DEFAULT_SUM_DTYPES, SumDtypes
 
 __all__ = ["SequenceBatch", "WallFacerAttention", "attention_work", "kernel_calls", "ring_schedule", "wallfacer_attention"]
 
@@ -47,8 +53,10 @@ class WallFacerAttention:
     """Block kernel backend name (``kernels.KERNELS``) or "auto"."""
     sharding: str = "zigzag"
     """How the sequence was split across ranks ("zigzag" balances causal work)."""
-    accum_comm_dtype: torch.dtype | None = torch.float32
-    """dtype of the partial outputs and gradients that are summed across ranks; None: the input dtype."""
+    accum_comm_dtype: SumDtypes | torch.dtype | None = DEFAULT_SUM_DTYPES
+    """dtype on the wire of the partial outputs and gradients summed across ranks: per tensor (``SumDtypes``;
+    the default is measured, Note [Summed tensors on the wire]), one dtype for all, or None: the input dtype.
+    Sums on a rank are fp32 whatever this says."""
     check_inputs: bool = True
     """Validate shapes and dtypes across ranks (one small all-gather per new input signature)."""
     work: Counter = field(default_factory=Counter)
@@ -57,6 +65,20 @@ class WallFacerAttention:
     _kernels: dict = field(default_factory=dict, repr=False)
     _schedules: dict = field(default_factory=dict, repr=False)
     """Ring schedules of the current batch (every layer shares them), by (causal, window, shape)."""
+
+    @property
+    def sum_dtypes(self) -> SumDtypes:
+        """``accum_comm_dtype`` per summed tensor (what ``volume.wallfacer_bytes`` takes)."""
+        a = self.accum_comm_dtype
+        if isinstance(a, SumDtypes):
+            return a
+        return SumDtypes.uniform("input" if a is None else str(a).removeprefix("torch."))
+
+    def wire_dtypes(self, dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """The torch dtype of each summed tensor (``SumDtypes`` field names) for inputs of ``dtype``."""
+        sums = self.sum_dtypes
+        return {name: dtype if (v := getattr(sums, name)) == "input" else getattr(torch, v)
+                for name in ("out", "dq", "dkv_ring", "dkv_home")}
 
     @property
     def ring_count(self) -> int:
@@ -115,6 +137,8 @@ def _to_team(g: torch.Tensor, perm: list[int]) -> torch.Tensor:
     c, b, h, s = g.shape[:4]
     rest = g.shape[4:]
     m = len(perm) // c
+    if c == 1 and perm == sorted(perm):  # one member, chunks already ascending: a view
+        return g[0]
     x = g.reshape(c, b, h, m, s // m, *rest).movedim(0, 2).reshape(b, h, m * c, s // m, *rest)
     return x[:, :, perm].reshape(b, h, c * s, *rest)
 
@@ -124,6 +148,8 @@ def _from_team(x: torch.Tensor, perm: list[int], c: int) -> torch.Tensor:
     b, h, st = x.shape[:3]
     rest = x.shape[3:]
     n = len(perm)
+    if c == 1 and perm == sorted(perm):
+        return x.unsqueeze(0)
     inv = [0] * n
     for i, p in enumerate(perm):
         inv[p] = i
@@ -131,27 +157,8 @@ def _from_team(x: torch.Tensor, perm: list[int], c: int) -> torch.Tensor:
     return y.reshape(b, h, c, n // c, st // n, *rest).movedim(2, 0).reshape(c, b, h, st // c, *rest)
 
 
-def _pack(*xs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x.reshape(-1) for x in xs])
-
-
-def _unpack(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    out, i = [], 0
-    for s in shapes:
-        n = s.numel()
-        out.append(flat[..., i : i + n].reshape(*flat.shape[:-1], *s))
-        i += n
-    return out
-
-
-def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: (acc_out, acc_lse) <- log-sum-exp combination with a block's (out, lse), in fp32."""
-    new = torch.logaddexp(acc_lse, lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows with no key seen yet
-    a = torch.exp(acc_lse - safe).unsqueeze(-1)
-    b = torch.exp(lse - safe).unsqueeze(-1)
-    acc_out.mul_(a).add_(out.float() * b)
-    acc_lse.copy_(new)
+_merge = merge_
+"""The old private name of ``merge.merge_`` (``ulysses.py`` imports it)."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +353,133 @@ def _mask_of(call: _KernelCall, opts: _Options, device: torch.device) -> torch.T
 
 # -- forward / backward ----------------------------------------------------------------------------
 
+# Note [Summed tensors on the wire]: every sum on a rank is fp32 (block outputs merged by log-sum-exp; dq and the
+# dk/dv of a block summed over the block's calls, query heads and ring steps). What is rounded is what crosses
+# the wire: the lse-weighted partial outputs (forward reduce-scatter), the dq partials (backward reduce-scatter),
+# the dk/dv accumulators passed along the sub-ring, and each lane's final dk/dv slice sent home.
+# ``WallFacerAttention.accum_comm_dtype`` chooses each (``volume.SumDtypes``). The defaults were measured: bf16
+# inputs, 8/2 heads, causal zigzag, max abs error against float64 as a multiple of the same kernel's error on the
+# full sequence in one process (``launch/bench_precision.py``); a tensor travels in the input dtype where that
+# stays within 2x, in fp32 where it does not. The partial outputs are weighted by exp(lse - lse_team) <= 1 before
+# they are rounded, so they are bounded by the output's scale; dq partials and home slices are rounded once each
+# and summed once; only the ring accumulator is a running sum rounded again at every hop, so its error grows with
+# the ring length G and it stays fp32.
+#
+# Note [Gradients of grouped heads]: with hq > hk a kernel's dk/dv of one call is a sum over the hq/hk query heads
+# of each kv head. Kernels that return the input dtype round that sum (PyTorch's CPU flash op and the flash-attn 2
+# / cuDNN / CUDA SDPA paths even round each head's share first), and a block's dk/dv is a sum of P/C such calls, so
+# bf16 dk/dv erred up to 2.35x the single-process kernel's. Block calls of a multi-block backward therefore get k/v
+# expanded to the query heads and the heads are summed in fp32 here, rounding once at the end. It costs the
+# expanded k/v of one call (and 1.5x the CPU op's backward time: it is GQA-native); a kernel that sums heads in
+# fp32 itself says so with ``reduces_heads_in_fp32 = True``. dq cannot be helped this way: a kernel rounds each
+# block's dq to the input dtype, as every ring implementation built on such kernels does.
+#
+# Note [No zero fills]: an accumulator starts uninitialised, and a static plan of the calls (``_fill_plan``)
+# says which ranges of each call's result are written (first touch) and which are added (or merged), and which
+# ranges no call touches (zeroed, or set to lse -inf). Calls on single batch rows (packed documents) fall back to
+# a zero fill.
+
+
+def _expand_grads(kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether block backward calls get k/v expanded to the query heads (Note [Gradients of grouped heads])."""
+    return (q.shape[1] != k.shape[1] and q.dtype not in (torch.float32, torch.float64)
+            and not getattr(kernel, "reduces_heads_in_fp32", False))
+
+
+def _block_grads(kernel: BlockKernel, expand: bool, do, q, k, v, out, lse, *, delta=None, **options):
+    """One call's (dq, dk, dv); dk/dv fp32 sums over each kv head's query heads when ``expand``. ``delta``:
+    rowsum(dO * out) for a kernel with ``backward_delta`` (then ``out`` is None)."""
+    hq, hk = q.shape[1], k.shape[1]
+    if expand:
+        k, v = expand_kv(k, hq), expand_kv(v, hq)
+    if delta is not None:
+        dq, dk, dv = kernel.backward_delta(do, q, k, v, delta, lse, **options)
+    else:
+        dq, dk, dv = kernel.backward(do, q, k, v, out, lse, **options)
+    if expand:  # [B, hq, S, d] -> [B, hk, hq/hk, S, d] -> fp32 sum over the group
+        dk = dk.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
+        dv = dv.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
+    return dq, dk, dv
+
+
+def _gaps(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Parts of [lo, hi) outside the sorted disjoint ``covered`` ranges."""
+    out, at = [], lo
+    for a, b in covered:
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
+def _cover(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """``covered`` with [lo, hi) added, merged into sorted disjoint ranges."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*covered, (lo, hi)]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _fill_plan(spans: tuple[tuple[int, int, int, int], ...], rows: int, n: int):
+    """Note [No zero fills]: for results of calls ``spans`` = (row_lo, row_hi, lo, hi) landing in order in an
+    accumulator of ``rows`` batch rows and ``n`` positions, ((writes, adds) per span, untouched ranges); ranges are
+    absolute [a, b). None when a span covers only some rows."""
+    covered: list[tuple[int, int]] = []
+    per_span = []
+    for r0, r1, lo, hi in spans:
+        if (r0, r1) != (0, rows):
+            return None
+        writes = _gaps(covered, lo, hi)
+        adds = _gaps(writes, lo, hi)
+        per_span.append((tuple(writes), tuple(adds)))
+        covered = _cover(covered, lo, hi)
+    return tuple(per_span), tuple(_gaps(covered, 0, n))
+
+
+def _spans(calls, which: str) -> tuple[tuple[int, int, int, int], ...]:
+    """(row_lo, row_hi, lo, hi) of each call's query (``which = "qs"``) or key range."""
+    return tuple((c.rows.start, c.rows.stop, getattr(c, which).start, getattr(c, which).stop) for c in calls)
+
+
+def _land(acc: torch.Tensor, x: torch.Tensor, lo: int, fill) -> None:
+    """Write / add ``x`` (positions [lo, lo + len) along dim 2 of ``acc``) by ``fill`` = (writes, adds)."""
+    writes, adds = fill
+    for a, b in writes:
+        acc[:, :, a:b].copy_(x[:, :, a - lo:b - lo])
+    for a, b in adds:
+        acc[:, :, a:b].add_(x[:, :, a - lo:b - lo])
+
+
+def _fresh(shape, device, plan, *, fill: float = 0.0, dim: int = 2) -> torch.Tensor:
+    """An fp32 accumulator: uninitialised except the ranges (along ``dim``) ``plan`` leaves untouched, or filled
+    with ``fill`` throughout when there is no plan."""
+    acc = torch.empty(shape, dtype=torch.float32, device=device)
+    if plan is None:
+        return acc.fill_(fill)
+    for a, b in plan[1]:
+        acc.narrow(dim, a, b - a).fill_(fill)
+    return acc
+
+
+def _only_call(sched: _RingSchedule, n: int, rows: int) -> _KernelCall | None:
+    """The single kernel call of a one-rank group when it covers every row, query and key without a mask: the
+    group then runs exactly the kernel on the whole sequence."""
+    if len(sched.steps) != 1 or len(sched.steps[0]) != 1:
+        return None
+    call = sched.steps[0][0]
+    full = slice(0, n)
+    if call.mask is not None or call.rows != slice(0, rows) or call.qs != full or call.ks != full:
+        return None
+    return call if sched.perm == sorted(sched.perm) else None
+
 
 def _gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
     """Skewed all-gather: start receiving the C shards of this rank's first k/v team straight from its
@@ -360,24 +494,48 @@ def _gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
 
 
 def _team_kv(bufs: torch.Tensor, perm: list[int]) -> torch.Tensor:
-    """[C, 2, B, hk, S_l, d] member shards -> [2, B, hk, S_t, d] in team order."""
-    return torch.stack([_to_team(bufs[:, 0], perm), _to_team(bufs[:, 1], perm)])
+    """[C, 2, B, hk, S_l, d] member shards -> [2, B, hk, S_t, d] in team order (one copy: k and v as 2B rows)."""
+    c, two, b = bufs.shape[:3]
+    x = _to_team(bufs.reshape(c, two * b, *bufs.shape[3:]), perm)  # [2B, hk, S_t, d]
+    return x.reshape(two, b, *x.shape[1:])
+
+
+def _all_gather_packed(comm: CommLayer, xs: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """One all-gather for tensors of any dtypes, packed as bytes: each [*s] -> [C, *s]."""
+    flat = torch.cat([x.contiguous().view(-1).view(torch.uint8) for x in xs])
+    g = comm.all_gather(flat, group)  # [C, total bytes]
+    out, at = [], 0
+    for x in xs:
+        n = x.numel() * x.element_size()
+        out.append(g[:, at:at + n].contiguous().view(x.dtype).view(g.shape[0], *x.shape))
+        at += n
+    return out
 
 
 def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: float, opts: _Options):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
-    c = grp.layout.ring_count
+    c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
-    acc_dtype = attn.accum_comm_dtype or q.dtype
+    wire = attn.wire_dtypes(q.dtype)
 
-    # 1-2. skewed gather of k/v (point-to-point, in flight) and team all-gather of q: [B, h, S_l, d] -> [B, h, S_t, d]
-    kv_pending, bufs = _gather_kv(attn, k, v)
-    q_t = _to_team(comm.all_gather(q, grp.team_group), sched.perm)
-    kv_pending.wait()
-    cur = _team_kv(bufs, sched.perm)  # [2, B, hk, S_t, d]
-    # 3. ring steps, double-buffered
-    acc_out = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
-    acc_lse = torch.full((b, hq, c * sl), float("-inf"), dtype=torch.float32, device=q.device)
+    if p == 1:  # one rank: no collective; the kernel itself when one call covers everything
+        call = _only_call(sched, sl, b)
+        if call is not None:
+            attn.work["forward"] += call.work
+            return kernel.forward(q, k, v, causal=call.causal, scale=scale, softcap=opts.softcap)
+        q_t = _to_team(q.unsqueeze(0), sched.perm)
+        cur = _team_kv(torch.stack([k, v]).unsqueeze(0), sched.perm)
+    else:
+        # 1-2. skewed gather of k/v (point-to-point, in flight); team all-gather of q [B, h, S_l, d] -> [B, h, S_t, d]
+        kv_pending, bufs = _gather_kv(attn, k, v)
+        q_t = _to_team(comm.all_gather(q, grp.team_group), sched.perm)
+        kv_pending.wait()
+        cur = _team_kv(bufs, sched.perm)  # [2, B, hk, S_t, d]
+    # 3. ring steps, double-buffered; results land in fp32 accumulators (Note [No zero fills])
+    plan = _fill_plan(_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
+    acc_out = _fresh((b, hq, c * sl, d), q.device, plan)
+    acc_lse = _fresh((b, hq, c * sl), q.device, plan, fill=float("-inf"))
+    i = 0
     for s, calls in enumerate(sched.steps):
         pending = None
         if s + 1 < len(sched.steps):
@@ -388,69 +546,116 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: fl
                 _block(q_t, call, call.qs), _block(cur[0], call, call.ks), _block(cur[1], call, call.ks),
                 causal=call.causal, scale=scale, mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
             )
-            _merge(acc_out[call.rows, :, call.qs], acc_lse[call.rows, :, call.qs], out, lse)
+            if plan is None:
+                merge_(acc_out[call.rows, :, call.qs], acc_lse[call.rows, :, call.qs], out, lse)
+            else:
+                writes, adds = plan[0][i]
+                lo = call.qs.start
+                for a, z in writes:
+                    acc_out[:, :, a:z].copy_(out[:, :, a - lo:z - lo])
+                    acc_lse[:, :, a:z].copy_(lse[:, :, a - lo:z - lo])
+                for a, z in adds:
+                    merge_(acc_out[:, :, a:z], acc_lse[:, :, a:z], out[:, :, a - lo:z - lo], lse[:, :, a - lo:z - lo])
+            i += 1
             attn.work["forward"] += call.work
         if pending is not None:
             cur = pending.wait()[0]
+    if c == 1:  # a team of one: the accumulator is the output
+        return _from_team(acc_out, sched.perm, 1)[0].to(q.dtype), acc_lse
     # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, d] -> [C, B, hq, S_l, d] -> own [B, hq, S_l, d]
     lse_all = comm.all_gather(acc_lse, grp.team_group)  # [C, B, hq, S_t]
     lse_team = torch.logsumexp(lse_all, dim=0)
-    weight = torch.exp(acc_lse - lse_team).unsqueeze(-1)
-    part = _from_team((acc_out * weight).to(acc_dtype), sched.perm, c)
-    out = comm.reduce_scatter(part, grp.team_group).to(q.dtype)
+    finite = torch.where(torch.isinf(lse_team), torch.zeros_like(lse_team), lse_team)  # rows that see no key
+    part = acc_out.mul_(torch.exp(acc_lse - finite).unsqueeze(-1)).to(wire["out"])  # each <= the output's scale
+    out = comm.reduce_scatter(_from_team(part, sched.perm, c), grp.team_group).to(q.dtype)
     return out, lse_team
 
 
 def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
-    c = grp.layout.ring_count
+    c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
-    acc_dtype = attn.accum_comm_dtype or q.dtype
+    wire = attn.wire_dtypes(q.dtype)
     dout = dout.to(q.dtype)
+    delta_path = callable(getattr(kernel, "backward_delta", None))
 
-    # 1-2. skewed gather of k/v again, team all-gather of q, out, dO (dO: adjoint of the forward reduce-scatter)
-    kv_pending, bufs = _gather_kv(attn, k, v)
-    gathered = _unpack(comm.all_gather(_pack(q, out, dout), grp.team_group), [q.shape, out.shape, dout.shape])
-    q_t, o_t, do_t = (_to_team(x, sched.perm) for x in gathered)
-    kv_pending.wait()
-    cur = _team_kv(bufs, sched.perm)
+    if p == 1:
+        call = _only_call(sched, sl, b)
+        if call is not None:  # exactly the kernel on the whole sequence
+            attn.work["backward"] += call.work
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse_team, causal=call.causal, scale=scale,
+                                         softcap=opts.softcap)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        q_t, do_t = (_to_team(x.unsqueeze(0), sched.perm) for x in (q, dout))
+        o_t = _to_team(out.unsqueeze(0), sched.perm)
+        cur = _team_kv(torch.stack([k, v]).unsqueeze(0), sched.perm)
+        delta_path = False
+    else:
+        # 1-2. skewed gather of k/v again; ONE team all-gather of q, dO (the adjoint of the forward reduce-scatter)
+        # and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
+        kv_pending, bufs = _gather_kv(attn, k, v)
+        last_piece = (dout.float() * out.float()).sum(-1) if delta_path else out
+        gathered = _all_gather_packed(comm, [q, dout, last_piece], grp.team_group)
+        q_t, do_t, o_t = (_to_team(x, sched.perm) for x in gathered)
+        kv_pending.wait()
+        cur = _team_kv(bufs, sched.perm)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
-    dq_acc = torch.zeros(b, hq, c * sl, d, dtype=torch.float32, device=q.device)
+    expand = _expand_grads(kernel, q, k)
+    dq_plan = _fill_plan(_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
+    dq_acc = _fresh((b, hq, c * sl, d), q.device, dq_plan)
     dkv_pending = None
     last = len(sched.steps) - 1
+    i = 0
     for s, calls in enumerate(sched.steps):
         kv_pending = None
         if s < last:
             nxt = torch.empty_like(cur)
             kv_pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
-        dkv = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
-        for call in calls:
+        kv_plan = _fill_plan(_spans(calls, "ks"), b, cur.shape[3])
+        dkv = _fresh(cur.shape, q.device, kv_plan, dim=3)  # [2, B, hk, S_t, d]
+        for j, call in enumerate(calls):
             qs, ks, rows = call.qs, call.ks, call.rows
-            dq, dk, dv = kernel.backward(
-                do_t[rows, :, qs], q_t[rows, :, qs], cur[0][rows, :, ks], cur[1][rows, :, ks], o_t[rows, :, qs],
-                lse_team[rows, :, qs], causal=call.causal, scale=scale, mask=_mask_of(call, opts, q.device),
-                softcap=opts.softcap,
+            dq, dk, dv = _block_grads(
+                kernel, expand, do_t[rows, :, qs], q_t[rows, :, qs], cur[0][rows, :, ks], cur[1][rows, :, ks],
+                None if delta_path else o_t[rows, :, qs], lse_team[rows, :, qs],
+                delta=o_t[rows, :, qs] if delta_path else None, causal=call.causal, scale=scale,
+                mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
             )
-            dq_acc[rows, :, qs] += dq
-            dkv[0][rows, :, ks] += dk
-            dkv[1][rows, :, ks] += dv
+            if dq_plan is None:
+                dq_acc[rows, :, qs] += dq
+            else:
+                _land(dq_acc, dq, qs.start, dq_plan[0][i])
+            if kv_plan is None:
+                dkv[0][rows, :, ks] += dk
+                dkv[1][rows, :, ks] += dv
+            else:
+                _land(dkv[0], dk, ks.start, kv_plan[0][j])
+                _land(dkv[1], dv, ks.start, kv_plan[0][j])
+            i += 1
             attn.work["backward"] += call.work
+        if p == 1:  # one step, nothing to send or receive
+            dk_own, dv_own = (_from_team(x, sched.perm, 1)[0] for x in dkv)
+            return _from_team(dq_acc, sched.perm, 1)[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
         if dkv_pending is not None:
             dkv += dkv_pending.wait()[0]
-        dkv = dkv.to(acc_dtype)
         if s < last:
-            recv = torch.empty_like(dkv)
-            dkv_pending = comm.exchange([(dkv, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
+            send = dkv.to(wire["dkv_ring"])
+            recv = torch.empty_like(send)
+            dkv_pending = comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
         else:  # skewed reduce-scatter: each member of the block's team gets its slice, one per lane
-            slices = torch.stack([_from_team(dkv[0], sched.perm, c), _from_team(dkv[1], sched.perm, c)], dim=1)
+            send = dkv.to(wire["dkv_home"])
+            slices = torch.stack([_from_team(send[0], sched.perm, c), _from_team(send[1], sched.perm, c)], dim=1)
             homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
             dkv_pending = comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])),
                                         kind="skew", group=grp.sp_group)
         if kv_pending is not None:
             cur = kv_pending.wait()[0]
-    # 4. sum the lanes' dk/dv of this rank's shard; reduce-scatter dq in the team (adjoint of the all-gather)
-    dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0)  # [2, B, hk, S_l, d]
-    dq = comm.reduce_scatter(_from_team(dq_acc.to(acc_dtype), sched.perm, c), grp.team_group)
+    # 4. sum the lanes' dk/dv of this rank's shard in fp32; reduce-scatter dq in the team (adjoint of the all-gather)
+    dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0, dtype=torch.float32)  # [2, B, hk, S_l, d]
+    if c == 1:
+        dq = _from_team(dq_acc, sched.perm, 1)[0]
+    else:
+        dq = comm.reduce_scatter(_from_team(dq_acc.to(wire["dq"]), sched.perm, c), grp.team_group)
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
 
 

@@ -1,7 +1,8 @@
 """WallFacer attention on several gloo ranks against a single-process float64 reference.
 
 One process launch per P runs every case for that P (ring counts, causal or not, GQA, batch 2, head dims
-64 and 128, fp32 and bf16, zigzag and contiguous), and also asserts the exact bytes each rank sent.
+64 and 128, fp32 and bf16, zigzag and contiguous, the summed tensors in their default dtypes or all in fp32 /
+all in bf16), and also asserts the exact bytes each rank sent.
 """
 import pytest
 import torch
@@ -19,11 +20,17 @@ def _cases(world):
             for hq, hk, d in ((4, 4, 64), (4, 2, 128), (8, 2, 64)):
                 yield dict(c=c, causal=causal, hq=hq, hk=hk, d=d, dtype=torch.float32, sharding="zigzag")
         yield dict(c=c, causal=True, hq=4, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag")
+        yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag")
         yield dict(c=c, causal=True, hq=4, hk=2, d=64, dtype=torch.float32, sharding="contiguous")
+    if world >= 4:  # the summed tensors all in fp32, all in bf16: bytes as derived, bf16 error still bounded
+        c = 2 if world % 4 == 0 else 1
+        for sums in ("float32", "input"):
+            yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag", sums=sums)
 
 
 def _run_cases(rank, world, cases):
     from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
+    from ds_wallfacer.attention.volume import SumDtypes
     from ds_wallfacer.attention.kernels import get_kernel
     from tests.attention.reference import full_inputs, reference_attention, shard_errors
     from ds_wallfacer.comm import RankLayout, build_groups
@@ -37,6 +44,8 @@ def _run_cases(rank, world, cases):
                                   dtype=case["dtype"], seed=len(results))
         sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=case["sharding"])  # noqa: E731
         attn = WallFacerAttention(groups[case["c"]], kernel="cpu_flash", sharding=case["sharding"])
+        if "sums" in case:
+            attn.accum_comm_dtype = SumDtypes.uniform(case["sums"])
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
         out = attn(ql, kl, vl, causal=case["causal"])
         out.backward(sh(do))
@@ -49,7 +58,8 @@ def _run_cases(rank, world, cases):
         g1 = kern.backward(do, q, k, v, o1, lse1, causal=case["causal"], scale=scale)
         single = [(a.double() - b).abs().max().item() for a, b in zip([o1, *g1], truth)]
         shape = AttnShape(2, n, case["hq"], case["hk"], case["d"], elem_bytes=q.element_size())
-        want = wallfacer_bytes(shape, sp_size=world, ring_count=case["c"], local=groups[case["c"]].place.local)
+        want = wallfacer_bytes(shape, sp_size=world, ring_count=case["c"], local=groups[case["c"]].place.local,
+                               sums=attn.sum_dtypes)
         got = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd in want[ph]} for ph in want}
         others = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd not in want[ph]} for ph in want}
         results.append(dict(case=case, errs=errs, single=single, bytes=got, want=want, others=others,
@@ -84,7 +94,8 @@ def test_wallfacer_matches_single_process(world):
 
 def test_wallfacer_p16_c4():
     cases = [dict(c=4, causal=True, hq=4, hk=2, d=64, dtype=torch.float32, sharding="zigzag"),
-             dict(c=2, causal=True, hq=4, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag")]
+             dict(c=2, causal=True, hq=4, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag"),
+             dict(c=4, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag")]
     _check(run_distributed(_run_cases, 16, cases, timeout_s=600), 16)
 
 
