@@ -49,8 +49,9 @@ class WallFacerAttention:
 
     groups: WallFacerGroups
     comm: CommLayer = field(default_factory=CommLayer)
-    kernel: str = "auto"
-    """Block kernel backend name (``kernels.KERNELS``) or "auto"."""
+    kernel: str | BlockKernel = "auto"
+    """Block kernel backend name (``kernels.KERNELS``), "auto", or a kernel object (a backend outside the
+    registry, e.g. one with ``backward_delta``)."""
     sharding: str = "zigzag"
     """How the sequence was split across ranks ("zigzag" balances causal work)."""
     accum_comm_dtype: SumDtypes | torch.dtype | None = DEFAULT_SUM_DTYPES
@@ -93,6 +94,8 @@ class WallFacerAttention:
     def block_kernel(self, q: torch.Tensor, *, mask: bool = False, softcap: bool = False) -> BlockKernel:
         """The block kernel for q's device and dtype and what the layer needs (a window mask, soft-capping),
         chosen once per combination."""
+        if not isinstance(self.kernel, str):
+            return self.kernel
         key = (q.device.type, q.dtype, mask, softcap)
         if key not in self._kernels:
             self._kernels[key] = get_kernel(self.kernel, q, mask=mask, softcap=softcap)
@@ -373,6 +376,15 @@ def _mask_of(call: _KernelCall, opts: _Options, device: torch.device) -> torch.T
 # expanded k/v of one call (and 1.5x the CPU op's backward time: it is GQA-native); a kernel that sums heads in
 # fp32 itself says so with ``reduces_heads_in_fp32 = True``. dq cannot be helped this way: a kernel rounds each
 # block's dq to the input dtype, as every ring implementation built on such kernels does.
+#
+# Note [Backward without out]: a block kernel's backward uses out only through delta = rowsum(dO * out), one fp32
+# number per query row. A kernel whose backward takes delta (``backward_delta(dout, q, k, v, delta, lse, *,
+# causal, scale, mask=None, softcap=0.0)``, the ``backward`` contract with delta [B, hq, Sq] fp32 for out) lets the
+# team all-gather carry delta instead of out: (C-1) * B*hq*S_l*4 bytes instead of (C-1) * B*hq*S_l*d*s, each rank
+# forming delta for its own rows from its own dO and out. None of the registered backends can: PyTorch's CPU
+# flash op, its CUDA flash / memory-efficient / cuDNN backward ops and flash-attn 2/3/4 all take out and compute
+# delta in their own preprocessing kernel; the reference kernel computes it inline and could take it. Kernels
+# that need out keep getting it.
 #
 # Note [No zero fills]: an accumulator starts uninitialised, and a static plan of the calls (``_fill_plan``)
 # says which ranges of each call's result are written (first touch) and which are added (or merged), and which

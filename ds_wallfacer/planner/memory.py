@@ -9,8 +9,10 @@ element size, psi the parameter count, W the world size (ZeRO shards over every 
 - checkpoints: layers x B S H s (only each layer's input, MsT + checkpointing); without checkpointing every
   layer keeps its activations (the MLP intermediates only without MsT)
 - attention working set: WallFacer's team copies of q, k, v (3 (C-1) B N H / P s with multi-head attention,
-  docs/design.md §2), double-buffered k/v blocks, fp32 accumulators and the fp32 reduce-scatter buffers;
-  Ulysses' all-to-all buffers
+  docs/design.md §2), double-buffered k/v blocks, fp32 accumulators and the reduce-scatter / ring / home buffers
+  in the dtypes of ``attention.volume.DEFAULT_SUM_DTYPES``; with grouped heads and 2-byte inputs, the k/v of one
+  block expanded to the query heads and the kernel's per-head dk/dv (wallfacer.py Note [Gradients of grouped
+  heads]); Ulysses' all-to-all buffers
 - MLP: 7 I s per token (gate, up, activation, product and their gradients), over one mini-sequence with MsT
 - LM head: fp32 logits, softmax and gradient (3 x 4 V bytes per token), over one mini-sequence with MsT
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..attention.volume import DEFAULT_SUM_DTYPES
 from .candidate import Candidate, Workload
 from .cluster import GIB, ClusterSpec
 from .cost import kv_heads_on_wire
@@ -91,13 +94,16 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
         attn = a2a + 2 * qkv * s + q * s + tokens * hq * _FP32
         team_copies = 0.0
     else:
+        a_out, a_dq, a_ring, a_home = DEFAULT_SUM_DTYPES.nbytes(s)
         team_copies = (c - 1) * qkv * s
-        fwd = c * qkv * s + 3 * c * kv * s + 2 * c * q * _FP32
+        fwd = c * qkv * s + 3 * c * kv * s + c * q * (_FP32 + a_out)  # fp32 accumulator, weighted partials
+        expand = 4 * c * q * s + c * kv * _FP32 if hq > hk and s < _FP32 else 0  # expanded k/v, per-head dk/dv
         bwd = (c * (qkv + 2 * q) * s  # gathered q, k, v, out, dO
                + 2 * c * kv * s  # k/v block and the next one in flight
-               + 3 * c * kv * _FP32  # dk/dv of the held block, the one in flight, the received one
+               + c * kv * (_FP32 + 2 * a_ring)  # dk/dv of the held block (fp32), the one in flight, the received one
                + c * q * _FP32  # dq accumulator
-               + c * (q + kv) * _FP32)  # packed fp32 reduce-scatter input
+               + c * (q * a_dq + kv * a_home)  # dq reduce-scatter input, dk/dv slices sent home
+               + expand)
         attn = a2a + max(fwd, bwd) + c * tokens * hq * _FP32 + qkv * s
     mlp_tokens = min(tokens, cand.mlp_chunk_tokens) if cand.mini_sequence else tokens
     layer = 8 * tokens * h * s + 7 * mlp_tokens * i * s

@@ -4,6 +4,12 @@
 point for ``"auto"`` values in the ``"wallfacer"`` config section: it respects the user's fixed values and
 chooses the rest. Ranking is by predicted training throughput (tokens/s over the world), i.e. the step time per
 sequence: a smaller SP group leaves data-parallel replicas that process other sequences in the same step.
+
+Note [Multi-ring only where it pays]: with grouped-query attention a multi-ring split (C > 1) can send MORE bytes
+than plain ring attention over the same ranks (it gathers q, dO and out, hq/hk times larger than k/v; e.g.
+Llama-3-8B heads at P = 4, C = 2: 1.39x ring, ``attention.volume``). Such a split is chosen only when the model
+predicts a step faster than that ring's by more than the model's resolution (1%, ``_RESOLUTION``); otherwise the
+ring twin (same P, U, MsT and checkpointing, C = 1) moves to the top, and the reasons say which and why.
 """
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ from .model import ModelSpec, get_model
 from .placement import analyse_links
 
 __all__ = ["FIXED_KEYS", "Plan", "PlanChoice", "PlanError", "Row", "enumerate_candidates", "plan", "resolve"]
+
+_RESOLUTION = 0.01
+"""Predicted throughputs closer than this are not told apart (the model is not calibrated to better)."""
 
 FIXED_KEYS = ("mode", "sp_size", "ring_count", "ulysses_degree", "placement", "mini_sequence", "mlp_chunk_tokens",
               "lm_head_chunk_tokens", "activation_checkpointing")
@@ -227,6 +236,42 @@ def _evaluate(model: ModelSpec, cluster: ClusterSpec, workload: Workload, cands:
     return rows
 
 
+def _ring_twin(row: Row, rows: list[Row]) -> Row | None:
+    """The fitting C = 1 row with ``row``'s other settings (sizes, MsT, checkpointing), if any."""
+    c = row.candidate
+    for r in rows:
+        t = r.candidate
+        if (t.ring_count == 1 and t.sp_size == c.sp_size and t.ulysses_degree == c.ulysses_degree
+                and t.mini_sequence == c.mini_sequence and t.checkpointing == c.checkpointing
+                and t.mlp_chunk_tokens == c.mlp_chunk_tokens and t.lm_head_chunk_tokens == c.lm_head_chunk_tokens):
+            return r
+    return None
+
+
+def _bytes_vs_ring(fitting: list[Row]) -> tuple[list[Row], str | None]:
+    """Note [Multi-ring only where it pays]: ``fitting`` with the ring twin of the fastest row first when that row
+    is multi-ring, sends more attention bytes than its twin and is not predicted faster beyond ``_RESOLUTION``;
+    and the reason to report about the multi-ring choice (None when the best is not multi-ring or has no twin)."""
+    best = fitting[0]
+    if best.candidate.ring_count == 1:
+        return fitting, None
+    twin = _ring_twin(best, fitting)
+    if twin is None:
+        return fitting, f"{best.candidate.label}: no ring split with the same settings fits, so bytes were not compared"
+    ratio = best.cost.step_bytes / max(twin.cost.step_bytes, 1)
+    gain = twin.cost.step_s / best.cost.step_s - 1
+    if ratio <= 1:
+        return fitting, (f"C = {best.candidate.ring_count} sends {ratio:.2f}x the attention bytes of ring over the "
+                         f"same ranks ({twin.candidate.label})")
+    if gain > _RESOLUTION:
+        return fitting, (f"C = {best.candidate.ring_count} sends {ratio:.2f}x the attention bytes of ring over the same "
+                         f"ranks ({twin.candidate.label}) but its step is predicted {gain:.1%} shorter on these links")
+    rest = [r for r in fitting if r is not twin]
+    return [twin] + rest, (f"ring chosen over {best.candidate.label}: that multi-ring split sends {ratio:.2f}x ring's "
+                           f"attention bytes and its step is predicted only {gain:.1%} shorter, within the model's "
+                           f"{_RESOLUTION:.0%} resolution")
+
+
 def _rank_key(row: Row) -> tuple:
     c = row.candidate
     # ties: prefer ring traffic inside nodes, then the simpler setting
@@ -258,7 +303,8 @@ def plan(
             f"{rejected[0].memory.usable / GIB:.1f} GiB usable ({rejected[0].memory.describe()})",
             _nearest_fitting(model, cluster, workload, fixed),
         )
-    choice = _choose(fitting, rejected, fixed, cluster)
+    fitting, bytes_note = _bytes_vs_ring(fitting)
+    choice = _choose(fitting, rejected, fixed, cluster, bytes_note)
     return Plan(cluster, model, workload, tuple(fitting + rejected), tuple(skipped), choice)
 
 
@@ -284,11 +330,16 @@ def _request(cluster: ClusterSpec, model: ModelSpec, workload: Workload, fixed: 
             f"{cluster.ranks_per_node}/node)" + (f" with {given}" if given else ""))
 
 
-def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], cluster: ClusterSpec) -> PlanChoice:
+def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], cluster: ClusterSpec,
+            bytes_note: str | None = None) -> PlanChoice:
     best = fitting[0]
     c, k = best.candidate, best.cost
-    reasons = [f"fastest of {len(fitting)} fitting configurations ({len(rejected)} rejected for memory): "
-               f"{k.step_s * 1e3:.1f} ms/step, {k.tokens_per_s:,.0f} tokens/s, {best.memory.total / GIB:.1f} GiB/rank"]
+    fastest = max(fitting, key=lambda r: r.cost.tokens_per_s) is best
+    reasons = [f"{'fastest' if fastest else 'chosen'} of {len(fitting)} fitting configurations ({len(rejected)} "
+               f"rejected for memory): {k.step_s * 1e3:.1f} ms/step, {k.tokens_per_s:,.0f} tokens/s, "
+               f"{best.memory.total / GIB:.1f} GiB/rank"]
+    if bytes_note:
+        reasons.append(bytes_note)
     close = [r for r in fitting[1:] if r.cost.tokens_per_s >= 0.99 * k.tokens_per_s]
     if close:
         reasons.append(f"{len(close)} other configurations within 1% (below the model's accuracy), e.g. "

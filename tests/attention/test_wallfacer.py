@@ -7,9 +7,36 @@ all in bf16), and also asserts the exact bytes each rank sent.
 import pytest
 import torch
 
+from ds_wallfacer.attention.kernels.base import expand_kv, reduce_kv_grad
+from ds_wallfacer.attention.kernels.reference import ReferenceKernel
 from tests.dist_utils import run_distributed
 
 SEQ_PER_RANK = 16
+
+
+class DeltaKernel(ReferenceKernel):
+    """The reference kernel plus a backward from delta = rowsum(dO * out) (wallfacer.py Note [Backward without
+    out]), so the team gathers delta instead of out; its plain backward is never called with P > 1."""
+
+    name = "reference_delta"
+
+    def backward(self, dout, q, k, v, out, lse, **options):
+        if out is None:
+            raise AssertionError("backward called without out")
+        return super().backward(dout, q, k, v, out, lse, **options)
+
+    def backward_delta(self, dout, q, k, v, delta, lse, *, causal, scale, mask=None, softcap=0.0):
+        assert mask is None and not softcap
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        hq, hk = q.shape[1], k.shape[1]
+        qd, ke, ve, do = q.to(dt), expand_kv(k, hq).to(dt), expand_kv(v, hq).to(dt), dout.to(dt)
+        s = torch.matmul(qd, ke.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(s - lse.to(dt).unsqueeze(-1))
+        ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - delta.to(dt).unsqueeze(-1)) * scale
+        dv = torch.matmul(p.transpose(-1, -2), do)
+        return torch.matmul(ds, ke), reduce_kv_grad(torch.matmul(ds.transpose(-1, -2), qd), hk), reduce_kv_grad(dv, hk)
 
 
 def _cases(world):
@@ -26,6 +53,8 @@ def _cases(world):
         c = 2 if world % 4 == 0 else 1
         for sums in ("float32", "input"):
             yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag", sums=sums)
+        # a kernel that takes delta: the team gathers 4 bytes per row instead of out
+        yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.float32, sharding="zigzag", kernel="delta")
 
 
 def _run_cases(rank, world, cases):
@@ -43,7 +72,8 @@ def _run_cases(rank, world, cases):
         q, k, v, do = full_inputs(batch=2, q_heads=case["hq"], kv_heads=case["hk"], seq_len=n, head_dim=case["d"],
                                   dtype=case["dtype"], seed=len(results))
         sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=case["sharding"])  # noqa: E731
-        attn = WallFacerAttention(groups[case["c"]], kernel="cpu_flash", sharding=case["sharding"])
+        kernel = DeltaKernel() if case.get("kernel") == "delta" else "cpu_flash"
+        attn = WallFacerAttention(groups[case["c"]], kernel=kernel, sharding=case["sharding"])
         if "sums" in case:
             attn.accum_comm_dtype = SumDtypes.uniform(case["sums"])
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
@@ -59,7 +89,7 @@ def _run_cases(rank, world, cases):
         single = [(a.double() - b).abs().max().item() for a, b in zip([o1, *g1], truth)]
         shape = AttnShape(2, n, case["hq"], case["hk"], case["d"], elem_bytes=q.element_size())
         want = wallfacer_bytes(shape, sp_size=world, ring_count=case["c"], local=groups[case["c"]].place.local,
-                               sums=attn.sum_dtypes)
+                               sums=attn.sum_dtypes, gather_out=case.get("kernel") != "delta")
         got = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd in want[ph]} for ph in want}
         others = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd not in want[ph]} for ph in want}
         results.append(dict(case=case, errs=errs, single=single, bytes=got, want=want, others=others,
@@ -93,10 +123,17 @@ def test_wallfacer_matches_single_process(world):
 
 
 def test_wallfacer_p16_c4():
+    """P = 16: C = 4 and 2; Llama-3-8B heads (32/8, d = 128, bf16) with C = 4 send no more bytes per rank than
+    ring (C = 1) over the same 16 ranks, counted (forward + backward, every rank)."""
+    llama = dict(causal=True, hq=32, hk=8, d=128, dtype=torch.bfloat16, sharding="zigzag")
     cases = [dict(c=4, causal=True, hq=4, hk=2, d=64, dtype=torch.float32, sharding="zigzag"),
              dict(c=2, causal=True, hq=4, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag"),
-             dict(c=4, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag")]
-    _check(run_distributed(_run_cases, 16, cases, timeout_s=600), 16)
+             dict(c=4, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag"),
+             dict(c=4, **llama), dict(c=1, **llama)]
+    results = run_distributed(_run_cases, 16, cases, timeout_s=600)
+    _check(results, 16)
+    sent = [[sum(sum(kinds.values()) for kinds in r[i]["bytes"].values()) for r in results] for i in (3, 4)]
+    assert max(sent[0]) <= max(sent[1]), f"multi-ring {max(sent[0])} > ring {max(sent[1])} bytes per rank"
 
 
 def _bad_inputs(rank, world):

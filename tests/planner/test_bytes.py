@@ -64,3 +64,23 @@ def test_model_bytes_equal_sent_bytes(world):
         for ph in ("forward", "backward"):
             top = {kd: max(res[i]["got"][ph].get(kd, 0) for res in results) for kd in results[0][i]["busiest"][ph]}
             assert top == results[0][i]["busiest"][ph], results[0][i]["case"]
+
+
+def test_grouped_heads_multi_ring_against_ring():
+    """Llama-3-8B heads (32/8), bf16, the rank that sends most, forward + backward, the implementation's default
+    dtypes: multi-ring C = 4 sends at most 0.5x ring's bytes at P = 64 and no more than ring at P = 16 (counted
+    bytes at P = 16: ``test_wallfacer.py::test_wallfacer_p16_c4``); the planner sees the same figures."""
+    from ds_wallfacer.attention.volume import AttnShape, wallfacer_bytes
+    from ds_wallfacer.planner import MODELS, Candidate, Workload, layer_bytes
+
+    shape = AttnShape(1, 65536, 32, 8, 128, 2)
+
+    def total(p, c):
+        b = wallfacer_bytes(shape, sp_size=p, ring_count=c, local=1 if c > 1 else 0)
+        return sum(b["forward"].values()) + sum(b["backward"].values())
+
+    assert total(64, 4) <= 0.5 * total(64, 1)
+    assert total(16, 4) <= 1.0 * total(16, 1)
+    for p, c in ((64, 4), (16, 4), (4, 2)):
+        planned = layer_bytes(MODELS["llama3-8b"], Candidate(sp_size=p, ring_count=c), Workload(seq_len=65536))
+        assert sum(planned["forward"].values()) + sum(planned["backward"].values()) == total(p, c)

@@ -74,3 +74,37 @@ def test_cli_json_and_table(capsys, tmp_path):
     assert "feasible ring_count" in capsys.readouterr().err
     assert cli.main(["--paper"]) == 0
     assert "1.625" in capsys.readouterr().out
+
+
+def test_multi_ring_only_where_it_pays():
+    """A multi-ring split that sends more attention bytes than ring over the same ranks is chosen only when its
+    step is predicted faster beyond the model's resolution; the reasons say so either way."""
+    from types import SimpleNamespace as NS
+
+    from ds_wallfacer.planner.candidate import Candidate
+    from ds_wallfacer.planner.search import _bytes_vs_ring
+
+    def row(c, step_s, nbytes):
+        return NS(candidate=Candidate(sp_size=4, ring_count=c), cost=NS(step_s=step_s, step_bytes=nbytes))
+
+    ring = row(1, 1.000, 100)
+    near, fast, lean = row(2, 0.995, 139), row(2, 0.95, 139), row(2, 0.999, 80)
+    order, why = _bytes_vs_ring([near, ring])
+    assert order[0] is ring and "ring chosen over" in why and "1.39x" in why
+    order, why = _bytes_vs_ring([fast, ring])
+    assert order[0] is fast and "1.39x" in why and "shorter" in why
+    order, why = _bytes_vs_ring([lean, ring])
+    assert order[0] is lean and "0.80x" in why
+    assert _bytes_vs_ring([ring, near]) == ([ring, near], None)
+    # real plans: a chosen multi-ring split never sends more than its ring twin unless predicted > 1% faster
+    for cluster, seq, p in (("h100x64", 32768, 4), ("h100x8", 131072, 8), ("a100x32-eth", 65536, 4)):
+        pl = plan(cluster, "llama3-8b", seq, fixed={"mode": "wallfacer", "sp_size": p})
+        best = pl.rows[0]
+        assert best.candidate == pl.choice.candidate
+        if best.candidate.ring_count > 1:
+            twin = next(r for r in pl.rows if r.fits and r.candidate.ring_count == 1
+                        and r.candidate.mini_sequence == best.candidate.mini_sequence
+                        and r.candidate.checkpointing == best.candidate.checkpointing)
+            assert (best.cost.step_bytes <= twin.cost.step_bytes
+                    or twin.cost.step_s > 1.01 * best.cost.step_s), (cluster, best.candidate.label)
+            assert any("attention bytes of ring" in r for r in pl.choice.reasons)
