@@ -58,6 +58,11 @@ class WallFacerAttention:
     """dtype on the wire of the partial outputs and gradients summed across ranks: per tensor (``SumDtypes``;
     the default is measured, Note [Summed tensors on the wire]), one dtype for all, or None: the input dtype.
     Sums on a rank are fp32 whatever this says."""
+    keep_team_q: bool = False
+    """Keep the team's gathered q [B, hq, C*S_l, d] from the forward for the backward instead of gathering it
+    again: (C-1) * B*hq*S_l*d elements fewer sent per rank and call, C x the local q held per layer from its forward
+    to its backward (for every layer at once unless activation checkpointing recomputes the attention). Off by
+    default: with hq = 4 hk and C = 4 that is 4 layer inputs' worth of q per layer."""
     check_inputs: bool = True
     """Validate shapes and dtypes across ranks (one small all-gather per new input signature)."""
     work: Counter = field(default_factory=Counter)
@@ -200,6 +205,10 @@ class _RingSchedule:
     """Static facts of one call on this rank: chunk orders, peers, kernel calls per ring step."""
 
     perm: list[int]
+    kv_perm: list[int]
+    """``perm`` of the first k/v team (teams differ under a balanced assignment; zigzag's are all alike)."""
+    home_perm: list[int]
+    """``perm`` of the team whose k/v block is held after the last step run (where dk/dv go home)."""
     steps: list[list[_KernelCall]]
     """Kernel calls of every ring step that runs (a sliding window may cut the ring short: ``ring_steps``)."""
     chunk_len: int
@@ -208,7 +217,8 @@ class _RingSchedule:
 
 
 def _ring_chunks(layout: RankLayout, index: int, *, sharding: str, assignment=None):
-    """(sorted query chunks of the team, gathered->sorted permutation, sorted key chunks of every ring step)."""
+    """(sorted query chunks of the team, gathered->sorted permutation, (sorted key chunks, their team's
+    permutation) of every ring step)."""
     c, g, p = layout.ring_count, layout.group_size, layout.sp_size
     place = layout.places[index]
     q_chunks, perm = team_chunk_order(range(place.team * c, (place.team + 1) * c), p, sharding, assignment=assignment)
@@ -216,7 +226,7 @@ def _ring_chunks(layout: RankLayout, index: int, *, sharding: str, assignment=No
     k_steps = []
     for s in range(g):
         kv_team = kv_group * g + (place.pos - s) % g
-        k_steps.append(team_chunk_order(range(kv_team * c, (kv_team + 1) * c), p, sharding, assignment=assignment)[0])
+        k_steps.append(team_chunk_order(range(kv_team * c, (kv_team + 1) * c), p, sharding, assignment=assignment))
     return q_chunks, perm, k_steps
 
 
@@ -226,7 +236,7 @@ def ring_schedule(
     """Pure: for sequence-parallel rank ``index``, the team-order permutation of its gathered chunks and
     the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, docs/design.md §2.2)."""
     q_chunks, perm, k_steps = _ring_chunks(layout, index, sharding=sharding, assignment=assignment)
-    return perm, [block_calls(q_chunks, k, causal=causal) for k in k_steps]
+    return perm, [block_calls(q_chunks, k, causal=causal) for k, _ in k_steps]
 
 
 def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len: int = 1) -> list[int]:
@@ -310,14 +320,15 @@ def _schedule(attn: WallFacerAttention, q: torch.Tensor, causal: bool, opts: _Op
     steps = [
         kernel_calls(q_chunks, k, block_calls(q_chunks, k, causal=causal), chunk_len=L, rows=b,
                      docs=batch.documents, window=opts.window)
-        for k in k_steps
+        for k, _ in k_steps
     ]
     lay, index = attn.groups.layout, attn.groups.place.index
     n_steps = len(steps)
     if opts.window is not None and batch.documents is None:
         n_steps = ring_steps(lay, sharding=attn.sharding, causal=causal, window=opts.window, chunk_len=L,
                              assignment=batch.assignment)
-    sched = _RingSchedule(perm=perm, steps=steps[:n_steps], chunk_len=L, home=lay.home_peers(index, n_steps))
+    sched = _RingSchedule(perm=perm, kv_perm=k_steps[0][1], home_perm=k_steps[n_steps - 1][1], steps=steps[:n_steps],
+                          chunk_len=L, home=lay.home_peers(index, n_steps))
     cache[key] = (batch, sched)
     return sched
 
@@ -330,8 +341,8 @@ def ring_steps(layout: RankLayout, *, sharding: str, causal: bool, window: int, 
     for i in range(layout.sp_size):
         q_chunks, _, k_steps = _ring_chunks(layout, i, sharding=sharding, assignment=assignment)
         for s in range(len(k_steps) - 1, last, -1):
-            calls = block_calls(q_chunks, k_steps[s], causal=causal)
-            if kernel_calls(q_chunks, k_steps[s], calls, chunk_len=chunk_len, rows=1, docs=None, window=window):
+            calls = block_calls(q_chunks, k_steps[s][0], causal=causal)
+            if kernel_calls(q_chunks, k_steps[s][0], calls, chunk_len=chunk_len, rows=1, docs=None, window=window):
                 last = s
                 break
     return last + 1
@@ -542,7 +553,7 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: fl
         kv_pending, bufs = _gather_kv(attn, k, v)
         q_t = _to_team(comm.all_gather(q, grp.team_group), sched.perm)
         kv_pending.wait()
-        cur = _team_kv(bufs, sched.perm)  # [2, B, hk, S_t, d]
+        cur = _team_kv(bufs, sched.kv_perm)  # [2, B, hk, S_t, d]
     # 3. ring steps, double-buffered; results land in fp32 accumulators (Note [No zero fills])
     plan = _fill_plan(_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
     acc_out = _fresh((b, hq, c * sl, d), q.device, plan)
@@ -572,7 +583,7 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: fl
             attn.work["forward"] += call.work
         if pending is not None:
             cur = pending.wait()[0]
-    if c == 1:  # a team of one: the accumulator is the output
+    if c == 1:  # a team of one: the accumulator is the output (and q_t is q)
         return _from_team(acc_out, sched.perm, 1)[0].to(q.dtype), acc_lse
     # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, d] -> [C, B, hq, S_l, d] -> own [B, hq, S_l, d]
     lse_all = comm.all_gather(acc_lse, grp.team_group)  # [C, B, hq, S_t]
@@ -580,10 +591,14 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: fl
     finite = torch.where(torch.isinf(lse_team), torch.zeros_like(lse_team), lse_team)  # rows that see no key
     part = acc_out.mul_(torch.exp(acc_lse - finite).unsqueeze(-1)).to(wire["out"])  # each <= the output's scale
     out = comm.reduce_scatter(_from_team(part, sched.perm, c), grp.team_group).to(q.dtype)
-    return out, lse_team
+    return (out, lse_team, q_t) if attn.keep_team_q else (out, lse_team)
 
 
-def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options):
+def _backward(
+    attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options,
+    q_team: torch.Tensor | None = None,
+):
+    """dq, dk, dv; ``q_team``: the team's q kept from the forward (``keep_team_q``), else gathered again."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
@@ -603,14 +618,16 @@ def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, ou
         cur = _team_kv(torch.stack([k, v]).unsqueeze(0), sched.perm)
         delta_path = False
     else:
-        # 1-2. skewed gather of k/v again; ONE team all-gather of q, dO (the adjoint of the forward reduce-scatter)
-        # and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
+        # 1-2. skewed gather of k/v again; ONE team all-gather of q (unless kept), dO (the adjoint of the forward
+        # reduce-scatter) and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
         kv_pending, bufs = _gather_kv(attn, k, v)
         last_piece = (dout.float() * out.float()).sum(-1) if delta_path else out
-        gathered = _all_gather_packed(comm, [q, dout, last_piece], grp.team_group)
-        q_t, do_t, o_t = (_to_team(x, sched.perm) for x in gathered)
+        pieces = ([] if q_team is not None else [q]) + [dout, last_piece]
+        gathered = [_to_team(x, sched.perm) for x in _all_gather_packed(comm, pieces, grp.team_group)]
+        q_t = q_team if q_team is not None else gathered.pop(0)
+        do_t, o_t = gathered
         kv_pending.wait()
-        cur = _team_kv(bufs, sched.perm)
+        cur = _team_kv(bufs, sched.kv_perm)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     expand = _expand_grads(kernel, q, k)
     dq_plan = _fill_plan(_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
@@ -656,7 +673,7 @@ def _backward(attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, ou
             dkv_pending = comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
         else:  # skewed reduce-scatter: each member of the block's team gets its slice, one per lane
             send = dkv.to(wire["dkv_home"])
-            slices = torch.stack([_from_team(send[0], sched.perm, c), _from_team(send[1], sched.perm, c)], dim=1)
+            slices = torch.stack([_from_team(send[0], sched.home_perm, c), _from_team(send[1], sched.home_perm, c)], dim=1)
             homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
             dkv_pending = comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])),
                                         kind="skew", group=grp.sp_group)

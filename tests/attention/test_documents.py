@@ -69,26 +69,36 @@ def _run(rank: int, world: int) -> list[dict]:
                              num_kv_heads=2, kernel="reference")
         groups = build_sequence_parallel(lay)
         attn = attention_for(groups, comm=CommLayer())
-        for i, (window, softcap, packed) in enumerate([(None, 0.0, True), (5, 0.0, True), (n // 3, 0.0, False),
-                                                        (None, 30.0, True), (3 * SEQ_PER_RANK // 2, 20.0, True)]):
+        for i, (window, softcap, packed, balanced) in enumerate([
+            (None, 0.0, True, False), (5, 0.0, True, False), (n // 3, 0.0, False, False), (None, 30.0, True, False),
+            (3 * SEQ_PER_RANK // 2, 20.0, True, False), (None, 0.0, True, True), (7, 0.0, True, True),
+        ]):
             lengths = _docs_for(n, i) if packed else [[n], [n]]
+            assignment = None
+            if balanced:  # the loader's cost-aware layout: 4 chunks per ring rank, assigned by document work
+                from ds_wallfacer.data.balance import balanced_assignment
+
+                assignment = balanced_assignment(lengths, sp_size=world // u, chunks_per_rank=4)
             q, k, v, do = full_inputs(batch=2, q_heads=8, kv_heads=2, seq_len=n, head_dim=16, dtype=torch.float32,
                                       seed=i)
             scale = 2.5 / 4  # large logits, so the cap matters
             want = reference_attention(q, k, v, do, causal=True, scale=scale, softcap=softcap,
                                        keep=document_mask(lengths, window=window))
             sh = lambda x: shard_sequence(x, dim=2, index=groups.shard_index, sp_size=world,  # noqa: E731
-                                          ulysses_degree=u, scheme="zigzag")
+                                          ulysses_degree=u, scheme="zigzag", assignment=assignment)
             starts = tuple(tuple(int(s) for s in torch.tensor([0] + r[:-1]).cumsum(0)) for r in lengths)
-            batch = SequenceBatch(documents=BatchDocuments(starts=starts, seq_len=n)) if packed else None
+            docs = BatchDocuments(starts=starts, seq_len=n)
+            batch = SequenceBatch(documents=docs, assignment=assignment) if packed else None
             ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
             o = attn(ql, kl, vl, causal=True, scale=scale, batch=batch, window=window, softcap=softcap)
             o.backward(sh(do))
             errs = [(a.double() - sh(b)).abs().max().item() for a, b in zip((o, ql.grad, kl.grad, vl.grad), want)]
             with torch.no_grad():  # control: the same call without the documents / window must differ
-                plain = attn(ql, kl, vl, causal=True, scale=scale, softcap=softcap)
+                plain = attn(ql, kl, vl, causal=True, scale=scale, softcap=softcap,
+                             batch=SequenceBatch(assignment=assignment) if balanced else None)
             control = (plain.double() - sh(want[0])).abs().max().item()
-            out.append(dict(mode=mode, u=u, c=c, window=window, softcap=softcap, packed=packed, errs=errs,
+            out.append(dict(mode=mode, u=u, c=c, window=window, softcap=softcap, packed=packed, balanced=balanced,
+                            errs=errs,
                             control=control))
     return out
 
@@ -98,7 +108,8 @@ def test_documents_windows_softcap_match_single_process(world: int) -> None:
     results = run_distributed(_run, world, timeout_s=600)
     for rank, res in enumerate(results):
         for r in res:
-            assert max(r["errs"]) <= 2e-5, f"P={world} rank {rank}: {r}"
+            # fp32 against float64; logits at 2.5x the usual scale (so soft-capping bites), gradients up to ~10
+            assert max(r["errs"]) <= 5e-5, f"P={world} rank {rank}: {r}"
             assert r["control"] > 1e-2, f"P={world} rank {rank}: documents / window changed nothing: {r}"
 
 
