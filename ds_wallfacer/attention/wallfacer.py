@@ -694,14 +694,15 @@ class _WallFacerFn(torch.autograd.Function):
         kernel = attn.block_kernel(q, mask=opts.window is not None, softcap=bool(opts.softcap))
         sched = _schedule(attn, q, causal, opts)
         with torch.no_grad(), attn.comm.phase("forward"):
-            out, lse_team = _forward(attn, kernel, sched, q, k, v, scale, opts)
-        ctx.save_for_backward(q, k, v, out, lse_team)
+            out, lse_team, *kept = _forward(attn, kernel, sched, q, k, v, scale, opts)
+        ctx.save_for_backward(q, k, v, out, lse_team, *kept)  # kept: the team's q (``keep_team_q``)
         ctx.attn, ctx.kernel, ctx.sched, ctx.scale, ctx.opts = attn, kernel, sched, scale, opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse_team = ctx.saved_tensors
+        q, k, v, out, lse_team, *kept = ctx.saved_tensors
         with torch.no_grad(), ctx.attn.comm.phase("backward"):
-            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts)
+            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts,
+                                   *kept)
         return dq, dk, dv, None, None, None, None

@@ -53,8 +53,9 @@ def _cases(world):
         c = 2 if world % 4 == 0 else 1
         for sums in ("float32", "input"):
             yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag", sums=sums)
-        # a kernel that takes delta: the team gathers 4 bytes per row instead of out
+        # a kernel that takes delta: the team gathers 4 bytes per row instead of out; the team's q kept for backward
         yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.float32, sharding="zigzag", kernel="delta")
+        yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag", keep_q=True)
 
 
 def _run_cases(rank, world, cases):
@@ -76,6 +77,7 @@ def _run_cases(rank, world, cases):
         attn = WallFacerAttention(groups[case["c"]], kernel=kernel, sharding=case["sharding"])
         if "sums" in case:
             attn.accum_comm_dtype = SumDtypes.uniform(case["sums"])
+        attn.keep_team_q = case.get("keep_q", False)
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
         out = attn(ql, kl, vl, causal=case["causal"])
         out.backward(sh(do))
@@ -89,7 +91,8 @@ def _run_cases(rank, world, cases):
         single = [(a.double() - b).abs().max().item() for a, b in zip([o1, *g1], truth)]
         shape = AttnShape(2, n, case["hq"], case["hk"], case["d"], elem_bytes=q.element_size())
         want = wallfacer_bytes(shape, sp_size=world, ring_count=case["c"], local=groups[case["c"]].place.local,
-                               sums=attn.sum_dtypes, gather_out=case.get("kernel") != "delta")
+                               sums=attn.sum_dtypes, gather_out=case.get("kernel") != "delta",
+                               q_kept=attn.keep_team_q)
         got = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd in want[ph]} for ph in want}
         others = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd not in want[ph]} for ph in want}
         results.append(dict(case=case, errs=errs, single=single, bytes=got, want=want, others=others,
