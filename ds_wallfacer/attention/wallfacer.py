@@ -382,7 +382,7 @@ def _mask_of(call: _KernelCall, opts: _Options, device: torch.device) -> torch.T
 # Note [Gradients of grouped heads]: with hq > hk a kernel's dk/dv of one call is a sum over the hq/hk query heads
 # of each kv head. Kernels that return the input dtype round that sum (PyTorch's CPU flash op and the flash-attn 2
 # / cuDNN / CUDA SDPA paths even round each head's share first), and a block's dk/dv is a sum of P/C such calls, so
-# bf16 dk/dv erred up to 2.35x the single-process kernel's. Block calls of a multi-block backward therefore get k/v
+# bf16 dk/dv erred up to 1.74x (2.0-2.35x in earlier measurements) the single-process kernel's. Block calls of a multi-block backward therefore get k/v
 # expanded to the query heads and the heads are summed in fp32 here, rounding once at the end. It costs the
 # expanded k/v of one call (and 1.5x the CPU op's backward time: it is GQA-native); a kernel that sums heads in
 # fp32 itself says so with ``reduces_heads_in_fp32 = True``. dq cannot be helped this way: a kernel rounds each
