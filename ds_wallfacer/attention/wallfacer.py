@@ -380,13 +380,14 @@ def _mask_of(call: _KernelCall, opts: _Options, device: torch.device) -> torch.T
 # the ring length G and it stays fp32.
 #
 # Note [Gradients of grouped heads]: with hq > hk a kernel's dk/dv of one call is a sum over the hq/hk query heads
-# of each kv head. Kernels that return the input dtype round that sum (PyTorch's CPU flash op and the flash-attn 2
-# / cuDNN / CUDA SDPA paths even round each head's share first), and a block's dk/dv is a sum of P/C such calls, so
-# bf16 dk/dv erred up to 1.74x (2.0-2.35x in earlier measurements) the single-process kernel's. Block calls of a multi-block backward therefore get k/v
-# expanded to the query heads and the heads are summed in fp32 here, rounding once at the end. It costs the
-# expanded k/v of one call (and 1.5x the CPU op's backward time: it is GQA-native); a kernel that sums heads in
-# fp32 itself says so with ``reduces_heads_in_fp32 = True``. dq cannot be helped this way: a kernel rounds each
-# block's dq to the input dtype, as every ring implementation built on such kernels does.
+# of each kv head. Kernels that return the input dtype round that sum (flash-attn 2, cuDNN and CUDA SDPA round each
+# head's share first, then the sum; PyTorch's CPU flash op loses more than one rounding too), and a block's dk/dv
+# is a sum of P/C such calls, so bf16 dk/dv erred up to 1.74x the single-process kernel's here (2.0-2.35x in
+# earlier measurements). Block calls of a multi-block backward therefore get k/v expanded to the query heads and
+# the heads are summed in fp32 here, rounding once at the end. It costs the expanded k/v of one call (and 1.5x the
+# CPU op's backward time: it is GQA-native); a kernel that sums heads in fp32 itself says so with
+# ``reduces_heads_in_fp32 = True``. dq cannot be helped this way: a kernel rounds each block's dq to the input
+# dtype, as every ring implementation built on such kernels does.
 #
 # Note [Backward without out]: a block kernel's backward uses out only through delta = rowsum(dO * out), one fp32
 # number per query row. A kernel whose backward takes delta (``backward_delta(dout, q, k, v, delta, lse, *,
@@ -670,7 +671,8 @@ def _backward(
         if s < last:
             send = dkv.to(wire["dkv_ring"])
             recv = torch.empty_like(send)
-            dkv_pending = comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
+            dkv_pending = comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring",
+                                        group=grp.sp_group)
         else:  # skewed reduce-scatter: each member of the block's team gets its slice, one per lane
             send = dkv.to(wire["dkv_home"])
             slices = torch.stack([_from_team(send[0], sched.home_perm, c), _from_team(send[1], sched.home_perm, c)], dim=1)

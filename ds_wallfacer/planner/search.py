@@ -264,8 +264,9 @@ def _bytes_vs_ring(fitting: list[Row]) -> tuple[list[Row], str | None]:
         return fitting, (f"C = {best.candidate.ring_count} sends {ratio:.2f}x the attention bytes of ring over the "
                          f"same ranks ({twin.candidate.label})")
     if gain > _RESOLUTION:
-        return fitting, (f"C = {best.candidate.ring_count} sends {ratio:.2f}x the attention bytes of ring over the same "
-                         f"ranks ({twin.candidate.label}) but its step is predicted {gain:.1%} shorter on these links")
+        return fitting, (f"C = {best.candidate.ring_count} sends {ratio:.2f}x the attention bytes of ring over the "
+                         f"same ranks ({twin.candidate.label}) but its step is predicted {gain:.1%} shorter on these "
+                         "links")
     rest = [r for r in fitting if r is not twin]
     return [twin] + rest, (f"ring chosen over {best.candidate.label}: that multi-ring split sends {ratio:.2f}x ring's "
                            f"attention bytes and its step is predicted only {gain:.1%} shorter, within the model's "
