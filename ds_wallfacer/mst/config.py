@@ -48,13 +48,14 @@ class MiniSequenceConfig:
     mlp: bool = True
     """Run each decoder layer's position-wise MLP in mini-sequences (custom autograd function, input-only saved)."""
     mlp_chunk_tokens: Size = "auto"
-    """Tokens per MLP mini-sequence; "auto" = hidden_size tokens, i.e. M = ceil(S / d) (MsT / ALST TiledMLP rule)."""
+    """Tokens per MLP mini-sequence; "auto" = hidden_size / 4 tokens (``auto_mlp_chunk_tokens`` says why)."""
     lm_head: bool = True
     """Compute LM head + cross-entropy in mini-sequences, never materialising the full [S, V] logits."""
     lm_head_chunk_tokens: Size = "auto"
     """Tokens per LM-head mini-sequence; "auto" = largest count whose fp32 logits fit lm_head_logits_budget_mib."""
     lm_head_logits_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB
-    """Budget (MiB) of one mini-sequence's fp32 logits for "auto"; transient use is about 3x (logits, softmax, grad)."""
+    """Budget (MiB) of one mini-sequence's fp32 logits for "auto"; the gradient is formed in the same buffer (2x
+    with final-logit soft-capping)."""
     activation_checkpointing: Literal["deepspeed", "torch", "none"] = "deepspeed"
     """Decoder-layer checkpointing: DeepSpeed's (ds_config "activation_checkpointing" section, incl. CPU offload),
     torch's non-reentrant one, or none."""
@@ -115,8 +116,16 @@ class ResolvedSizes:
 
 
 def auto_mlp_chunk_tokens(hidden_size: int) -> int:
-    """MsT's rule (docs/design.md §5): about hidden_size tokens per MLP mini-sequence, i.e. M = ceil(S / d)."""
-    return max(1, int(hidden_size))
+    """hidden_size / 4 tokens per MLP mini-sequence (docs/design.md §5).
+
+    MsT's and DeepSpeed TiledMLP's rule is hidden_size tokens (M = ceil(S / d)). A gradient-returning MLP backward
+    (``mlp.py``) holds its weights' gradient sums, 3 * I * d for a gated MLP, beside one mini-sequence's recompute,
+    about 6 * c * I (the saved intermediates and their gradients); TiledMLP writes into ``.grad`` instead and holds
+    only the 6 * c * I. At c = d / 4 the recompute is half the sums and the whole (about 5.5 * I * d with the one
+    fresh weight gradient) stays below TiledMLP's 6 * I * d, at the price of 4x as many, 4x smaller matrix products
+    (16-bit weights: the sums are fp32, twice their size, and the whole stays above TiledMLP's).
+    """
+    return max(1, int(hidden_size) // 4)
 
 
 def auto_lm_head_chunk_tokens(vocab_size: int, budget_mib: int) -> int:

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..hf_config import text_config
 from .config import DEFAULT_LOGITS_BUDGET_MIB, auto_lm_head_chunk_tokens
+from .mlp import even_chunk_tokens
 
 __all__ = [
     "HeadTransform",
@@ -62,6 +63,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         acc_dtype = torch.float32 if weight.dtype in _LOW_PRECISION else weight.dtype
         dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         db = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
+        chunk_tokens = even_chunk_tokens(n, chunk_tokens)  # the same count of mini-sequences, evened out
         for s in range(0, n, chunk_tokens):
             xc, yc = x[s : s + chunk_tokens], labels[s : s + chunk_tokens]  # [c, d], [c]
             z = F.linear(xc, weight, bias).float()  # [c, V] fp32: the only logits alive

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["MiniSequenceMLPFunction", "check_position_wise", "mini_sequence_mlp"]
+__all__ = ["MiniSequenceMLPFunction", "check_position_wise", "even_chunk_tokens", "mini_sequence_mlp"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -45,9 +45,18 @@ def _capture_rng(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return torch.get_rng_state(), cuda
 
 
+def even_chunk_tokens(n: int, chunk_tokens: int) -> int:
+    """Tokens per mini-sequence for n tokens: the M = ceil(n / chunk_tokens) mini-sequences made as even as
+    possible (ceil(n / M) tokens, the last one shorter by less than M): the largest one sets the memory, and it is
+    no larger than needed (n = 2048 at 524 per chunk: 512, not 524)."""
+    if n <= chunk_tokens:
+        return max(1, n)
+    return -(-n // -(-n // chunk_tokens))
+
+
 def _chunks(n: int, chunk_tokens: int) -> range:
-    # ceil(n / chunk) mini-sequences; the last one is shorter; n < chunk gives one (no dropped tail)
-    return range(0, n, chunk_tokens)
+    # ceil(n / chunk) mini-sequences of even_chunk_tokens; n < chunk gives one (no dropped tail)
+    return range(0, n, even_chunk_tokens(n, chunk_tokens))
 
 
 def _output_like(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, zeros: bool) -> torch.Tensor:
@@ -62,9 +71,10 @@ def _output_like(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *
 
 def _fill(out: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_tokens: int) -> None:
     flat, dst = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [T, d], [T, d_out]
+    c = even_chunk_tokens(flat.shape[0], chunk_tokens)
     with torch.no_grad():
         for s in _chunks(flat.shape[0], chunk_tokens):
-            dst[s : s + chunk_tokens] = run(flat[s : s + chunk_tokens])  # [c, d] -> [c, d_out]
+            dst[s : s + c] = run(flat[s : s + c])  # [c, d] -> [c, d_out]
 
 
 class MiniSequenceMLPFunction(torch.autograd.Function):
@@ -102,8 +112,9 @@ class MiniSequenceMLPFunction(torch.autograd.Function):
                 torch.set_rng_state(cpu_rng)
                 for d, state in zip(devices, cuda_rng):
                     torch.cuda.set_rng_state(state, d)
+                c = even_chunk_tokens(flat.shape[0], ctx.chunk_tokens)
                 for s in _chunks(flat.shape[0], ctx.chunk_tokens):
-                    xc = flat[s : s + ctx.chunk_tokens].requires_grad_(need_x)
+                    xc = flat[s : s + c].requires_grad_(need_x)
                     with torch.enable_grad():
                         y = ctx.run(xc)  # intermediates of one mini-sequence only: [c, I]
                         inputs = ([xc] if need_x else []) + params

@@ -69,9 +69,9 @@ def test_frozen() -> None:
 
 def test_resolve_auto() -> None:
     cfg = MiniSequenceConfig()
-    # Llama-3-8B shape at 60K local tokens: M = ceil(S / d) for the MLP; fp32 logits chunk within 256 MiB
+    # Llama-3-8B shape at 60K local tokens: d / 4 tokens per MLP mini-sequence; fp32 logits chunk within 256 MiB
     r = resolve_sizes(cfg, tokens=61_440, hidden_size=4096, vocab_size=128_256)
-    assert r.mlp_chunk_tokens == 4096 and r.mlp_chunks == 15
+    assert r.mlp_chunk_tokens == 1024 and r.mlp_chunks == 60
     assert r.lm_head_chunk_tokens == (256 << 20) // (4 * 128_256) == 523
     assert r.lm_head_chunk_tokens * 128_256 * 4 <= 256 << 20
     assert r.lm_head_chunks == -(-61_440 // 523)

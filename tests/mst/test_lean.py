@@ -96,3 +96,14 @@ def test_mlp_sums_added_as_gradients_form(preset_grad: bool) -> None:
     for a, b in zip(got, [x.grad] + [p.grad for p in params]):
         torch.testing.assert_close(a, b, **TOL)
     assert all(not p._backward_hooks for p in params)
+
+
+def test_even_chunks_keep_the_count_and_shrink_the_largest() -> None:
+    from ds_wallfacer.mst.mlp import even_chunk_tokens
+
+    assert even_chunk_tokens(2048, 524) == 512  # 4 mini-sequences either way
+    assert even_chunk_tokens(11, 4) == 4 and even_chunk_tokens(3, 8) == 3 and even_chunk_tokens(0, 8) == 1
+    for n in range(1, 60):
+        for c in range(1, 20):
+            e = even_chunk_tokens(n, c)
+            assert e <= c and -(-n // e) == -(-n // c), (n, c, e)

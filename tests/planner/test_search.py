@@ -22,7 +22,7 @@ def test_resolve_respects_fixed_values():
     c = resolve("h100x64", "llama3-8b", 131072, 64, {"sp_size": 64, "ring_count": "auto", "mode": "wallfacer"})
     assert c.sp_size == 64 and c.ulysses_degree == 1 and c.mode == "wallfacer" and c.dp_size == 1
     c = resolve("h100x64", "llama3-8b", 131072, 64, {"mode": "hybrid", "ulysses_degree": 4, "mini_sequence": True})
-    assert (c.strategy, c.ulysses_degree, c.mini_sequence) == ("hybrid", 4, True) and c.mlp_chunk_tokens == 4096
+    assert (c.strategy, c.ulysses_degree, c.mini_sequence) == ("hybrid", 4, True) and c.mlp_chunk_tokens == 1024
     c = resolve("h100x64", "llama3-8b", 131072, 16, {"sp_size": 16, "placement": "team-inner"})
     assert c.placement == "team-inner" and c.sp_size == 16
     one = resolve("h200x1", "llama3-8b", 65536, workload=Workload(65536, offload_optimizer=True))
