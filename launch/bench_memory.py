@@ -9,7 +9,10 @@ Methods, all on the same Llama-shaped HF model (random weights), one step = forw
 
 CPU: every (method, length) runs in a fresh process; memory = ru_maxrss of the step minus ru_maxrss after a warm-up
 step at 16 tokens (the model's own: parameters, gradients, optimizer states); --budget-gib bounds this activation
-memory. A method stops at the first length over budget, or before a length whose memory, projected linearly from the
+memory. Resident memory also moves with the allocator (freed heap kept) and with library pages evicted and faulted
+back on a busy machine (the same method measured 0.18 and 0.30 GiB at 2K in two runs), so one more forward +
+backward runs under the torch profiler: "tensors" = the peak bytes of tensors alive that the step created (what
+chunking and checkpointing control, exact and repeatable; the optimizer's own temporaries excluded). A method stops at the first length over budget, or before a length whose memory, projected linearly from the
 last two lengths, is over budget (activation memory is linear in S with SDPA attention; saves the slowest runs). CUDA: one process per method, torch.cuda.max_memory_allocated per length (resettable), a method
 stops at the first out-of-memory or when the next step would exceed --max-step-s.
 
@@ -148,6 +151,31 @@ def _rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB (Linux)
 
 
+def _tensor_peak_gib(fwd_bwd) -> float | None:
+    """Peak bytes of the tensors created by ``fwd_bwd()`` that are alive at once (torch profiler memory timeline,
+    CPU allocations; tensors that existed before are not counted). None when this torch has no such timeline."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler._memory_profiler import Action
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            fwd_bwd()
+        live: dict = {}
+        cur = peak = 0
+        for _, action, key_version, size in prof._memory_profile().timeline:
+            key = key_version[0] if isinstance(key_version, tuple) else key_version
+            if action == Action.CREATE:
+                live[key] = size
+                cur += size
+            elif action == Action.DESTROY and key in live:
+                cur -= live.pop(key)
+            peak = max(peak, cur)
+        return peak / (1 << 30)
+    except Exception as e:  # noqa: BLE001 - a private torch API: report its absence, do not fail the benchmark
+        print(f"tensor peak not measured: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
 def worker(args) -> list[dict]:
     """Run one method at the given lengths in this process; one result dict per length."""
     import torch
@@ -192,6 +220,10 @@ def worker(args) -> list[dict]:
         peak = torch.cuda.max_memory_allocated() / (1 << 30) if cuda else _rss_gib()
         res = dict(method=args.method, seq_len=seq_len, oom=False, step_s=statistics.median(times),
                    peak_gib=peak, model_gib=base, act_gib=peak - base)
+        if not cuda and args.tensor_peak:
+            ids = torch.randint(0, shape.vocab, (1, seq_len), generator=gen)
+            res["tensor_act_gib"] = _tensor_peak_gib(lambda: loss_fn(ids, ids).backward())
+            opt.zero_grad(set_to_none=False)  # that backward's gradients are not applied
         if cuda:
             res["capacity_gib"] = torch.cuda.get_device_properties(0).total_memory / (1 << 30)
         results.append(res)
@@ -212,6 +244,8 @@ def _run_worker(args, method: str, lengths: list[int]) -> list[dict]:
     cmd = [sys.executable, __file__, "--worker", "--method", method, "--lengths", ",".join(map(str, lengths))]
     for k in ("preset", "dtype", "device", "threads", "repeats", "logits_budget_mib", "max_step_s"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if not args.tensor_peak:
+        cmd.append("--no-tensor-peak")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), DS_ACCELERATOR=args.device,
                TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -261,6 +295,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="measured steps per length (median time)")
     p.add_argument("--max-step-s", type=float, default=60.0, help="CUDA: stop a method when the next step would "
                    "take longer (extrapolated as S^2)")
+    p.add_argument("--no-tensor-peak", dest="tensor_peak", action="store_false",
+                   help="CPU: skip the profiled forward + backward that measures tensor memory")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_memory"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", default=None, help=argparse.SUPPRESS)
@@ -307,17 +343,24 @@ def _report(args, shape: Shape, methods: list[str], rows: list[dict], wall_s: fl
     what = "max_memory_allocated" if args.device == "cuda" else "ru_maxrss"
     print(f"\nmodel {args.preset} {asdict(shape)} {args.dtype} on {args.device}; memory = {what} (GiB), "
           f"act = minus the model's own (params + grads + AdamW states)")
-    print(f"{'seq_len':>8} | " + " | ".join(f"{m:>22}" for m in methods))
-    print(f"{'':>8} | " + " | ".join(f"{'peak / act / step_s':>22}" for _ in methods))
+    tens = any(r.get("tensor_act_gib") is not None for r in rows)
+    w = 30 if tens else 22
+    print(f"{'seq_len':>8} | " + " | ".join(f"{m:>{w}}" for m in methods))
+    head = "peak / act / tensors / step_s" if tens else "peak / act / step_s"
+    print(f"{'':>8} | " + " | ".join(f"{head:>{w}}" for _ in methods))
     for L in lengths:
         cells = []
         for m in methods:
             r = table[m].get(L)
             if r is None:
-                cells.append(f"{'-':>22}")
+                cells.append(f"{'-':>{w}}")
             elif "peak_gib" not in r:
-                why = "OOM" if r.get("oom") else f"skip: {r['skipped']}"[:22] if r.get("skipped") else "error"
-                cells.append(f"{why:>22}")
+                why = "OOM" if r.get("oom") else f"skip: {r['skipped']}"[:w] if r.get("skipped") else "error"
+                cells.append(f"{why:>{w}}")
+            elif tens:
+                t = r.get("tensor_act_gib")
+                tcell = f"{t:7.3f}" if t is not None else f"{'-':>7}"
+                cells.append(f"{r['peak_gib']:7.2f} {r['act_gib']:6.2f} {tcell} {r['step_s']:7.1f}")
             else:
                 cells.append(f"{r['peak_gib']:7.2f} {r['act_gib']:6.2f} {r['step_s']:7.1f}")
         print(f"{L:>8} | " + " | ".join(cells))
@@ -335,6 +378,13 @@ def _report(args, shape: Shape, methods: list[str], rows: list[dict], wall_s: fl
             summary["ours_over_hf_ckpt_act_at_hf_ckpt_max"] = round(ours["act_gib"] / ref["act_gib"], 3)
             summary["ours_over_hf_ckpt_step_time_at_common_max"] = round(ours["step_s"] / ref["step_s"], 3)
         summary["ours_over_hf_ckpt_max_len"] = round(max_len["ours"] / L, 2)
+    for other in ("alst", "hf_ckpt"):
+        if "ours" in methods and other in methods:
+            pairs = [(L, table["ours"][L].get("tensor_act_gib"), table[other][L].get("tensor_act_gib"))
+                     for L in lengths if L in table["ours"] and L in table[other]]
+            ratios = {L: round(a / b, 3) for L, a, b in pairs if a is not None and b}
+            if ratios:
+                summary[f"ours_over_{other}_tensor_act_by_len"] = ratios
     if "ours" in methods and "alst" in methods and max_len["alst"]:
         summary["ours_over_alst_max_len"] = round(max_len["ours"] / max_len["alst"], 2)
         common = [L for L in lengths if "step_s" in table["ours"].get(L, {}) and "step_s" in table["alst"].get(L, {})]
