@@ -1,5 +1,6 @@
 """Sequence-parallel attention: WallFacer multi-ring (C = 1: ring), DeepSpeed-Ulysses all-to-all, the
-hybrid of both, the block-kernel backends, and the exact byte formulas of each."""
+hybrid of both, the block-kernel backends, the exact byte formulas of each, and the results attention keeps for a
+checkpointed layer's recompute (``residuals``)."""
 from .._lazy import lazy_exports
 
 _EXPORTS = {
@@ -8,6 +9,9 @@ _EXPORTS = {
     "get_kernel": ".kernels",
     "LocalAttention": ".ulysses",
     "UlyssesAttention": ".ulysses",
+    "KeepAttention": ".residuals",
+    "kept_bytes_per_layer": ".residuals",
+    "residual_stats": ".residuals",
     "AttnShape": ".volume",
     "ulysses_bytes": ".volume",
     "wallfacer_bytes": ".volume",

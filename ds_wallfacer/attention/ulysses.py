@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..comm import CommLayer
 from .checks import check_inputs_agree, local_error
 from .kernels import get_kernel
+from .residuals import residual_slot, tensor_key
 from .schedule import BlockCall
 from .wallfacer import SequenceBatch, _merge, _window_mask, kernel_calls
 
@@ -42,18 +43,31 @@ class InnerAttention(Protocol):
 
 
 class _AllToAll(torch.autograd.Function):
-    """[U, n] -> [U, n]: row i goes to group rank i, row j of the result came from rank j. Its own adjoint."""
+    """[U, n] -> [U, n]: row i goes to group rank i, row j of the result came from rank j. Its own adjoint.
+
+    Inside a checkpointed layer the first forward keeps what it received and the recompute returns it without
+    communicating (``residuals.py``): the head-sharded q, k, v and the sequence-sharded output are what the inner
+    attention's backward and the layer after attention need."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: CommLayer, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.comm, ctx.group = comm, group
+        ctx.slot = slot = residual_slot("all_to_all", comm, group, tensor_key(x))
+        if slot is not None and slot.replaying:
+            return slot.take()[0]
         with comm.phase("forward"):
-            return comm.all_to_all(x, group)
+            out = comm.all_to_all(x, group)
+        if slot is not None:
+            slot.keep(out)
+        return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         with ctx.comm.phase("backward"):
-            return ctx.comm.all_to_all(g.contiguous(), ctx.group), None, None
+            dx = ctx.comm.all_to_all(g.contiguous(), ctx.group)
+        if ctx.slot is not None:
+            ctx.slot.done()
+        return dx, None, None
 
 
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, comm: CommLayer) -> torch.Tensor:
@@ -117,23 +131,38 @@ def _local_calls(q: torch.Tensor, causal: bool, batch: SequenceBatch | None, win
                         window=window)
 
 
+@torch.no_grad()
+def _local_forward(q, k, v, kernel, causal: bool, scale: float, calls, window, softcap: float):
+    """(out, lse) over the whole sequence: one kernel call, or fp32-merged calls per document segment / window tile
+    (rows that see nothing stay at lse -inf)."""
+    if calls is None:
+        return kernel.forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for c in calls:
+        mask = None if c.mask is None else _window_mask((c.mask, window), q.device)
+        o, l = kernel.forward(q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], causal=c.causal,
+                              scale=scale, mask=mask, softcap=softcap)
+        _merge(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
+    return acc.to(q.dtype), lse
+
+
 class _LocalFn(torch.autograd.Function):
+    """Attention over the whole sequence on this rank. Inside a checkpointed layer the first forward keeps
+    (out, lse) and the recompute returns them without running the kernel (``residuals.py``)."""
+
     @staticmethod
     def forward(ctx, q, k, v, kernel, causal: bool, scale: float, calls, window, softcap: float):
-        with torch.no_grad():
-            if calls is None:
-                out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
-            else:  # documents / windows: fp32 accumulators, rows that see nothing stay at lse -inf
-                acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-                for c in calls:
-                    mask = None if c.mask is None else _window_mask((c.mask, window), q.device)
-                    o, l = kernel.forward(q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], causal=c.causal,
-                                          scale=scale, mask=mask, softcap=softcap)
-                    _merge(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
-                out = acc.to(q.dtype)
+        ctx.slot = slot = residual_slot("local", kernel, tensor_key(q, k, v), causal, scale, calls, window, softcap)
+        if slot is not None and slot.replaying:
+            out, lse = slot.take()
+        else:
+            out, lse = _local_forward(q, k, v, kernel, causal, scale, calls, window, softcap)
+            if slot is not None:
+                slot.keep(out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.causal, ctx.scale, ctx.calls, ctx.window, ctx.softcap = kernel, causal, scale, calls, window, softcap
+        ctx.kernel, ctx.causal, ctx.scale, ctx.calls = kernel, causal, scale, calls
+        ctx.window, ctx.softcap = window, softcap
         return out
 
     @staticmethod
@@ -158,6 +187,8 @@ class _LocalFn(torch.autograd.Function):
                     dq[c.rows, :, c.qs] += gq
                     dk[c.rows, :, c.ks] += gk
                     dv[c.rows, :, c.ks] += gv
+        if ctx.slot is not None:
+            ctx.slot.done()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 

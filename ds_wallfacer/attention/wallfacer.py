@@ -691,14 +691,26 @@ def _backward(
 
 
 class _WallFacerFn(torch.autograd.Function):
+    """The autograd node of one WallFacer call. Inside a checkpointed layer (``residuals.py``) the first forward
+    keeps (out, lse_team, and the team's q with ``keep_team_q``) and the recompute returns them: no block kernel, no
+    collective, nothing counted twice; q, k, v come from the layer's recompute either way (the same values)."""
+
     @staticmethod
     def forward(ctx, q, k, v, attn: WallFacerAttention, causal: bool, scale: float, opts: _Options):
+        from .residuals import residual_slot, tensor_key
+
         kernel = attn.block_kernel(q, mask=opts.window is not None, softcap=bool(opts.softcap))
         sched = _schedule(attn, q, causal, opts)
-        with torch.no_grad(), attn.comm.phase("forward"):
-            out, lse_team, *kept = _forward(attn, kernel, sched, q, k, v, scale, opts)
+        slot = residual_slot("wallfacer", attn, tensor_key(q, k, v), causal, scale, opts)
+        if slot is not None and slot.replaying:
+            out, lse_team, *kept = slot.take()
+        else:
+            with torch.no_grad(), attn.comm.phase("forward"):
+                out, lse_team, *kept = _forward(attn, kernel, sched, q, k, v, scale, opts)
+            if slot is not None:
+                slot.keep(out, lse_team, *kept)
         ctx.save_for_backward(q, k, v, out, lse_team, *kept)  # kept: the team's q (``keep_team_q``)
-        ctx.attn, ctx.kernel, ctx.sched, ctx.scale, ctx.opts = attn, kernel, sched, scale, opts
+        ctx.attn, ctx.kernel, ctx.sched, ctx.scale, ctx.opts, ctx.slot = attn, kernel, sched, scale, opts, slot
         return out
 
     @staticmethod
@@ -707,4 +719,6 @@ class _WallFacerFn(torch.autograd.Function):
         with torch.no_grad(), ctx.attn.comm.phase("backward"):
             dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts,
                                    *kept)
+        if ctx.slot is not None:
+            ctx.slot.done()
         return dq, dk, dv, None, None, None, None

@@ -10,7 +10,8 @@ Start-up order: parse the ds_config and resolve the layout ("auto" values by the
 sequence length is known; pure and identical on every rank, so a bad config raises the same error everywhere
 before any collective), audit the model the same way (``audit.py``: what would train differently is refused),
 build every process group once, attach this rank's attention to the model's attention layers, show length-reading
-rotary embeddings the global length, apply Mini-Sequence chunking when configured, then hand DeepSpeed the
+rotary embeddings the global length, apply Mini-Sequence chunking when configured, let checkpointed layers keep
+attention's results for their recompute (``attention/residuals.py``), then hand DeepSpeed the
 model wrapped with the loss. DeepSpeed gets no sequence-parallel mpu: see ``loss.py`` for why every ZeRO stage
 then normalises gradients correctly.
 """
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..attention.residuals import keep_attention_in_layers
 from ..comm import CommLayer
 from ..config import ParallelLayout, PlanInputs, RunConfig, parse_ds_config, resolve_auto
 from ..data.loader import SequenceParallelLoader, prepare_batch
@@ -264,6 +266,9 @@ def initialize(
     wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
     # 3. Mini-Sequence chunking and the loss module DeepSpeed wraps
     mst_handle, local_loss = _apply_mini_sequence(model, run, ds_dict, local_loss)
+    ms = run.wallfacer.mini_sequence
+    if ms is None or ms.keep_attention:  # also layer checkpointing the caller turned on (attention/residuals.py)
+        keep_attention_in_layers(model)
     module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
                                       ignore_index=ignore_index, router_aux=found.router_aux,
                                       rope=rope if found.rotary else None, sp_size=layout.sp_size,

@@ -181,7 +181,8 @@ def apply_mini_sequence(
         _wrap_mlps(model, config, handle, state, hidden=hidden)
     if config.lm_head:
         handle.lm_head = _wrap_lm_head(model, head, sizes.lm_head_chunk_tokens)
-    enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config, state=state)
+    enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config, state=state,
+                               keep_attention=config.keep_attention)
     return handle
 
 

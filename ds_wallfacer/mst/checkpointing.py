@@ -19,6 +19,11 @@ to compute its output in later recomputes (``MlpRecomputeFlag.needs_value``): fo
 step recomputes the layer twice. Checkpointing only the attention block instead, leaving the MLP to MsT, would also
 keep each layer's MLP input (and the norm's input) for backward: 2-3x the saved activations of whole-layer
 checkpointing.
+
+Recompute of attention: with ``keep_attention`` (the default) the checkpoint function is wrapped in
+``attention.residuals.KeepAttention``, so attention's first forward keeps its output and log-sum-exp and the layer
+recompute returns them: attention's kernels and collectives run once per step, not twice (``residuals.py`` has the
+rule that tells a first forward from its recompute, and the cost per layer).
 """
 from __future__ import annotations
 
@@ -184,16 +189,22 @@ def enable_layer_checkpointing(
     *,
     ds_config: dict[str, Any] | None = None,
     state: RecomputeState | None = None,
+    keep_attention: bool = True,
 ) -> None:
     """Checkpoint every decoder layer of an HF model with ``mode`` ("deepspeed" | "torch"); "none" does nothing.
 
     ``state``: shared with the model's mini-sequence MLPs, lets DeepSpeed's recompute skip their forward.
+    ``keep_attention``: the recompute reuses attention's first-forward results (``attention/residuals.py``).
     """
     if mode == "none":
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing of its decoder layers")
-    func = _DeepSpeedCheckpoint(ds_config, state) if mode == "deepspeed" else _torch_checkpoint()
+    func: Callable = _DeepSpeedCheckpoint(ds_config, state) if mode == "deepspeed" else _torch_checkpoint()
+    if keep_attention:
+        from ..attention.residuals import KeepAttention
+
+        func = KeepAttention(func)
     # the hook HF itself uses to install a checkpoint function on every GradientCheckpointingLayer
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
     if mode == "deepspeed" and hasattr(model, "enable_input_require_grads"):
