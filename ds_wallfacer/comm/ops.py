@@ -8,7 +8,8 @@ volumes and benchmarks print them beside the cost formulas:
 - ``ring``           k/v (and dk/dv) blocks sent to the next rank of a sub-ring
 - ``skew``           the initial k/v block sent across team groups, and dk/dv sent home in backward
 - ``all_to_all``     (n-1)/n * local bytes (the part that leaves the rank)
-- ``check``          the small metadata all-gather that validates inputs across ranks
+- ``check``          the small metadata all-gather that validates inputs across ranks, and the start-up
+                     self-check's gradient sum (``all_reduce``: 2(n-1)/n * bytes)
 
 Timeouts come from the process groups (``groups.py`` creates them with one), so a dead peer ends a
 collective with an error instead of a hang.
@@ -221,6 +222,18 @@ class CommLayer:
             _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group)
         self._count("reduce_scatter", (n - 1) * _nbytes(out))
         return out.view(x.shape[1:])
+
+    def all_reduce(self, x: torch.Tensor, group: dist.ProcessGroup, *, kind: str) -> torch.Tensor:
+        """[*s] on each of n ranks -> their sum [*s] (a new tensor; ``x`` is left as it was)."""
+        n = dist.get_world_size(group)
+        self.check_device("all_reduce", group, x)
+        out = x.clone(memory_format=torch.contiguous_format)
+        if n == 1:
+            return out
+        with self._timed(kind):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        self._count(kind, 2 * (n - 1) * _nbytes(out) // n)  # what a ring all-reduce sends per rank
+        return out
 
     def all_to_all(
         self, x: torch.Tensor, group: dist.ProcessGroup, *, out: torch.Tensor | None = None

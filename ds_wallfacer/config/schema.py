@@ -88,6 +88,15 @@ class WallFacerConfig:
     mini_sequence: Any = None
     """Mini-Sequence Transformer settings (``ds_wallfacer.mst.MiniSequenceConfig``); absent/null = MsT off,
     ``{}`` = MsT on with its defaults."""
+    self_check: bool = True
+    """At start-up, one forward + backward of a short random sequence with the model as configured, against the same
+    model on the full sequence without sequence parallelism; a loss or gradient that differs is refused
+    (``integration/self_check.py``). false skips it."""
+    self_check_tokens: AutoInt = "auto"
+    """Tokens of the self-check's sequence; "auto" = enough to cross the model's windows and chunks, at most 1024."""
+    allow_modules: tuple[str, ...] = ()
+    """Class names the deny-by-default rules would refuse that you have checked yourself (e.g. a position-wise
+    module of your own whose code calls ``torch.arange``); the self-check still compares them."""
     collective_timeout_s: float = 600.0
     """Seconds a collective may wait for a peer before it fails: torch.distributed's world group, DeepSpeed's own
     groups and ours (torch's default, 30 min for gloo, would otherwise apply to DeepSpeed's)."""
@@ -116,6 +125,12 @@ class WallFacerConfig:
         if self.seq_len is not None and not _is_pos_int(self.seq_len):
             raise ValueError(f"wallfacer.seq_len = {self.seq_len!r} is invalid: allowed is a positive integer or null")
         _check_choice("kernel", self.kernel, ("auto", *KERNEL_NAMES))
+        if not isinstance(self.self_check, bool):
+            raise ValueError(f"wallfacer.self_check = {self.self_check!r} is invalid: allowed are true and false")
+        _check_auto_int("self_check_tokens", self.self_check_tokens)
+        if not isinstance(self.allow_modules, tuple) or not all(isinstance(c, str) and c for c in self.allow_modules):
+            raise ValueError(f"wallfacer.allow_modules = {list(self.allow_modules)!r} is invalid: allowed is a list "
+                             "of module class names")
         if self.mode == "wallfacer" and self.ulysses_degree not in ("auto", 1):
             raise ValueError(
                 f'wallfacer.ulysses_degree = {self.ulysses_degree} needs mode "hybrid" (or "ulysses"); mode '
@@ -133,6 +148,8 @@ class WallFacerConfig:
         if d is None:
             return cls()
         kwargs = section_kwargs(cls, d, name="wallfacer")
+        if isinstance(kwargs.get("allow_modules"), list):
+            kwargs["allow_modules"] = tuple(kwargs["allow_modules"])
         if "mini_sequence" in kwargs and kwargs["mini_sequence"] is not None:
             kwargs["mini_sequence"] = _parse_mini_sequence(kwargs["mini_sequence"])
         return cls(**kwargs)

@@ -4,7 +4,9 @@
 raises the same error and none waits in a collective) and returns what the loss module must reproduce (the MoE
 router aux loss, the rotary modules that read the sequence length). Each refusal names the setting to change.
 
-Refused: attention the sequence-parallel kernels cannot honour (dropout; logit soft-capping or a sliding window
+First, deny by default (``sequence_rules.py``): every module that could mix tokens along the sequence outside the
+attention function, and every attention layer the kernels do not reproduce, is refused by what it is built from.
+Then the settings: attention the sequence-parallel kernels cannot honour (dropout; logit soft-capping or a sliding window
 with a block kernel, named in the config, that cannot apply them), a router aux or z-loss that cannot be reproduced, an MoE aux loss under
 reentrant layer checkpointing (it would lose the router gradient), RoPE types that cannot be given the global
 length, LM-head transforms the Mini-Sequence head does not apply.
@@ -20,8 +22,9 @@ from torch import nn
 from ..hf_config import text_config
 from .moe import RouterAuxLoss, router_aux_loss
 from .rope import rope_problems
+from .sequence_rules import sequence_findings
 
-__all__ = ["ModelAudit", "audit_model"]
+__all__ = ["ModelAudit", "RefusedModel", "audit_model"]
 
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 _SOFTCAP_KEYS = ("attn_logit_softcapping",)
@@ -122,13 +125,23 @@ def _lm_head_problems(model: nn.Module, mini_sequence: Any) -> list[str]:
     return []
 
 
+class RefusedModel(ValueError):
+    """The model cannot be trained exactly as configured; the message lists every problem and what to change."""
+
+
 def audit_model(
-    model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None, kernel: str = "auto"
+    model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None, kernel: str = "auto",
+    allow_modules: tuple[str, ...] = (),
 ) -> ModelAudit:
-    """Check ``model`` for what sequence parallelism / MsT would compute differently; raise ValueError listing every
-    problem with the setting to change, else return what the loss module must reproduce."""
+    """Check ``model`` for what sequence parallelism / MsT would compute differently; raise ``RefusedModel`` listing
+    every problem with the setting to change, else return what the loss module must reproduce. ``allow_modules``:
+    class names exempt from the deny-by-default rules (``wallfacer.allow_modules``)."""
+    from .hf import attention_modules
+
     text = text_config(model)
-    problems = _attention_problems(model, text, seq_len, kernel)
+    problems = [f.message() for f in sequence_findings(
+        model, text=text, seq_len=seq_len, allow=allow_modules, attention=[m for _, m in attention_modules(model)])]
+    problems += _attention_problems(model, text, seq_len, kernel)
     spec, moe = _moe_problems(model, mini_sequence)
     problems += moe
     wrap, rope = rope_problems(model)
@@ -136,5 +149,5 @@ def audit_model(
     problems += _lm_head_problems(model, mini_sequence)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured:\n{lines}")
+        raise RefusedModel(f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured:\n{lines}")
     return ModelAudit(router_aux=spec, rotary=wrap)

@@ -11,7 +11,8 @@ sequence length is known; pure and identical on every rank, so a bad config rais
 before any collective), audit the model the same way (``audit.py``: what would train differently is refused),
 build every process group once, attach this rank's attention to the model's attention layers, show length-reading
 rotary embeddings the global length, apply Mini-Sequence chunking when configured, let checkpointed layers keep
-attention's results for their recompute (``attention/residuals.py``), then hand DeepSpeed the
+attention's results for their recompute (``attention/residuals.py``), run the start-up self-check (``self_check.py``:
+the model as configured, with and without sequence parallelism, on one short sequence), then hand DeepSpeed the
 model wrapped with the loss. DeepSpeed gets no sequence-parallel mpu: see ``loss.py`` for why every ZeRO stage
 then normalises gradients correctly.
 """
@@ -39,6 +40,7 @@ from .audit import audit_model
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
 from .rope import RopeLength, wrap_rotary
+from .self_check import check_length, run_self_check
 from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch
 
 __all__ = ["SequenceParallel", "cluster_preset", "initialize", "model_heads"]
@@ -255,7 +257,8 @@ def initialize(
     layout = _resolve_layout(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
     ds_dict = run.deepspeed_dict(world_size=layout.world_size, sp_size=layout.sp_size)
     found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence,
-                        seq_len=seq_len if seq_len is not None else run.wallfacer.seq_len, kernel=layout.kernel)
+                        seq_len=seq_len if seq_len is not None else run.wallfacer.seq_len, kernel=layout.kernel,
+                        allow_modules=run.wallfacer.allow_modules)
     # 2. groups, this rank's attention on every attention layer, global-length RoPE
     device = _rank_device()  # current before any group is built (NCCL communicators use it)
     groups = build_sequence_parallel(layout, timeout=timeout)
@@ -273,6 +276,11 @@ def initialize(
                                       ignore_index=ignore_index, router_aux=found.router_aux,
                                       rope=rope if found.rotary else None, sp_size=layout.sp_size,
                                       packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec))
+    if pad_token_id is None:
+        pad_token_id = getattr(model.config, "pad_token_id", None) or 0
+    if run.wallfacer.self_check:  # the model as configured, with and without sequence parallelism (self_check.py)
+        _self_check(module, run, layout, groups, comm, device, pad_token_id=int(pad_token_id),
+                    ignore_index=ignore_index)
     # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
     if optimizer is None and model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
@@ -280,13 +288,32 @@ def initialize(
         model=module, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
         config=ds_dict, **deepspeed_kwargs,
     )
-    if pad_token_id is None:
-        pad_token_id = getattr(model.config, "pad_token_id", None) or 0
     sp = SequenceParallel(
         config=run, layout=layout, groups=groups, comm=comm, attention=attention, module=module,
         mini_sequence=mst_handle, pad_token_id=int(pad_token_id), ignore_index=ignore_index,
     )
     return engine, sp
+
+
+def _self_check(module: SequenceParallelCausalLM, run: RunConfig, layout: ParallelLayout,
+                groups: SequenceParallelGroups, comm: CommLayer, device: torch.device, *, pad_token_id: int,
+                ignore_index: int) -> None:
+    """Run the start-up self-check on the device training will use (DeepSpeed would move a ZeRO-0/1/2 model there
+    anyway; ZeRO-3 models stay where they are), then forget its traffic. Rank 0 logs what it measured."""
+    lm = module.lm
+    if device.type != "cpu" and run.zero_stage < 3 and any(p.device.type == "cpu" for p in lm.parameters()):
+        lm.to(device)
+    spec = groups.shard_spec
+
+    def shard(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return prepare_batch(batch, spec, pad_token_id=pad_token_id, ignore_index=ignore_index)
+
+    tokens = check_length(text_config(lm), sp_size=layout.sp_size, requested=run.wallfacer.self_check_tokens)
+    report = run_self_check(module, shard=shard, group=groups.sp_group, comm=comm, tokens=tokens)
+    comm.reset()
+    module.last_aux_loss = None
+    if dist.get_rank() == 0:
+        log.warning("ds_wallfacer: %s", report.describe())
 
 
 def _resolve_layout(

@@ -20,11 +20,13 @@ from torch import nn
 BATCH_KWARG = "wallfacer_batch"
 """The model-forward keyword carrying a packed batch's documents and chunk assignment (``packing.py``)."""
 
-__all__ = ["ATTN_IMPLEMENTATION", "BATCH_KWARG", "attach", "attention_modules", "detach", "register", "wallfacer_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "BATCH_KWARG", "attach", "attention_modules", "detach", "reference_implementation",
+           "register", "wallfacer_attention_forward"]
 
 ATTN_IMPLEMENTATION = "wallfacer"
 _ATTR = "_wallfacer_attention"
 _SP_SIZE = "_wallfacer_sp_size"
+_BEFORE = "_wallfacer_attn_before"
 
 
 def wallfacer_attention_forward(
@@ -52,6 +54,7 @@ def wallfacer_attention_forward(
         )
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported by wallfacer attention; set it to 0")
+    _check_kwargs(module, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = kwargs.get("sliding_window")
     full = query.shape[2] * module.__dict__[_SP_SIZE]
@@ -67,6 +70,33 @@ def wallfacer_attention_forward(
                window=None if window is None else int(window), softcap=float(kwargs.get("softcap") or 0.0))
     # [B, hq, S_l, d]
     return out.transpose(1, 2).contiguous(), None
+
+
+_PASSED_THROUGH = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "past_key_values", "past_key_value", "cache", "layer_idx", "position_embeddings",
+})
+"""Keyword arguments transformers forwards to every attention call that do not change what attention computes
+(positions reach attention through q and k; there is no cache in training)."""
+_APPLIED = frozenset({"sliding_window", "softcap", BATCH_KWARG})
+"""Keyword arguments sequence-parallel attention applies."""
+
+
+def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse an argument that changes attention and that the sequence-parallel kernels would ignore (e.g. the
+    sink logits gpt-oss passes as ``s_aux``, or varlen boundaries passed by hand): dropping it would be silent."""
+    for key, value in kwargs.items():
+        if key in _PASSED_THROUGH or key in _APPLIED or value is None or value is False:
+            continue
+        raise ValueError(
+            f"{type(module).__name__} passes {key!r} to the attention function, which wallfacer attention does not "
+            f"apply, so the result would differ from the model's own attention: not supported yet"
+        )
+
+
+def reference_implementation(model: nn.Module) -> str:
+    """The attn_implementation the model had before ``attach`` (what the self-check compares against)."""
+    return model.__dict__.get(_BEFORE, "sdpa")
 
 
 def register() -> None:
@@ -92,7 +122,9 @@ def attach(model: nn.Module, attention: Any, *, sp_size: int) -> list[str]:
     mods = attention_modules(model)
     if not mods:
         raise ValueError(f"{type(model).__name__}: found no attention layers (modules with is_causal/scaling/config)")
-    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+    before = getattr(model.config, "_attn_implementation", None)
+    if before != ATTN_IMPLEMENTATION:
+        model.__dict__[_BEFORE] = before or "eager"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for _, m in mods:
         # plain attributes (not sub-modules): no parameters, no state_dict entries

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["GlobalLengthRotary", "POSITION_DEPENDENT", "RopeLength", "rope_problems", "rotary_modules", "wrap_rotary"]
+__all__ = ["GlobalLengthRotary", "POSITION_DEPENDENT", "RopeLength", "is_rotary", "rope_problems", "rotary_modules",
+           "wrap_rotary"]
 
 POSITION_DEPENDENT = ("dynamic", "longrope")
 """Types whose frequencies transformers chooses from ``max(position_ids) + 1`` (any type containing "dynamic")."""
@@ -46,8 +47,15 @@ def _hf_wrapper_code() -> Any:
 
 
 def rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """HF rotary-embedding modules: they carry ``rope_type`` and an ``inv_freq`` buffer."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "rope_type") and hasattr(m, "inv_freq")]
+    """HF rotary-embedding modules: they carry ``rope_type`` and an ``inv_freq`` buffer (one per layer type, e.g.
+    ``sliding_attention_inv_freq``, in models whose layer types differ in RoPE)."""
+    return [(n, m) for n, m in model.named_modules() if is_rotary(m)]
+
+
+def is_rotary(module: nn.Module) -> bool:
+    """Whether ``module`` is an HF rotary embedding (``rotary_modules``)."""
+    return hasattr(module, "rope_type") and (
+        hasattr(module, "inv_freq") or any(n.endswith("inv_freq") for n, _ in module.named_buffers(recurse=False)))
 
 
 def rope_problems(model: nn.Module) -> tuple[list[str], list[str]]:

@@ -1,0 +1,229 @@
+"""Start-up self-check: the model as configured against itself without sequence parallelism.
+
+The deny-by-default rules (``sequence_rules.py``) read what a model is built from; they cannot see a module
+that does something unexpected in code they do not flag, or a patched method. So before any training, every rank
+runs one forward + backward of one short random sequence twice, with the user's model, dtype and settings
+(Mini-Sequence chunking, layer checkpointing, kept attention results, MoE aux loss, length-reading RoPE):
+
+1. reference: the full sequence on this rank alone, with the model's own attention implementation (the one it had
+   before ``attach``) and transformers' own loss (``model(input_ids, labels=...)``);
+2. sequence parallel: the same sequence sharded exactly as the loader shards training data, through the loss
+   module DeepSpeed will wrap; each parameter's gradient summed over the sequence-parallel group.
+
+The loss and every parameter's gradient must agree within a tolerance set by the dtype (``tolerances``); else
+``initialize`` refuses, naming the parameters that differ most. The verdict is the same on every rank (the errors
+are all-gathered and the maximum taken). Dropout is off during the check, random-number streams are restored
+after it, and nothing it did remains (gradients, comm counters). Note [Start-up self-check] in docs/design.md §8
+gives its cost.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import CommLayer
+from ..data.chunks import padded_length
+from . import hf
+from .audit import RefusedModel
+
+__all__ = ["SelfCheckReport", "check_length", "run_self_check", "tolerances"]
+
+log = logging.getLogger("ds_wallfacer")
+
+MAX_TOKENS = 1024
+"""The longest sequence "auto" checks (windows and chunks longer than this are covered by the rules alone)."""
+_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class SelfCheckReport:
+    """What the self-check compared and what it cost."""
+
+    tokens: int
+    """Length of the checked sequence."""
+    loss: float
+    """The reference loss."""
+    loss_error: float
+    """|loss under sequence parallelism - reference| / |reference|."""
+    worst: tuple[tuple[str, float], ...]
+    """The parameters whose gradients differ most: (name, relative error), worst first."""
+    tolerance: tuple[float, float]
+    """(loss, gradient) tolerances that applied."""
+    seconds: float
+    """Wall time of the check on this rank."""
+    held_bytes: int
+    """Gradient copies held at once (reference + sequence parallel), plus the device's peak growth on CUDA."""
+
+    @property
+    def passed(self) -> bool:
+        worst = self.worst[0][1] if self.worst else 0.0
+        return self.loss_error <= self.tolerance[0] and worst <= self.tolerance[1]
+
+    def describe(self) -> str:
+        worst = ", ".join(f"{n} {e:.1e}" for n, e in self.worst[:3]) or "none"
+        return (f"self-check ({self.tokens} tokens): loss {self.loss:.6g}, relative error {self.loss_error:.1e} "
+                f"(tolerance {self.tolerance[0]:.0e}); worst gradients {worst} (tolerance {self.tolerance[1]:.0e}); "
+                f"{self.seconds:.2f} s, {self.held_bytes / 2**20:.1f} MiB")
+
+
+def tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """(loss, gradient) relative tolerances. fp32 / fp64: the parity bounds of the tests (loss 1e-5, 1e-3 per
+    parameter; correct runs measure ~1e-7 and ~1e-5). bf16 / fp16: every matmul rounds to 8 (11) mantissa bits,
+    and the two runs round in different orders: correct runs measured up to 1e-2 per gradient on the tiny models,
+    while the errors this check exists for move some gradients by 80-200 %."""
+    if dtype in (torch.float32, torch.float64):
+        return 1e-5, 1e-3
+    return 2e-2, 1e-1
+
+
+def check_length(text: Any, *, sp_size: int, requested: int | str = "auto") -> int:
+    """Tokens of the self-check: ``requested``, else enough to cross the longest window / attention chunk once
+    (at most ``MAX_TOKENS``) and at least 16 per rank; rounded up to what the loader pads to."""
+    if requested != "auto":
+        return padded_length(int(requested), sp_size)
+    reach = [int(v) for v in (getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None))
+             if isinstance(v, int) and not isinstance(v, bool)]
+    n = max(64, 16 * sp_size)
+    if reach:
+        n = max(n, min(MAX_TOKENS, max(reach) + 2 * sp_size))
+    return padded_length(n, sp_size)
+
+
+@contextlib.contextmanager
+def _quiet(model: nn.Module) -> Iterator[None]:
+    """Dropout off (its masks are per rank), the random streams as they were afterwards."""
+    drops = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        for m in drops:
+            m.eval()
+        try:
+            yield
+        finally:
+            for m in drops:
+                m.train()
+
+
+@contextlib.contextmanager
+def _reference_attention(model: nn.Module) -> Iterator[None]:
+    model.set_attn_implementation(hf.reference_implementation(model))
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
+
+
+def _take_grads(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor | None]:
+    out = {}
+    for name, p in params:
+        out[name], p.grad = p.grad, None
+    return out
+
+
+def _refuse(model: nn.Module, why: str) -> RefusedModel:
+    return RefusedModel(
+        f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured: the start-up self-check "
+        f"(one short sequence with and without sequence parallelism) {why}. If a module of yours is the cause, "
+        'train it without sequence parallelism; "wallfacer": {"self_check": false} skips this check at your own risk'
+    )
+
+
+def run_self_check(
+    module: nn.Module,
+    *,
+    shard: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]],
+    group: dist.ProcessGroup,
+    comm: CommLayer,
+    tokens: int,
+) -> SelfCheckReport:
+    """Compare ``module`` (the ``SequenceParallelCausalLM`` DeepSpeed will wrap; ``module.lm`` the HF model) with
+    the HF model alone on one random sequence of ``tokens``; raise ``RefusedModel`` when they differ. ``shard``:
+    full batch -> this rank's batch, as the loader does it. Collective: every rank of ``group`` calls it."""
+    lm = module.lm
+    params = [(n, p) for n, p in lm.named_parameters() if p.requires_grad]
+    if not params:
+        raise _refuse(lm, "found no trainable parameters to compare")
+    device, dtype = params[0][1].device, params[0][1].dtype
+    vocab = int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else \
+        int(getattr(lm.config.get_text_config(), "vocab_size"))
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0x5E1F))
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    saved = _take_grads(params)
+    try:
+        with _quiet(lm):
+            ref_loss, ref = _reference(lm, ids.to(device), params)
+            sp_loss = _sequence_parallel(module, shard({"input_ids": ids}), device, lm)
+            errors = _errors(params, ref, group=group, comm=comm)
+    finally:
+        for name, p in params:
+            p.grad = saved[name]
+    loss_error = abs(sp_loss - ref_loss) / max(abs(ref_loss), 1e-12)
+    # one verdict on every rank: the maximum of every rank's errors
+    both = torch.tensor([loss_error, *errors.values()], dtype=torch.float64, device=comm.device or device)
+    with comm.phase("self_check"):
+        both = comm.all_gather(both, group, kind="check").amax(0).cpu()
+    grad_bytes = sum(p.numel() * p.element_size() for _, p in params)
+    held = 2 * grad_bytes
+    if device.type == "cuda":
+        held = max(held, torch.cuda.max_memory_allocated(device) - base)
+    worst = sorted(zip(errors, both[1:].tolist()), key=lambda x: -x[1])[:_SHOWN]
+    report = SelfCheckReport(tokens=tokens, loss=ref_loss, loss_error=float(both[0]), worst=tuple(worst),
+                             tolerance=tolerances(dtype), seconds=time.perf_counter() - t0, held_bytes=int(held))
+    if not math.isfinite(report.loss) or not report.passed:
+        lines = "\n".join(f"    {n}: relative error {e:.3g}" for n, e in report.worst if e > report.tolerance[1])
+        raise _refuse(lm, (
+            f"found that sequence parallelism changes the result: loss {sp_loss:.7g} vs {ref_loss:.7g} (relative "
+            f"error {report.loss_error:.2g}, tolerance {report.tolerance[0]:.0e}); gradients beyond the tolerance "
+            f"{report.tolerance[1]:.0e}:\n{lines or '    none'}\n  "
+        ))
+    return report
+
+
+def _reference(lm: nn.Module, ids: torch.Tensor, params: list[tuple[str, nn.Parameter]]
+               ) -> tuple[float, dict[str, torch.Tensor | None]]:
+    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+    with _reference_attention(lm):
+        out = lm(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
+        out.loss.backward()
+    return out.loss.item(), _take_grads(params)
+
+
+def _sequence_parallel(module: nn.Module, batch: Mapping[str, torch.Tensor], device: torch.device,
+                       lm: nn.Module) -> float:
+    try:
+        loss = module(**{k: v.to(device) for k, v in batch.items()})
+        loss.backward()
+    except (RefusedModel, RuntimeError, ValueError, NotImplementedError, TypeError) as err:
+        raise _refuse(lm, f"could not run the model under sequence parallelism: {type(err).__name__}: {err}") \
+            from err
+    return loss.item()
+
+
+def _errors(params: list[tuple[str, nn.Parameter]], ref: dict[str, torch.Tensor | None], *,
+            group: dist.ProcessGroup, comm: CommLayer) -> dict[str, float]:
+    """Per parameter ||mean over ranks of g - g_ref|| / max(||g_ref||, 1e-3 x the largest ||g_ref||): small gradients
+    are judged against the model's scale, not their own."""
+    norms = {n: float(g.double().norm()) if g is not None else 0.0 for n, g in ref.items()}
+    floor = 1e-3 * max(norms.values(), default=0.0) or 1e-30
+    out, n = {}, dist.get_world_size(group)
+    with comm.phase("self_check"):
+        for name, p in params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            # every rank back-propagates P x its share (integration/loss.py): the sum over ranks / P is dL/dtheta
+            g = comm.all_reduce(g, group, kind="check") / n
+            r = ref[name]
+            diff = g.double() - (r.double() if r is not None else 0.0)
+            out[name] = float(diff.norm()) / max(norms[name], floor)
+            p.grad = None
+    return out
