@@ -95,8 +95,13 @@ class Finding:
         return f"{self.path} ({self.cls}){more}: {self.what}: {self.fix}"
 
 
-@lru_cache(maxsize=None)
 def _code(cls: type) -> str:
+    """The code ``cls`` runs: its source and that of its bases outside torch, without comments and docstrings."""
+    return " ".join(_own_code(c) for c in cls.__mro__ if c is not object and not _is_torch(c))
+
+
+@lru_cache(maxsize=None)
+def _own_code(cls: type) -> str:
     """The source of ``cls`` itself (not its bases) without comments and docstrings; "" if unavailable."""
     try:
         src = inspect.getsource(cls)

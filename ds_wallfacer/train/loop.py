@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(parse_args(argv))
     except StartupError as e:
-        print(f"ds_wallfacer.train: error: {e}", file=sys.stderr, flush=True)
+        # the same refusal on every rank (each found it itself): one line per node, not one per rank
+        if os.environ.get("LOCAL_RANK", "0") in ("0", "-1"):
+            print(f"ds_wallfacer.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the watchdog handles it: one line per rank, not a traceback
         print(f"ds_wallfacer.train: rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
@@ -126,8 +128,13 @@ def run(args: Any) -> int:
     universal = resume_tag is not None and ckpt.saved_world_size(resume_tag) != world_now
     if universal:  # written by another number of ranks: DeepSpeed's universal checkpoint re-partitions ZeRO state
         ds_config = {**ds_config, "checkpoint": {**(ds_config.get("checkpoint") or {}), "load_universal": True}}
-    engine, sp = wfi.initialize(model=model, config=ds_config, optimizer=optimizer, lr_scheduler=scheduler,
-                                seq_len=args.seq_len)
+    try:
+        engine, sp = wfi.initialize(model=model, config=ds_config, optimizer=optimizer, lr_scheduler=scheduler,
+                                    seq_len=args.seq_len)
+    except ValueError as e:  # a layout the model does not fit, or a model refused by the audit or the self-check
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise StartupError(str(e)) from None
     rank, world, lay = dist.get_rank(), dist.get_world_size(), sp.layout
     micro, gas, dp = run_cfg.micro_batch(dp_size=lay.dp_size), engine.gradient_accumulation_steps(), lay.dp_size
     if len(data.train) < micro * dp:

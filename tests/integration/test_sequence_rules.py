@@ -1,0 +1,95 @@
+"""Deny by default, without processes: the module-tree rules find each kind of sequence mixing in transformers' own
+classes (tiny builds of the sweep's builder), pass the classic ones, and name path, class, what and what to do."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ds_wallfacer.hf_config import text_config
+from ds_wallfacer.integration.audit import RefusedModel, audit_model
+from ds_wallfacer.integration.hf import attention_modules
+from ds_wallfacer.integration.sequence_rules import sequence_findings
+from tests.models import tiny_model
+from tests.sweep.tiny import build_tiny
+
+
+def _findings(model: nn.Module, **kw) -> list[str]:
+    return [f.message() for f in sequence_findings(
+        model, text=text_config(model), attention=[m for _, m in attention_modules(model)], **kw)]
+
+
+# (model_type, class, the words one finding must contain)
+REFUSED = [
+    ("gpt_oss", "GptOssForCausalLM", ["self_attn (GptOssAttention)", "parameters of its own (sinks)"]),
+    ("qwen3_next", "Qwen3NextForCausalLM", ["(Qwen3NextGatedDeltaNet)", "delta_rule"]),
+    ("qwen3_next", "Qwen3NextForCausalLM", ["conv1d (Conv1d)", "convolution along the sequence (kernel_size (4,))"]),
+    ("llama4_text", "Llama4ForCausalLM", ["(Llama4TextAttention)", "torch.arange"]),
+    ("llama4_text", "Llama4ForCausalLM", ["chunked attention (attention_chunk_size = 16)", "at most 16 tokens"]),
+    ("lfm2", "Lfm2ForCausalLM", ["(Conv1d)", "convolution along the sequence"]),
+    ("mamba2", "Mamba2ForCausalLM", ["mixer (Mamba2Mixer)", "scan"]),
+    ("falcon_h1", "FalconH1ForCausalLM", ["(FalconH1Mixer)"]),
+    ("minimax", "MiniMaxForCausalLM", ["(MiniMaxLightningAttention)"]),
+    ("recurrent_gemma", "RecurrentGemmaForCausalLM", ["rg_lru (RecurrentGemmaRglru)", "_rnn_scan"]),
+]
+
+
+@pytest.mark.parametrize("model_type,cls,words", REFUSED, ids=[f"{r[0]}-{r[2][0][:20]}" for r in REFUSED])
+def test_sequence_mixing_is_found_by_what_the_model_is_built_from(model_type: str, cls: str, words: list[str]) -> None:
+    found = _findings(build_tiny(model_type, cls, check=False))
+    assert any(all(w in f for w in words) for f in found), found
+    assert all("not supported yet" in f or "set " in f or "train sequences" in f for f in found), found
+
+
+def test_mla_with_value_head_dim_unlike_query_key() -> None:
+    model = build_tiny("deepseek_v3", "DeepseekV3ForCausalLM", check=False)
+    cfg = model.config
+    cfg.v_head_dim = cfg.qk_nope_head_dim  # the real models: 128 != 128 + 64
+    found = _findings(type(model)(cfg))
+    assert any(f"value head dim {cfg.v_head_dim} != query/key head dim {cfg.qk_head_dim}" in f for f in found), found
+
+
+@pytest.mark.parametrize("model_type,cls", [
+    ("llama", "LlamaForCausalLM"), ("mixtral", "MixtralForCausalLM"), ("gemma3_text", "Gemma3ForCausalLM"),
+    ("olmo3", "Olmo3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"), ("smollm3", "SmolLM3ForCausalLM"),
+    ("glm4_moe", "Glm4MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
+])
+def test_classic_transformers_pass(model_type: str, cls: str) -> None:
+    assert _findings(build_tiny(model_type, cls, check=False)) == []
+
+
+def test_chunked_attention_passes_when_no_sequence_is_longer_than_a_chunk() -> None:
+    model = build_tiny("llama4_text", "Llama4ForCausalLM", check=False)
+    assert not any("chunked attention" in f for f in _findings(model, seq_len=16))
+    assert any("chunked attention" in f for f in _findings(model, seq_len=32))
+
+
+class _TokenShift(nn.Module):
+    """A position-wise-looking module of a user's own that shifts tokens (RWKV-style) in its code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.roll(1, dims=1))
+
+
+def test_custom_code_dropout_and_allow_modules() -> None:
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.shift = _TokenShift()
+    model.model.layers[1].mlp.drop = nn.Dropout(0.1)
+    found = _findings(model)
+    assert any(f.startswith("model.layers.0.mlp.shift (_TokenShift): its own code calls roll") for f in found), found
+    assert any("model.layers.1.mlp.drop (Dropout): dropout (p = 0.1)" in f and "set the model's dropout" in f
+               for f in found), found
+    assert not any("_TokenShift" in f for f in _findings(model, allow=("_TokenShift",)))
+    with pytest.raises(RefusedModel, match=r"(?s)cannot be trained exactly.*_TokenShift.*Dropout"):
+        audit_model(model)
+
+
+def test_one_message_per_problem_with_the_count() -> None:
+    model = build_tiny("gpt_oss", "GptOssForCausalLM", check=False)
+    layers = len(model.model.layers)
+    sinks = [f for f in _findings(model) if "sinks" in f]
+    assert len(sinks) == 1 and (layers == 1 or f"(and {layers - 1} more like it)" in sinks[0]), sinks
