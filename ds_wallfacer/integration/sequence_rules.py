@@ -256,6 +256,10 @@ def sequence_findings(
                 add(path, m, f"its own code calls {', '.join(ops)}, which can mix tokens along the sequence outside "
                     "the attention function", NOT_YET)
     out = list(found.values())
+    takes = inspect.signature(model.forward).parameters
+    if "position_ids" not in takes and not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        out.insert(0, Finding("<model>", type(model).__name__, "its forward takes no position_ids, so it numbers "
+                              "positions itself, from the tokens it is given (one rank's shard)", NOT_YET))
     if not out:
         out = _layer_type_problems(text)
     return out

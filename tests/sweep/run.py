@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tests.dist_utils import free_port
-from tests.sweep.tiny import NotBuildable, build_tiny, causal_lm_classes
+from tests.sweep.tiny import NotBuildable, build_tiny, causal_lm_classes, forward_kwargs
 
 WORLD = 4
 SEQ = 64
@@ -71,7 +71,7 @@ def _reference(model_type: str, cls: str) -> tuple[list[float], dict[str, torch.
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
-        out = model(input_ids=ids, position_ids=torch.arange(SEQ)[None], labels=ids, use_cache=False)
+        out = model(**forward_kwargs(model, ids), use_cache=False)
         losses.append(out.loss.item())
         out.loss.backward()
         opt.step()

@@ -155,3 +155,20 @@ def test_schedule_and_data_order() -> None:
     assert all(torch.equal(x, y) for x, y in zip(tail, two[4:])) and len(tail) == 6
     other = [b["input_ids"] for b in train_batches(seqs, micro=2, dp=1, epoch=2, seed=7)]
     assert not all(torch.equal(x, y) for x, y in zip(one, other))  # reshuffled per epoch
+
+
+def test_a_refused_model_ends_the_launch_with_one_line_and_status_2(tmp_path: Path) -> None:
+    from tests.sweep.tiny import build_tiny
+    from tests.train.helpers import launch
+
+    cfg = build_tiny("gpt_oss", "GptOssForCausalLM", check=False).config
+    cfg.vocab_size = 256  # the byte tokenizer's
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    res = launch(2, tmp_path, "--model", str(tmp_path / "config.json"), "--seq_len", "64", "--steps", "1",
+                 "--no_wandb", "--output_dir", str(tmp_path / "out"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if "ds_wallfacer.train: error:" in line]
+    assert len(errors) == 1, out[-3000:]
+    assert "GptOssForCausalLM cannot be trained exactly" in errors[0] and "(sinks)" in out
+    assert "Traceback" not in out
