@@ -24,7 +24,7 @@ from .moe import RouterAuxLoss, router_aux_loss
 from .rope import rope_problems
 from .sequence_rules import sequence_findings
 
-__all__ = ["ModelAudit", "RefusedModel", "audit_model"]
+__all__ = ["ModelAudit", "RefusedModel", "audit_model", "audit_sequence"]
 
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 _SOFTCAP_KEYS = ("attn_logit_softcapping",)
@@ -129,25 +129,41 @@ class RefusedModel(ValueError):
     """The model cannot be trained exactly as configured; the message lists every problem and what to change."""
 
 
-def audit_model(
-    model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None, kernel: str = "auto",
-    allow_modules: tuple[str, ...] = (),
-) -> ModelAudit:
-    """Check ``model`` for what sequence parallelism / MsT would compute differently; raise ``RefusedModel`` listing
-    every problem with the setting to change, else return what the loss module must reproduce. ``allow_modules``:
-    class names exempt from the deny-by-default rules (``wallfacer.allow_modules``)."""
+def _refuse(model: nn.Module, problems: list[str]) -> None:
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise RefusedModel(f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured:\n{lines}")
+
+
+def _sequence_problems(model: nn.Module, seq_len: int | None, allow_modules: tuple[str, ...]) -> list[str]:
     from .hf import attention_modules
 
+    return [f.message() for f in sequence_findings(
+        model, text=text_config(model), seq_len=seq_len, allow=allow_modules,
+        attention=[m for _, m in attention_modules(model)])]
+
+
+def audit_sequence(model: nn.Module, *, seq_len: int | None = None, allow_modules: tuple[str, ...] = ()) -> None:
+    """Deny by default (``sequence_rules.py``): raise ``RefusedModel`` listing every module that could mix tokens
+    outside the attention function, before anything reads the model's sizes. ``allow_modules``: class names exempt
+    from the rules (``wallfacer.allow_modules``)."""
+    _refuse(model, _sequence_problems(model, seq_len, allow_modules))
+
+
+def audit_model(
+    model: nn.Module, *, mini_sequence: Any = None, seq_len: int | None = None, kernel: str = "auto",
+    allow_modules: tuple[str, ...] = (), sequence: bool = True,
+) -> ModelAudit:
+    """Check ``model`` for what sequence parallelism / MsT would compute differently; raise ``RefusedModel`` listing
+    every problem with the setting to change, else return what the loss module must reproduce. ``sequence=False``
+    leaves out the deny-by-default rules (``audit_sequence``, for a caller that ran them first)."""
     text = text_config(model)
-    problems = [f.message() for f in sequence_findings(
-        model, text=text, seq_len=seq_len, allow=allow_modules, attention=[m for _, m in attention_modules(model)])]
+    problems = _sequence_problems(model, seq_len, allow_modules) if sequence else []
     problems += _attention_problems(model, text, seq_len, kernel)
     spec, moe = _moe_problems(model, mini_sequence)
     problems += moe
     wrap, rope = rope_problems(model)
     problems += rope
     problems += _lm_head_problems(model, mini_sequence)
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise RefusedModel(f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured:\n{lines}")
+    _refuse(model, problems)
     return ModelAudit(router_aux=spec, rotary=wrap)

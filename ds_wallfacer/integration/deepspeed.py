@@ -36,7 +36,7 @@ from ..config import ParallelLayout, PlanInputs, RunConfig, parse_ds_config, res
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from ..hf_config import text_config
 from . import hf
-from .audit import audit_model
+from .audit import RefusedModel, audit_model, audit_sequence
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
 from .rope import RopeLength, wrap_rotary
@@ -118,6 +118,9 @@ class SequenceParallel:
 def model_heads(model: nn.Module) -> tuple[int, int]:
     """(query heads, kv heads) from an HF model's (text) config."""
     text = text_config(model)
+    if not isinstance(getattr(text, "num_attention_heads", None), int):
+        raise RefusedModel(f"{type(model).__name__}: its (text) config has no num_attention_heads, so its attention "
+                           "cannot be split across ranks: not supported yet")
     hq = int(text.num_attention_heads)
     hk = int(getattr(text, "num_key_value_heads", None) or hq)
     return hq, hk
@@ -254,11 +257,12 @@ def initialize(
     run = parse_ds_config(config)
     timeout = datetime.timedelta(seconds=run.wallfacer.collective_timeout_s)
     _init_distributed(timeout)
+    length = seq_len if seq_len is not None else run.wallfacer.seq_len
+    audit_sequence(model, seq_len=length, allow_modules=run.wallfacer.allow_modules)  # before sizes are read
     layout = _resolve_layout(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
     ds_dict = run.deepspeed_dict(world_size=layout.world_size, sp_size=layout.sp_size)
-    found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence,
-                        seq_len=seq_len if seq_len is not None else run.wallfacer.seq_len, kernel=layout.kernel,
-                        allow_modules=run.wallfacer.allow_modules)
+    found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence, seq_len=length, kernel=layout.kernel,
+                        sequence=False)
     # 2. groups, this rank's attention on every attention layer, global-length RoPE
     device = _rank_device()  # current before any group is built (NCCL communicators use it)
     groups = build_sequence_parallel(layout, timeout=timeout)

@@ -256,6 +256,10 @@ def sequence_findings(
                 add(path, m, f"its own code calls {', '.join(ops)}, which can mix tokens along the sequence outside "
                     "the attention function", NOT_YET)
     out = list(found.values())
+    if not attn_ids:
+        out.insert(0, Finding("<model>", type(model).__name__, "has no attention layer that calls transformers' "
+                              "attention interface (none carries is_causal, scaling and config), so there is no "
+                              "attention for sequence parallelism to take over", NOT_YET))
     takes = inspect.signature(model.forward).parameters
     if "position_ids" not in takes and not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
         out.insert(0, Finding("<model>", type(model).__name__, "its forward takes no position_ids, so it numbers "

@@ -111,7 +111,7 @@ def _train(rank: int, model_type: str, cls: str) -> tuple[str, Any, str]:
 
     model = build_tiny(model_type, cls)
     ids = _batch(_vocab(model))
-    last: Exception | None = None
+    first: Exception | None = None
     for mode in MODES:
         try:
             engine, sp = wfi.initialize(model=model, config=_config(mode),
@@ -119,11 +119,11 @@ def _train(rank: int, model_type: str, cls: str) -> tuple[str, Any, str]:
             break
         except RefusedModel as err:
             return "refused", str(err), mode["mode"]
-        except ValueError as err:  # a layout this model's heads do not allow: the next mode
-            last = err
+        except ValueError as err:  # e.g. a layout this model's heads do not allow: the next mode
+            first = first or err
             model = build_tiny(model_type, cls)
-    else:
-        return "refused", f"no sequence-parallel layout fits: {last}", ""
+    else:  # refused at start-up in every mode, by a plain ValueError
+        return "refused", str(first), MODES[0]["mode"]
     losses = []
     for _ in range(STEPS):
         loss = engine(**sp.shard({"input_ids": ids}))
@@ -149,6 +149,8 @@ def _compare(ref: tuple, losses: list[float], params: dict[str, torch.Tensor]) -
 
 def _first_line(text: str, limit: int = 300) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if lines and lines[0].startswith("Traceback"):
+        return lines[-1][:limit]  # the exception itself
     body = " / ".join(lines[1:4]) if len(lines) > 1 and lines[0].endswith(":") else (lines[-1] if lines else "")
     return body[:limit]
 
