@@ -219,6 +219,24 @@ def _exempt(m: nn.Module) -> bool:
     return isinstance(m, PreTrainedModel) or is_rotary(m)
 
 
+def _off_text_path(model: nn.Module) -> set[int]:
+    """Modules a text-only batch never runs: outside the language model (``get_decoder()``), its input embeddings
+    and its LM head, e.g. the vision or audio tower of a multimodal model. The sequence-parallel loader passes only
+    token ids, positions and labels (it refuses pixel or audio inputs), so these never see a shard."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return set()
+    if decoder is None or decoder is model:
+        return set()
+    used = {id(m) for m in decoder.modules()}
+    for extra in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if extra is not None:
+            used |= {id(m) for m in extra.modules()}
+    around = {id(m) for m in model.modules() if any(x is decoder for x in m.modules())}  # the decoder's ancestors
+    return {id(m) for m in model.modules() if id(m) not in used and id(m) not in around}
+
+
 def sequence_findings(
     model: nn.Module, *, text: Any, seq_len: int | None = None, allow: Iterable[str] = (),
     attention: Iterable[nn.Module] = (),
@@ -227,6 +245,7 @@ def sequence_findings(
     ``attention``: the attention layers (``hf.attention_modules``); ``allow``: class names the user vouches for
     (``wallfacer.allow_modules``; the self-check still compares them)."""
     allow, attn_ids = set(allow), {id(m) for m in attention}
+    off_path = _off_text_path(model)
     found: dict[tuple[str, str], Finding] = {}
 
     def add(path: str, m: nn.Module, what: str, fix: str) -> None:
@@ -237,7 +256,7 @@ def sequence_findings(
 
     for path, m in model.named_modules():
         cls = type(m)
-        if cls.__name__ in allow:
+        if cls.__name__ in allow or id(m) in off_path:
             continue
         path = path or "<model>"
         drop = _dropout_problem(m)
