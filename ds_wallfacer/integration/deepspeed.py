@@ -18,6 +18,7 @@ then normalises gradients correctly.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -313,7 +314,15 @@ def _self_check(module: SequenceParallelCausalLM, run: RunConfig, layout: Parall
         return prepare_batch(batch, spec, pad_token_id=pad_token_id, ignore_index=ignore_index)
 
     tokens = check_length(text_config(lm), sp_size=layout.sp_size, requested=run.wallfacer.self_check_tokens)
-    report = run_self_check(module, shard=shard, group=groups.sp_group, comm=comm, tokens=tokens)
+    # parameters ZeRO-3 partitioned at construction (zero.Init) are gathered for the check, as a forward would
+    partitioned = [p for p in lm.parameters() if hasattr(p, "ds_id")]
+    gathered = contextlib.nullcontext()
+    if partitioned:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+    with gathered:
+        report = run_self_check(module, shard=shard, group=groups.sp_group, comm=comm, tokens=tokens)
     comm.reset()
     module.last_aux_loss = None
     if dist.get_rank() == 0:

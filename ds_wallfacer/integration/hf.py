@@ -74,7 +74,7 @@ def wallfacer_attention_forward(
 
 _PASSED_THROUGH = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
-    "past_key_values", "past_key_value", "cache", "layer_idx", "position_embeddings",
+    "past_key_values", "past_key_value", "cache", "layer_idx", "position_embeddings", "logits_to_keep",
 })
 """Keyword arguments transformers forwards to every attention call that do not change what attention computes
 (positions reach attention through q and k; there is no cache in training)."""
@@ -87,6 +87,8 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
     sink logits gpt-oss passes as ``s_aux``, or varlen boundaries passed by hand): dropping it would be silent."""
     for key, value in kwargs.items():
         if key in _PASSED_THROUGH or key in _APPLIED or value is None or value is False:
+            continue
+        if key.startswith(("output_", "return_")):  # what the model returns (router logits, ...), not attention
             continue
         raise ValueError(
             f"{type(module).__name__} passes {key!r} to the attention function, which wallfacer attention does not "
