@@ -13,8 +13,8 @@ runs one forward + backward of one short random sequence twice, with the user's 
 
 The loss and every parameter's gradient must agree within a tolerance set by the dtype (``tolerances``); else
 ``initialize`` refuses, naming the parameters that differ most. The verdict is the same on every rank (the errors
-are all-gathered and the maximum taken). Dropout is off during the check, random-number streams are restored
-after it, and nothing it did remains (gradients, comm counters). Note [Start-up self-check] in docs/design.md §8
+are all-gathered and the maximum taken). Dropout is off during the check; random-number streams, buffers and
+rotary-embedding caches are restored after it, and nothing it did remains (gradients, comm counters). Note [Start-up self-check] in docs/design.md §8
 gives its cost.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..comm import CommLayer
 from ..data.chunks import padded_length
 from . import hf
 from .audit import RefusedModel
+from .rope import is_rotary
 
 __all__ = ["SelfCheckReport", "check_length", "run_self_check", "tolerances"]
 
@@ -114,6 +115,37 @@ def _quiet(model: nn.Module) -> Iterator[None]:
                 m.train()
 
 
+_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Every buffer, and the plain attributes of rotary embeddings, as they were before the check: a dynamic or
+    longrope rotary embedding caches the longest length it has seen (``max_seq_len_cached``, ``inv_freq`` updated
+    in place), which the check's sequence must not leave behind for training."""
+    buffers = [(m, n, b.clone()) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    attrs = [(m, {k: v.clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in m.__dict__.items() if k not in _MODULE_SLOTS}) for m in model.modules() if is_rotary(m)]
+    try:
+        yield
+    finally:
+        for m, n, b in buffers:
+            cur = m._buffers.get(n)
+            if cur is not None and cur.shape == b.shape:
+                cur.copy_(b)  # in place: the buffer keeps its address (CUDA graphs replay from it)
+            else:
+                m._buffers[n] = b
+        for m, saved in attrs:
+            for k in [k for k in m.__dict__ if k not in _MODULE_SLOTS and k not in saved]:
+                del m.__dict__[k]
+            for k, v in saved.items():
+                cur = m.__dict__.get(k)
+                if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
+                    cur.copy_(v)
+                else:
+                    m.__dict__[k] = v
+
+
 @contextlib.contextmanager
 def _reference_attention(model: nn.Module) -> Iterator[None]:
     try:
@@ -166,7 +198,7 @@ def run_self_check(
         base = torch.cuda.memory_allocated(device)
     saved = _take_grads(params)
     try:
-        with _quiet(lm):
+        with _quiet(lm), _state_kept(lm):
             ref_loss, ref = _reference(lm, ids.to(device), params)
             sp_loss = _sequence_parallel(module, shard({"input_ids": ids}), device, lm)
             errors = _errors(params, ref, group=group, comm=comm, device=comm.device or device)
