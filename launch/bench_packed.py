@@ -58,8 +58,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 
 
 def _measure(rank: int, args: argparse.Namespace) -> list[dict]:
-    from ds_wallfacer.attention.documents import BatchDocuments
-    from ds_wallfacer.attention.wallfacer import SequenceBatch, WallFacerAttention
+    from ds_wallfacer.attention.documents import BatchDocuments, SequenceBatch
+    from ds_wallfacer.attention.wallfacer import WallFacerAttention
     from ds_wallfacer.comm import RankLayout, build_groups
     from ds_wallfacer.data.balance import balanced_assignment, lognormal_document_mix
     from ds_wallfacer.data.pieces import shard_sequence

@@ -1,5 +1,6 @@
 """Which query/key pairs of a block call are computed when a batch packs several documents per sequence, or a
-layer has a sliding window: pure integer math (no torch).
+layer has a sliding window: pure integer math (no torch). ``SequenceBatch`` carries a batch's documents and chunk
+assignment to the attention.
 
 A rank's attention buffer is a list of chunks in ascending order (``schedule.team_chunk_order``): chunk ``c``
 covers global tokens ``[c*L, (c+1)*L)``. Documents are contiguous intervals of the global sequence, so the
@@ -14,14 +15,16 @@ chunks are absent, never interleaved). A block call (``schedule.BlockCall``) the
 Note [Sliding windows in block calls]: a key is visible iff ``0 <= i - j < window`` in global token indices
 (HF's convention: the window counts the query itself). A segment whose closest pair is already ``window`` apart
 is skipped; one whose farthest pair is inside the window needs no mask; the rest are ``windowed`` and the
-attention tiles their queries and applies a mask built from global indices (``wallfacer.py``).
+attention tiles their queries and applies a mask built from global indices (``kernels.base.window_mask``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["BatchDocuments", "Segment", "Tile", "buffer_runs", "global_ranges", "segments", "window_tiles"]
+__all__ = [
+    "BatchDocuments", "Segment", "SequenceBatch", "Tile", "buffer_runs", "global_ranges", "segments", "window_tiles",
+]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,17 @@ class BatchDocuments:
     def doc_lengths(self, row: int) -> list[int]:
         s = self.starts[row]
         return [b - a for a, b in zip(s, (*s[1:], self.seq_len))]
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """What attention needs to know about the current batch beyond its tensors (built once per forward by the
+    integration from the loader's ``document_ids`` / ``chunk_assignment``)."""
+
+    documents: BatchDocuments | None = None
+    """Packed documents (None: one document per row)."""
+    assignment: tuple[tuple[int, ...], ...] | None = None
+    """Chunks held by every ring rank (a balanced sharding); None: the layout's ``sharding``."""
 
 
 @dataclass(frozen=True)

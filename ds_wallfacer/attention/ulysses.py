@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 from ..comm import CommLayer
 from .checks import check_inputs_agree, local_error
+from .documents import SequenceBatch
 from .kernels import get_kernel
+from .kernels.base import window_mask
+from .merge import merge_
 from .residuals import residual_slot, tensor_key
-from .schedule import BlockCall
-from .wallfacer import SequenceBatch, _merge, _window_mask, kernel_calls
+from .schedule import BlockCall, kernel_calls
 
 __all__ = ["InnerAttention", "LocalAttention", "UlyssesAttention", "all_to_all", "heads_to_seq", "seq_to_heads"]
 
@@ -140,10 +142,10 @@ def _local_forward(q, k, v, kernel, causal: bool, scale: float, calls, window, s
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for c in calls:
-        mask = None if c.mask is None else _window_mask((c.mask, window), q.device)
+        mask = None if c.mask is None else window_mask(c.mask, window, q.device)
         o, l = kernel.forward(q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], causal=c.causal,
                               scale=scale, mask=mask, softcap=softcap)
-        _merge(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
+        merge_(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
     return acc.to(q.dtype), lse
 
 
@@ -178,7 +180,7 @@ class _LocalFn(torch.autograd.Function):
                 dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
                 dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
                 for c in ctx.calls:
-                    mask = None if c.mask is None else _window_mask((c.mask, ctx.window), q.device)
+                    mask = None if c.mask is None else window_mask(c.mask, ctx.window, q.device)
                     gq, gk, gv = ctx.kernel.backward(
                         dout[c.rows, :, c.qs], q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks],
                         out[c.rows, :, c.qs], lse[c.rows, :, c.qs], causal=c.causal, scale=ctx.scale, mask=mask,

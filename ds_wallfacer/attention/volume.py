@@ -100,7 +100,7 @@ def wallfacer_bytes(
     sums: SumDtypes = DEFAULT_SUM_DTYPES, q_kept: bool = False, gather_out: bool = True,
 ) -> dict[str, dict[str, int]]:
     """Bytes sent by a rank with team position ``local``, per phase and kind, for one attention call.
-    ``ring_steps``: the steps a sliding window leaves (``wallfacer.ring_steps``; None: all G); ``sums``: the
+    ``ring_steps``: the steps a sliding window leaves (``schedule.ring_steps``; None: all G); ``sums``: the
     dtypes of the summed tensors (``WallFacerAttention.sum_dtypes``); ``q_kept``: the team's q kept from the
     forward (``WallFacerAttention.keep_team_q``); ``gather_out``: backward gathers out (False: the fp32 delta,
     for a kernel with ``backward_delta``)."""

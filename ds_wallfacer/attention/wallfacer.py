@@ -18,28 +18,29 @@ owner (a skewed reduce-scatter). q, dO and out are gathered in the team in ONE c
 ``backward_delta`` gets the fp32 delta = rowsum(dO * out) instead of out: 4 bytes per row rather than
 d elements), and k/v are re-fetched by the skewed gather, so a layer keeps only its own shards (plus the
 team's fp32 lse) between forward and backward. A one-rank group calls the kernel directly.
+
+Planned beside it: the kernel calls of every ring step (``schedule.py``) and how their results land in the fp32
+accumulators (``accumulate.py``).
 """
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from ..comm import CommLayer, RankLayout, WallFacerGroups
+from ..comm import CommLayer, WallFacerGroups
 from ..data.chunks import SHARDINGS
+from .accumulate import call_spans, fill_plan, fresh_accumulator, land, land_merged
 from .checks import check_inputs_agree, local_error
-from .documents import BatchDocuments, buffer_runs, global_ranges, segments, window_tiles
+from .documents import SequenceBatch
 from .kernels import BlockKernel, get_kernel
-from .kernels.base import expand_kv
+from .kernels.base import expand_kv, window_mask
 from .merge import merge_
-from .schedule import BlockCall, block_calls, call_work, team_chunk_order
+from .schedule import KernelCall, RingSchedule
 from .volume import DEFAULT_SUM_DTYPES, SumDtypes
 
-__all__ = ["SequenceBatch", "WallFacerAttention", "attention_work", "kernel_calls", "ring_schedule", "wallfacer_attention"]
-
+__all__ = ["WallFacerAttention", "wallfacer_attention"]
 
 
 @dataclass(eq=False)
@@ -165,144 +166,17 @@ def _from_team(x: torch.Tensor, perm: list[int], c: int) -> torch.Tensor:
     return y.reshape(b, h, c, n // c, st // n, *rest).movedim(2, 0).reshape(c, b, h, st // c, *rest)
 
 
-_merge = merge_
-"""The old private name of ``merge.merge_`` (``ulysses.py`` imports it)."""
-
-
-@dataclass(frozen=True)
-class SequenceBatch:
-    """What attention needs to know about the current batch beyond its tensors (built once per forward by the
-    integration from the loader's ``document_ids`` / ``chunk_assignment``)."""
-
-    documents: BatchDocuments | None = None
-    """Packed documents (None: one document per row)."""
-    assignment: tuple[tuple[int, ...], ...] | None = None
-    """Chunks held by every ring rank (a balanced sharding); None: the layout's ``sharding``."""
-
-
 @dataclass(frozen=True)
 class _Options:
+    """The keyword options of one call (``WallFacerAttention.__call__``)."""
+
     batch: SequenceBatch | None
     window: int | None
     softcap: float
 
 
-@dataclass(frozen=True)
-class _KernelCall:
-    """One kernel call of a ring step: batch rows, query and key buffer slices, and a window mask's global
-    index ranges (None: no mask)."""
-
-    rows: slice
-    qs: slice
-    ks: slice
-    causal: bool
-    mask: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None
-    work: int
-
-
-@dataclass(frozen=True)
-class _RingSchedule:
-    """Static facts of one call on this rank: chunk orders, peers, kernel calls per ring step."""
-
-    perm: list[int]
-    kv_perm: list[int]
-    """``perm`` of the first k/v team (teams differ under a balanced assignment; zigzag's are all alike)."""
-    home_perm: list[int]
-    """``perm`` of the team whose k/v block is held after the last step run (where dk/dv go home)."""
-    steps: list[list[_KernelCall]]
-    """Kernel calls of every ring step that runs (a sliding window may cut the ring short: ``ring_steps``)."""
-    chunk_len: int
-    home: tuple[tuple[int, ...], tuple[int, ...]]
-    """(dests, sources) of the final dk/dv send home after the last step that runs (``RankLayout.home_peers``)."""
-
-
-def _ring_chunks(layout: RankLayout, index: int, *, sharding: str, assignment=None):
-    """(sorted query chunks of the team, gathered->sorted permutation, (sorted key chunks, their team's
-    permutation) of every ring step)."""
-    c, g, p = layout.ring_count, layout.group_size, layout.sp_size
-    place = layout.places[index]
-    q_chunks, perm = team_chunk_order(range(place.team * c, (place.team + 1) * c), p, sharding, assignment=assignment)
-    kv_group = (place.group + place.local) % c
-    k_steps = []
-    for s in range(g):
-        kv_team = kv_group * g + (place.pos - s) % g
-        k_steps.append(team_chunk_order(range(kv_team * c, (kv_team + 1) * c), p, sharding, assignment=assignment))
-    return q_chunks, perm, k_steps
-
-
-def ring_schedule(
-    layout: RankLayout, index: int, *, sharding: str, causal: bool, assignment=None
-) -> tuple[list[int], list[list[BlockCall]]]:
-    """Pure: for sequence-parallel rank ``index``, the team-order permutation of its gathered chunks and
-    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, docs/design.md §2.2)."""
-    q_chunks, perm, k_steps = _ring_chunks(layout, index, sharding=sharding, assignment=assignment)
-    return perm, [block_calls(q_chunks, k, causal=causal) for k, _ in k_steps]
-
-
-def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len: int = 1) -> list[int]:
-    """Pure: score entries each rank computes in one forward (per batch and head), by rank index."""
-    return [
-        sum(call_work(call, chunk_len) for calls in ring_schedule(layout, i, sharding=sharding, causal=causal)[1]
-            for call in calls)
-        for i in range(layout.sp_size)
-    ]
-
-
-def kernel_calls(
-    q_chunks, k_chunks, calls: list[BlockCall], *, chunk_len: int, rows: int, docs: BatchDocuments | None,
-    window: int | None,
-) -> list[_KernelCall]:
-    """The kernel calls of one ring step: one per block call, or, with packed documents or a sliding window,
-    one per document segment (and window tile) that has a visible pair (``documents.py``)."""
-    L, out = chunk_len, []
-    if docs is None and window is None:
-        for call in calls:
-            out.append(_KernelCall(slice(0, rows), slice(call.q_lo * L, call.q_hi * L),
-                                   slice(call.k_lo * L, call.k_hi * L), call.causal, None, rows * call_work(call, L)))
-        return out
-    docs = docs or BatchDocuments.single(seq_len=10**18, rows=rows)
-    for call in calls:
-        qc, kc = q_chunks[call.q_lo:call.q_hi], k_chunks[call.k_lo:call.k_hi]
-        q_runs, k_runs = buffer_runs(qc, L), buffer_runs(kc, L)
-        q0, k0 = call.q_lo * L, call.k_lo * L  # buffer offsets of the call inside the team / step buffer
-        for seg in segments(qc, kc, chunk_len=L, causal=call.causal, docs=docs, window=window):
-            r = slice(0, rows) if seg.row is None else slice(seg.row, seg.row + 1)
-            n_rows = rows if seg.row is None else 1
-            if not seg.windowed:
-                sq, sk = seg.q_hi - seg.q_lo, seg.k_hi - seg.k_lo
-                work = sq * (sq + 1) // 2 if seg.causal else sq * sk
-                out.append(_KernelCall(r, slice(q0 + seg.q_lo, q0 + seg.q_hi), slice(k0 + seg.k_lo, k0 + seg.k_hi),
-                                       seg.causal, None, n_rows * work))
-                continue
-            for t in window_tiles(seg, q_runs, k_runs, window=window):
-                gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
-                mask = (tuple(gq), tuple(gk)) if t.masked else None
-                work = n_rows * (_masked_work(gq, gk, window) if t.masked else (t.q_hi - t.q_lo) * (t.k_hi - t.k_lo))
-                out.append(_KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
-                                       False, mask, work))
-    return out
-
-
-def _masked_work(gq, gk, window: int) -> int:
-    """Visible pairs 0 <= i - j < window between global index ranges (closed form per pair of ranges)."""
-    total = 0
-    for qa, qb in gq:
-        for ka, kb in gk:
-            for i in range(qa, qb):  # per query: keys in [max(ka, i - window + 1), min(kb, i + 1))
-                total += max(0, min(kb, i + 1) - max(ka, i - window + 1))
-    return total
-
-
-def _window_mask(spec, device: torch.device) -> torch.Tensor:
-    """[Sq, Sk] bool: key j visible from query i iff 0 <= i - j < window (global indices)."""
-    (gq, gk), window = spec
-    qi = torch.cat([torch.arange(a, b, device=device) for a, b in gq]).unsqueeze(-1)
-    kj = torch.cat([torch.arange(a, b, device=device) for a, b in gk])
-    d = qi - kj
-    return (d >= 0) & (d < window)
-
-
-def _schedule(attn: WallFacerAttention, q: torch.Tensor, causal: bool, opts: _Options) -> _RingSchedule:
+def _schedule(attn: WallFacerAttention, q: torch.Tensor, causal: bool, opts: _Options) -> RingSchedule:
+    """The ring schedule of this call, planned once per batch and shape: every layer of a batch shares it."""
     batch = opts.batch or SequenceBatch()
     b, s_local = q.shape[0], q.shape[2]
     key = (causal, opts.window, b, s_local, id(batch))
@@ -311,58 +185,18 @@ def _schedule(attn: WallFacerAttention, q: torch.Tensor, causal: bool, opts: _Op
         return cache[key][1]
     if any(k[4] != id(batch) for k in cache):
         cache.clear()  # a new batch: the previous batch's schedules are not needed again
-    q_chunks, perm, k_steps = _ring_chunks(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding,
-                                           assignment=batch.assignment)
-    m = len(perm) // attn.groups.layout.ring_count
-    if s_local % m:
-        raise ValueError(f"{s_local} local tokens cannot be cut into the {m} chunks each rank holds")
-    L = s_local // m
-    steps = [
-        kernel_calls(q_chunks, k, block_calls(q_chunks, k, causal=causal), chunk_len=L, rows=b,
-                     docs=batch.documents, window=opts.window)
-        for k, _ in k_steps
-    ]
-    lay, index = attn.groups.layout, attn.groups.place.index
-    n_steps = len(steps)
-    if opts.window is not None and batch.documents is None:
-        n_steps = ring_steps(lay, sharding=attn.sharding, causal=causal, window=opts.window, chunk_len=L,
-                             assignment=batch.assignment)
-    sched = _RingSchedule(perm=perm, kv_perm=k_steps[0][1], home_perm=k_steps[n_steps - 1][1], steps=steps[:n_steps],
-                          chunk_len=L, home=lay.home_peers(index, n_steps))
+    sched = RingSchedule.plan(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding, causal=causal,
+                              batch=batch, window=opts.window, rows=b, local_len=s_local)
     cache[key] = (batch, sched)
     return sched
 
 
-@functools.lru_cache(maxsize=64)
-def ring_steps(layout: RankLayout, *, sharding: str, causal: bool, window: int, chunk_len: int, assignment=None) -> int:
-    """Pure: ring steps a sliding window needs on the whole sub-ring group (Note [Ring steps under a sliding
-    window]): one more than the last step at which ANY rank still has a visible query/key pair."""
-    last = 0
-    for i in range(layout.sp_size):
-        q_chunks, _, k_steps = _ring_chunks(layout, i, sharding=sharding, assignment=assignment)
-        for s in range(len(k_steps) - 1, last, -1):
-            calls = block_calls(q_chunks, k_steps[s][0], causal=causal)
-            if kernel_calls(q_chunks, k_steps[s][0], calls, chunk_len=chunk_len, rows=1, docs=None, window=window):
-                last = s
-                break
-    return last + 1
-
-
-# Note [Ring steps under a sliding window]: k/v blocks travel one hop per step and every rank relays what it
-# received, so a step can only be dropped when no rank needs it or any later step. Without documents the window
-# makes that a static fact of the layout: the ring stops after ``ring_steps`` steps on every rank (no send, no
-# receive, no kernel call for the rest), and in backward each rank sends the dk/dv of the block it holds at that
-# point straight to its owners (``RankLayout.home_peers``). With contiguous sharding and a window no longer than
-# a chunk, that is 2 steps for any P; zigzag holds an early and a late chunk per rank, so its last step is still
-# needed and it saves only kernel calls. Skipping by documents is data-dependent: those blocks are still relayed.
-
-
-def _block(x: torch.Tensor, call: _KernelCall, which: slice) -> torch.Tensor:
+def _block(x: torch.Tensor, call: KernelCall, which: slice) -> torch.Tensor:
     return x[call.rows, :, which]
 
 
-def _mask_of(call: _KernelCall, opts: _Options, device: torch.device) -> torch.Tensor | None:
-    return None if call.mask is None else _window_mask((call.mask, opts.window), device)
+def _mask_of(call: KernelCall, opts: _Options, device: torch.device) -> torch.Tensor | None:
+    return None if call.mask is None else window_mask(call.mask, opts.window, device)
 
 
 # -- forward / backward ----------------------------------------------------------------------------
@@ -397,11 +231,6 @@ def _mask_of(call: _KernelCall, opts: _Options, device: torch.device) -> torch.T
 # flash op, its CUDA flash / memory-efficient / cuDNN backward ops and flash-attn 2/3/4 all take out and compute
 # delta in their own preprocessing kernel; the reference kernel computes it inline and could take it. Kernels
 # that need out keep getting it.
-#
-# Note [No zero fills]: an accumulator starts uninitialised, and a static plan of the calls (``_fill_plan``)
-# says which ranges of each call's result are written (first touch) and which are added (or merged), and which
-# ranges no call touches (zeroed, or set to lse -inf). Calls on single batch rows (packed documents) fall back to
-# a zero fill.
 
 
 def _expand_grads(kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -424,85 +253,6 @@ def _block_grads(kernel: BlockKernel, expand: bool, do, q, k, v, out, lse, *, de
         dk = dk.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
         dv = dv.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
     return dq, dk, dv
-
-
-def _gaps(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """Parts of [lo, hi) outside the sorted disjoint ``covered`` ranges."""
-    out, at = [], lo
-    for a, b in covered:
-        if b <= at or a >= hi:
-            continue
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < hi:
-        out.append((at, hi))
-    return out
-
-
-def _cover(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """``covered`` with [lo, hi) added, merged into sorted disjoint ranges."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted([*covered, (lo, hi)]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _fill_plan(spans: tuple[tuple[int, int, int, int], ...], rows: int, n: int):
-    """Note [No zero fills]: for results of calls ``spans`` = (row_lo, row_hi, lo, hi) landing in order in an
-    accumulator of ``rows`` batch rows and ``n`` positions, ((writes, adds) per span, untouched ranges); ranges are
-    absolute [a, b). None when a span covers only some rows."""
-    covered: list[tuple[int, int]] = []
-    per_span = []
-    for r0, r1, lo, hi in spans:
-        if (r0, r1) != (0, rows):
-            return None
-        writes = _gaps(covered, lo, hi)
-        adds = _gaps(writes, lo, hi)
-        per_span.append((tuple(writes), tuple(adds)))
-        covered = _cover(covered, lo, hi)
-    return tuple(per_span), tuple(_gaps(covered, 0, n))
-
-
-def _spans(calls, which: str) -> tuple[tuple[int, int, int, int], ...]:
-    """(row_lo, row_hi, lo, hi) of each call's query (``which = "qs"``) or key range."""
-    return tuple((c.rows.start, c.rows.stop, getattr(c, which).start, getattr(c, which).stop) for c in calls)
-
-
-def _land(acc: torch.Tensor, x: torch.Tensor, lo: int, fill) -> None:
-    """Write / add ``x`` (positions [lo, lo + len) along dim 2 of ``acc``) by ``fill`` = (writes, adds)."""
-    writes, adds = fill
-    for a, b in writes:
-        acc[:, :, a:b].copy_(x[:, :, a - lo:b - lo])
-    for a, b in adds:
-        acc[:, :, a:b].add_(x[:, :, a - lo:b - lo])
-
-
-def _fresh(shape, device, plan, *, fill: float = 0.0, dim: int = 2) -> torch.Tensor:
-    """An fp32 accumulator: uninitialised except the ranges (along ``dim``) ``plan`` leaves untouched, or filled
-    with ``fill`` throughout when there is no plan."""
-    acc = torch.empty(shape, dtype=torch.float32, device=device)
-    if plan is None:
-        return acc.fill_(fill)
-    for a, b in plan[1]:
-        acc.narrow(dim, a, b - a).fill_(fill)
-    return acc
-
-
-def _only_call(sched: _RingSchedule, n: int, rows: int) -> _KernelCall | None:
-    """The single kernel call of a one-rank group when it covers every row, query and key without a mask: the
-    group then runs exactly the kernel on the whole sequence."""
-    if len(sched.steps) != 1 or len(sched.steps[0]) != 1:
-        return None
-    call = sched.steps[0][0]
-    full = slice(0, n)
-    if call.mask is not None or call.rows != slice(0, rows) or call.qs != full or call.ks != full:
-        return None
-    return call if sched.perm == sorted(sched.perm) else None
 
 
 def _gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
@@ -536,14 +286,14 @@ def _all_gather_packed(comm: CommLayer, xs: list[torch.Tensor], group) -> list[t
     return out
 
 
-def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: float, opts: _Options):
+def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, scale: float, opts: _Options):
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
     wire = attn.wire_dtypes(q.dtype)
 
     if p == 1:  # one rank: no collective; the kernel itself when one call covers everything
-        call = _only_call(sched, sl, b)
+        call = sched.only_call(sl, b)
         if call is not None:
             attn.work["forward"] += call.work
             return kernel.forward(q, k, v, causal=call.causal, scale=scale, softcap=opts.softcap)
@@ -555,10 +305,10 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: fl
         q_t = _to_team(comm.all_gather(q, grp.team_group), sched.perm)
         kv_pending.wait()
         cur = _team_kv(bufs, sched.kv_perm)  # [2, B, hk, S_t, d]
-    # 3. ring steps, double-buffered; results land in fp32 accumulators (Note [No zero fills])
-    plan = _fill_plan(_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
-    acc_out = _fresh((b, hq, c * sl, d), q.device, plan)
-    acc_lse = _fresh((b, hq, c * sl), q.device, plan, fill=float("-inf"))
+    # 3. ring steps, double-buffered; results land in fp32 accumulators (accumulate.py Note [No zero fills])
+    plan = fill_plan(call_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
+    acc_out = fresh_accumulator((b, hq, c * sl, d), q.device, plan)
+    acc_lse = fresh_accumulator((b, hq, c * sl), q.device, plan, fill=float("-inf"))
     i = 0
     for s, calls in enumerate(sched.steps):
         pending = None
@@ -573,13 +323,7 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: fl
             if plan is None:
                 merge_(acc_out[call.rows, :, call.qs], acc_lse[call.rows, :, call.qs], out, lse)
             else:
-                writes, adds = plan[0][i]
-                lo = call.qs.start
-                for a, z in writes:
-                    acc_out[:, :, a:z].copy_(out[:, :, a - lo:z - lo])
-                    acc_lse[:, :, a:z].copy_(lse[:, :, a - lo:z - lo])
-                for a, z in adds:
-                    merge_(acc_out[:, :, a:z], acc_lse[:, :, a:z], out[:, :, a - lo:z - lo], lse[:, :, a - lo:z - lo])
+                land_merged(acc_out, acc_lse, out, lse, call.qs.start, plan[0][i])
             i += 1
             attn.work["forward"] += call.work
         if pending is not None:
@@ -595,8 +339,83 @@ def _forward(attn, kernel: BlockKernel, sched: _RingSchedule, q, k, v, scale: fl
     return (out, lse_team, q_t) if attn.keep_team_q else (out, lse_team)
 
 
+@dataclass(frozen=True, eq=False)
+class _TeamRows:
+    """The team's query-side tensors of a backward, in team order, that every kernel call slices its rows from."""
+
+    q: torch.Tensor
+    do: torch.Tensor
+    o: torch.Tensor
+    """out, or the fp32 delta = rowsum(dO * out) [B, hq, S_t] with ``delta_path`` (Note [Backward without out])."""
+    lse: torch.Tensor
+    delta_path: bool
+
+
+def _backward_inputs(attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse_team, q_team):
+    """(the team's rows, the first k/v block [2, B, hk, S_t, d] of the ring) for the backward ring steps."""
+    delta_path = callable(getattr(kernel, "backward_delta", None))
+    if attn.groups.layout.sp_size == 1:
+        q_t, do_t = (_to_team(x.unsqueeze(0), sched.perm) for x in (q, dout))
+        o_t = _to_team(out.unsqueeze(0), sched.perm)
+        cur = _team_kv(torch.stack([k, v]).unsqueeze(0), sched.perm)
+        return _TeamRows(q_t, do_t, o_t, lse_team, delta_path=False), cur
+    # 1-2. skewed gather of k/v again; ONE team all-gather of q (unless kept), dO (the adjoint of the forward
+    # reduce-scatter) and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
+    kv_pending, bufs = _gather_kv(attn, k, v)
+    last_piece = (dout.float() * out.float()).sum(-1) if delta_path else out
+    pieces = ([] if q_team is not None else [q]) + [dout, last_piece]
+    gathered = [_to_team(x, sched.perm) for x in _all_gather_packed(attn.comm, pieces, attn.groups.team_group)]
+    q_t = q_team if q_team is not None else gathered.pop(0)
+    do_t, o_t = gathered
+    kv_pending.wait()
+    return _TeamRows(q_t, do_t, o_t, lse_team, delta_path), _team_kv(bufs, sched.kv_perm)
+
+
+def _step_grads(attn, kernel: BlockKernel, expand: bool, team: _TeamRows, cur, calls, dq_acc, dq_fills, scale: float,
+                opts: _Options) -> torch.Tensor:
+    """The fp32 dk/dv [2, B, hk, S_t, d] of the held k/v block ``cur`` from one ring step's ``calls``; each call's
+    dq lands in ``dq_acc`` by its entry of ``dq_fills`` (the step's part of the dq fill plan; None: added)."""
+    kv_plan = fill_plan(call_spans(calls, "ks"), team.q.shape[0], cur.shape[3])
+    dkv = fresh_accumulator(cur.shape, team.q.device, kv_plan, dim=3)  # [2, B, hk, S_t, d]
+    for j, call in enumerate(calls):
+        qs, ks, rows = call.qs, call.ks, call.rows
+        dq, dk, dv = _block_grads(
+            kernel, expand, team.do[rows, :, qs], team.q[rows, :, qs], cur[0][rows, :, ks], cur[1][rows, :, ks],
+            None if team.delta_path else team.o[rows, :, qs], team.lse[rows, :, qs],
+            delta=team.o[rows, :, qs] if team.delta_path else None, causal=call.causal, scale=scale,
+            mask=_mask_of(call, opts, team.q.device), softcap=opts.softcap,
+        )
+        if dq_fills is None:
+            dq_acc[rows, :, qs] += dq
+        else:
+            land(dq_acc, dq, qs.start, dq_fills[j])
+        if kv_plan is None:
+            dkv[0][rows, :, ks] += dk
+            dkv[1][rows, :, ks] += dv
+        else:
+            land(dkv[0], dk, ks.start, kv_plan[0][j])
+            land(dkv[1], dv, ks.start, kv_plan[0][j])
+        attn.work["backward"] += call.work
+    return dkv
+
+
+def _pass_dkv(attn, sched: RingSchedule, dkv: torch.Tensor, wire: dict[str, torch.dtype], *, home: bool):
+    """Send the held block's dk/dv on: one hop along the sub-ring, or after the last step (``home``) a skewed
+    reduce-scatter: each member of the block's team gets its slice, one per lane. Returns the pending exchange."""
+    grp, place, c = attn.groups, attn.groups.place, attn.groups.layout.ring_count
+    if not home:
+        send = dkv.to(wire["dkv_ring"])
+        recv = torch.empty_like(send)
+        return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
+    send = dkv.to(wire["dkv_home"])
+    slices = torch.stack([_from_team(send[0], sched.home_perm, c), _from_team(send[1], sched.home_perm, c)], dim=1)
+    homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
+    return attn.comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])), kind="skew",
+                              group=grp.sp_group)
+
+
 def _backward(
-    attn, kernel: BlockKernel, sched: _RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options,
+    attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options,
     q_team: torch.Tensor | None = None,
 ):
     """dq, dk, dv; ``q_team``: the team's q kept from the forward (``keep_team_q``), else gathered again."""
@@ -605,34 +424,17 @@ def _backward(
     b, hq, sl, d = q.shape
     wire = attn.wire_dtypes(q.dtype)
     dout = dout.to(q.dtype)
-    delta_path = callable(getattr(kernel, "backward_delta", None))
-
-    if p == 1:
-        call = _only_call(sched, sl, b)
-        if call is not None:  # exactly the kernel on the whole sequence
-            attn.work["backward"] += call.work
-            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse_team, causal=call.causal, scale=scale,
-                                         softcap=opts.softcap)
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        q_t, do_t = (_to_team(x.unsqueeze(0), sched.perm) for x in (q, dout))
-        o_t = _to_team(out.unsqueeze(0), sched.perm)
-        cur = _team_kv(torch.stack([k, v]).unsqueeze(0), sched.perm)
-        delta_path = False
-    else:
-        # 1-2. skewed gather of k/v again; ONE team all-gather of q (unless kept), dO (the adjoint of the forward
-        # reduce-scatter) and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
-        kv_pending, bufs = _gather_kv(attn, k, v)
-        last_piece = (dout.float() * out.float()).sum(-1) if delta_path else out
-        pieces = ([] if q_team is not None else [q]) + [dout, last_piece]
-        gathered = [_to_team(x, sched.perm) for x in _all_gather_packed(comm, pieces, grp.team_group)]
-        q_t = q_team if q_team is not None else gathered.pop(0)
-        do_t, o_t = gathered
-        kv_pending.wait()
-        cur = _team_kv(bufs, sched.kv_perm)
+    call = sched.only_call(sl, b) if p == 1 else None
+    if call is not None:  # one rank: exactly the kernel on the whole sequence
+        attn.work["backward"] += call.work
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse_team, causal=call.causal, scale=scale,
+                                     softcap=opts.softcap)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    team, cur = _backward_inputs(attn, kernel, sched, dout, q, k, v, out, lse_team, q_team)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     expand = _expand_grads(kernel, q, k)
-    dq_plan = _fill_plan(_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
-    dq_acc = _fresh((b, hq, c * sl, d), q.device, dq_plan)
+    dq_plan = fill_plan(call_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
+    dq_acc = fresh_accumulator((b, hq, c * sl, d), q.device, dq_plan)
     dkv_pending = None
     last = len(sched.steps) - 1
     i = 0
@@ -641,44 +443,15 @@ def _backward(
         if s < last:
             nxt = torch.empty_like(cur)
             kv_pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
-        kv_plan = _fill_plan(_spans(calls, "ks"), b, cur.shape[3])
-        dkv = _fresh(cur.shape, q.device, kv_plan, dim=3)  # [2, B, hk, S_t, d]
-        for j, call in enumerate(calls):
-            qs, ks, rows = call.qs, call.ks, call.rows
-            dq, dk, dv = _block_grads(
-                kernel, expand, do_t[rows, :, qs], q_t[rows, :, qs], cur[0][rows, :, ks], cur[1][rows, :, ks],
-                None if delta_path else o_t[rows, :, qs], lse_team[rows, :, qs],
-                delta=o_t[rows, :, qs] if delta_path else None, causal=call.causal, scale=scale,
-                mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
-            )
-            if dq_plan is None:
-                dq_acc[rows, :, qs] += dq
-            else:
-                _land(dq_acc, dq, qs.start, dq_plan[0][i])
-            if kv_plan is None:
-                dkv[0][rows, :, ks] += dk
-                dkv[1][rows, :, ks] += dv
-            else:
-                _land(dkv[0], dk, ks.start, kv_plan[0][j])
-                _land(dkv[1], dv, ks.start, kv_plan[0][j])
-            i += 1
-            attn.work["backward"] += call.work
+        dq_fills = None if dq_plan is None else dq_plan[0][i:i + len(calls)]
+        dkv = _step_grads(attn, kernel, expand, team, cur, calls, dq_acc, dq_fills, scale, opts)
+        i += len(calls)
         if p == 1:  # one step, nothing to send or receive
             dk_own, dv_own = (_from_team(x, sched.perm, 1)[0] for x in dkv)
             return _from_team(dq_acc, sched.perm, 1)[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
         if dkv_pending is not None:
             dkv += dkv_pending.wait()[0]
-        if s < last:
-            send = dkv.to(wire["dkv_ring"])
-            recv = torch.empty_like(send)
-            dkv_pending = comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring",
-                                        group=grp.sp_group)
-        else:  # skewed reduce-scatter: each member of the block's team gets its slice, one per lane
-            send = dkv.to(wire["dkv_home"])
-            slices = torch.stack([_from_team(send[0], sched.home_perm, c), _from_team(send[1], sched.home_perm, c)], dim=1)
-            homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
-            dkv_pending = comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])),
-                                        kind="skew", group=grp.sp_group)
+        dkv_pending = _pass_dkv(attn, sched, dkv, wire, home=s == last)
         if kv_pending is not None:
             cur = kv_pending.wait()[0]
     # 4. sum the lanes' dk/dv of this rank's shard in fp32; reduce-scatter dq in the team (adjoint of the all-gather)

@@ -1,5 +1,5 @@
 """Packed batches at the model's forward: the loader's ``document_ids`` / ``chunk_assignment`` turned into what
-attention needs (``attention.wallfacer.SequenceBatch``), checked across the sequence-parallel group.
+attention needs (``attention.documents.SequenceBatch``), checked across the sequence-parallel group.
 
 The ``SequenceBatch`` reaches every attention layer as the keyword ``wallfacer_batch`` of the model's forward:
 HF models hand unknown forward keywords down to the attention function (``hf.py``), through their own and our
@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..attention.documents import BatchDocuments
-from ..attention.wallfacer import SequenceBatch
+from ..attention.documents import BatchDocuments, SequenceBatch
 from ..comm import CommLayer
 from ..data.loader import ShardSpec
 from ..data.packing import document_positions

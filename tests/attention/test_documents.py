@@ -54,7 +54,7 @@ def _modes(world: int):
 
 
 def _run(rank: int, world: int) -> list[dict]:
-    from ds_wallfacer.attention.wallfacer import SequenceBatch
+    from ds_wallfacer.attention.documents import SequenceBatch
     from ds_wallfacer.comm import CommLayer
     from ds_wallfacer.config import ParallelLayout
     from ds_wallfacer.data.loader import shard_sequence
@@ -117,7 +117,7 @@ def _window_ring(rank: int, world: int) -> list[dict]:
     """A window no longer than a chunk: contiguous sharding cuts the ring to 2 steps (fewer bytes, counted and
     derived alike); zigzag keeps every step. Outputs and gradients stay exact either way."""
     from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
-    from ds_wallfacer.attention.wallfacer import ring_steps
+    from ds_wallfacer.attention.schedule import ring_steps
     from ds_wallfacer.comm import RankLayout, build_groups
     from ds_wallfacer.data import shard
     from tests.attention.reference import document_mask, full_inputs, reference_attention

@@ -131,8 +131,7 @@ def _expected_bytes(mode: str, world: int) -> int:
 def _modes(rank: int, world: int, kernels: Counter, cache: dict) -> list[str]:
     failures = []
     x_full = torch.randn(B, N, E, generator=torch.Generator().manual_seed(3))
-    from ds_wallfacer.attention.documents import BatchDocuments
-    from ds_wallfacer.attention.wallfacer import SequenceBatch
+    from ds_wallfacer.attention.documents import BatchDocuments, SequenceBatch
 
     packed = SequenceBatch(documents=BatchDocuments(starts=((0, 11, 20), (0, 5)), seq_len=N))
     refs: dict = {}

@@ -1,8 +1,7 @@
 """The ring schedule's block calls (full, causal-diagonal, skipped) and the causal balance they give: pure."""
 import pytest
 
-from ds_wallfacer.attention.schedule import BlockCall, block_calls
-from ds_wallfacer.attention.wallfacer import attention_work
+from ds_wallfacer.attention.schedule import BlockCall, attention_work, block_calls
 from ds_wallfacer.comm import RankLayout
 
 

@@ -12,7 +12,7 @@ def test_every_query_team_meets_every_key_team_exactly_once(p, c):
     g = lay.group_size
     seen = set()
     for place in lay.places:
-        for s in range(g):  # k/v team held at ring step s (the schedule of wallfacer.ring_schedule)
+        for s in range(g):  # k/v team held at ring step s (the schedule of schedule.ring_schedule)
             kv_team = ((place.group + place.local) % c) * g + (place.pos - s) % g
             pair = (place.team, kv_team)
             assert pair not in seen, f"pair {pair} computed twice"

@@ -10,7 +10,7 @@ Shapes (``[B, h, S, d]``, the layout of HF attention functions and of torch SDPA
 - ``causal`` is only asked for with Sq == Sk (a diagonal block, aligned top-left)
 - ``mask`` (optional): a bool tensor broadcastable to ``[B, hq, Sq, Sk]``, True where a query may see a key, on
   top of ``causal`` (sliding windows). A query row that sees no key gets out 0 and lse -inf, and no gradient.
-  Only backends with ``supports_mask`` take one.
+  Only backends with ``supports_mask`` take one; ``window_mask`` builds a sliding window's from global indices.
 - ``softcap`` (optional, 0 = off): logits are ``softcap * tanh(scale * q.k / softcap)`` before the softmax
   (Gemma-2's ``attn_logit_softcapping``). Only backends with ``supports_softcap`` take one.
 """
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BlockKernel", "check_options", "expand_kv", "reduce_kv_grad"]
+__all__ = ["BlockKernel", "check_options", "expand_kv", "reduce_kv_grad", "window_mask"]
 
 
 class BlockKernel(Protocol):
@@ -65,6 +65,16 @@ def reduce_kv_grad(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     b, hq, s, d = g.shape
     rep = hq // kv_heads
     return g if rep == 1 else g.view(b, kv_heads, rep, s, d).sum(dim=2)
+
+
+def window_mask(ranges, window: int, device: torch.device) -> torch.Tensor:
+    """[Sq, Sk] bool: key j visible from query i iff 0 <= i - j < window, for a kernel call's global index
+    ``ranges`` = (query ranges, key ranges) (``schedule.KernelCall.mask``)."""
+    gq, gk = ranges
+    qi = torch.cat([torch.arange(a, b, device=device) for a, b in gq]).unsqueeze(-1)
+    kj = torch.cat([torch.arange(a, b, device=device) for a, b in gk])
+    d = qi - kj
+    return (d >= 0) & (d < window)
 
 
 def check_options(kernel: BlockKernel, *, mask: torch.Tensor | None, softcap: float) -> None:

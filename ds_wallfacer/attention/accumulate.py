@@ -1,0 +1,98 @@
+"""The fp32 accumulators of WallFacer attention (``wallfacer.py``): a static plan of which ranges of each kernel
+call's result are written, added (or merged) or never touched, so that an accumulator is not zero-filled first, and
+the landing of each result by that plan.
+
+Note [No zero fills]: an accumulator starts uninitialised, and a static plan of the calls (``fill_plan``)
+says which ranges of each call's result are written (first touch) and which are added (or merged), and which
+ranges no call touches (zeroed, or set to lse -inf). Calls on single batch rows (packed documents) fall back to
+a zero fill.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .merge import merge_
+
+__all__ = ["call_spans", "fill_plan", "fresh_accumulator", "land", "land_merged"]
+
+
+def _gaps(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Parts of [lo, hi) outside the sorted disjoint ``covered`` ranges."""
+    out, at = [], lo
+    for a, b in covered:
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
+def _cover(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """``covered`` with [lo, hi) added, merged into sorted disjoint ranges."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*covered, (lo, hi)]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def fill_plan(spans: tuple[tuple[int, int, int, int], ...], rows: int, n: int):
+    """Note [No zero fills]: for results of calls ``spans`` = (row_lo, row_hi, lo, hi) landing in order in an
+    accumulator of ``rows`` batch rows and ``n`` positions, ((writes, adds) per span, untouched ranges); ranges are
+    absolute [a, b). None when a span covers only some rows."""
+    covered: list[tuple[int, int]] = []
+    per_span = []
+    for r0, r1, lo, hi in spans:
+        if (r0, r1) != (0, rows):
+            return None
+        writes = _gaps(covered, lo, hi)
+        adds = _gaps(writes, lo, hi)
+        per_span.append((tuple(writes), tuple(adds)))
+        covered = _cover(covered, lo, hi)
+    return tuple(per_span), tuple(_gaps(covered, 0, n))
+
+
+def call_spans(calls, which: str) -> tuple[tuple[int, int, int, int], ...]:
+    """(row_lo, row_hi, lo, hi) of each call's query (``which = "qs"``) or key range."""
+    return tuple((c.rows.start, c.rows.stop, getattr(c, which).start, getattr(c, which).stop) for c in calls)
+
+
+def land(acc: torch.Tensor, x: torch.Tensor, lo: int, fill) -> None:
+    """Write / add ``x`` (positions [lo, lo + len) along dim 2 of ``acc``) by ``fill`` = (writes, adds)."""
+    writes, adds = fill
+    for a, b in writes:
+        acc[:, :, a:b].copy_(x[:, :, a - lo:b - lo])
+    for a, b in adds:
+        acc[:, :, a:b].add_(x[:, :, a - lo:b - lo])
+
+
+def land_merged(
+    acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, lo: int, fill
+) -> None:
+    """``land`` for a block's (out, lse) in the (out, lse) accumulators: written ranges are copied, added ones merged
+    by log-sum-exp (``merge.merge_``)."""
+    writes, adds = fill
+    for a, z in writes:
+        acc_out[:, :, a:z].copy_(out[:, :, a - lo:z - lo])
+        acc_lse[:, :, a:z].copy_(lse[:, :, a - lo:z - lo])
+    for a, z in adds:
+        merge_(acc_out[:, :, a:z], acc_lse[:, :, a:z], out[:, :, a - lo:z - lo], lse[:, :, a - lo:z - lo])
+
+
+def fresh_accumulator(shape, device, plan, *, fill: float = 0.0, dim: int = 2) -> torch.Tensor:
+    """An fp32 accumulator: uninitialised except the ranges (along ``dim``) ``plan`` leaves untouched, or filled
+    with ``fill`` throughout when there is no plan."""
+    acc = torch.empty(shape, dtype=torch.float32, device=device)
+    if plan is None:
+        return acc.fill_(fill)
+    for a, b in plan[1]:
+        acc.narrow(dim, a, b - a).fill_(fill)
+    return acc
