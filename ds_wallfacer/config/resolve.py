@@ -264,6 +264,9 @@ def resolve_auto(
                          f"(initialize(seq_len=...)): drop one or make them equal")
     _check_sp_size(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn)
     open_keys = _open_keys(cfg)
+    if world_size == 1:  # nothing to split or plan: one line, not the planner's "no configuration"
+        notes.append("one rank: no sequence parallelism (attention over the whole sequence on this rank)")
+        open_keys = []
     if planner_inputs is not None and open_keys:
         seq_len = cfg.seq_len or planner_inputs.seq_len
         if seq_len is None:
@@ -276,6 +279,8 @@ def resolve_auto(
                 return layout
     layout = _safe_rule(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn,
                         notes=notes)
+    if world_size == 1:
+        layout = replace(layout, notes=tuple(notes[:1]))
     seq_len = cfg.seq_len or (planner_inputs.seq_len if planner_inputs is not None else None)
     if planner_inputs is not None and not open_keys and seq_len is not None:
         # every size was set: the planner chooses nothing, but its prediction for this layout is still worth

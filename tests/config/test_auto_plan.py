@@ -159,3 +159,9 @@ def test_every_example_config_plans_for_train_py(path: Path) -> None:
     lay.check_seq_len(512)
     assert not any("safe rule" in n for n in lay.notes), lay.notes
     run.deepspeed_dict(world_size=4, sp_size=lay.sp_size)
+
+
+def test_one_rank_says_so_in_one_line() -> None:
+    lay = _resolve({"mini_sequence": {}}, world=1, rpn=1)
+    assert lay.notes == ("one rank: no sequence parallelism (attention over the whole sequence on this rank)",)
+    assert (lay.sp_size, lay.ring_count, lay.ulysses_degree) == (1, 1, 1)

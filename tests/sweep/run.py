@@ -151,6 +151,9 @@ def _first_line(text: str, limit: int = 300) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     if lines and lines[0].startswith("Traceback"):
         return lines[-1][:limit]  # the exception itself
+    if lines and "start-up self-check" in lines[0]:
+        why = lines[0].split("self-check (one short sequence with and without sequence parallelism) ")[-1]
+        return f"self-check: {why} {' / '.join(lines[1:3])}"[:limit]
     body = " / ".join(lines[1:4]) if len(lines) > 1 and lines[0].endswith(":") else (lines[-1] if lines else "")
     return body[:limit]
 
