@@ -1,8 +1,8 @@
 """The start-up self-check, through ``initialize`` on 4 ranks (one launch): it refuses, on its own, an attention
 layer that scales queries by a local ``torch.arange`` once the static rules are told to let it through (and the
 static rules refuse it first); the refusal names the parameters and is the same on every rank; a correct model
-passes under ZeRO-3 with Mini-Sequence chunking; the check leaves no gradients, no counted traffic and the random
-stream as it was."""
+passes under ZeRO-3 with Mini-Sequence chunking, also when ZeRO-3 partitioned it at construction (zero.Init); the
+check leaves no gradients, no counted traffic and the random stream as it was."""
 from __future__ import annotations
 
 import torch
@@ -65,6 +65,16 @@ def _body(rank: int, world: int) -> dict:
         out[f"grads_{check}"] = [n for n, p in model.named_parameters() if p.grad is not None]
         out[f"sent_{check}"] = sum(sp.comm.sent.values())
     out["rng_kept"] = torch.equal(states[0], states[1])
+    # a model ZeRO-3 partitioned at construction (zero.Init, as from_pretrained under HfDeepSpeedConfig) is
+    # gathered for the check, and the check still refuses what differs
+    import deepspeed
+
+    for name, build in (("zero_init", lambda: tiny_model("llama")), ("zero_init_broken", _broken)):
+        config = _config(3, allow_modules=["_ScaledByLocalPosition"])
+        with deepspeed.zero.Init(config_dict_or_path={k: v for k, v in config.items() if k != "wallfacer"}):
+            model = build()
+        out[f"{name}_partitioned"] = all(p.numel() == 0 for p in model.parameters())
+        out[name] = _refusal(model, config)
     return out
 
 
@@ -81,3 +91,5 @@ def test_self_check_refuses_what_the_rules_let_through() -> None:
     assert first["opted_out"]
     assert first["rng_kept"]
     assert first["grads_True"] == [] and first["sent_True"] == first["sent_False"] == 0
+    assert first["zero_init_partitioned"] and first["zero_init"] == "not refused"
+    assert first["zero_init_broken_partitioned"] and "self-check" in first["zero_init_broken"]
