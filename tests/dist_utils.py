@@ -55,13 +55,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             seg.unlink(missing_ok=True)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
+                    start_method: str = "spawn") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
 
     ``fn`` must be a module-level function (it is pickled by name). A rank that raises makes this raise
-    with that rank's traceback; a rank that hangs is killed after ``timeout_s``.
+    with that rank's traceback; a rank that hangs is killed after ``timeout_s``. ``start_method="fork"``: the ranks
+    share the parent's imports (for many short launches from one parent that imported everything once).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     procs = [

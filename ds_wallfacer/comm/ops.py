@@ -9,7 +9,7 @@ volumes and benchmarks print them beside the cost formulas:
 - ``skew``           the initial k/v block sent across team groups, and dk/dv sent home in backward
 - ``all_to_all``     (n-1)/n * local bytes (the part that leaves the rank)
 - ``check``          the small metadata all-gather that validates inputs across ranks, and the start-up
-                     self-check's gradient sum (``all_reduce``: 2(n-1)/n * bytes)
+                     self-check's sum of gradient sketches (``all_reduce``: 2(n-1)/n * bytes)
 
 Timeouts come from the process groups (``groups.py`` creates them with one), so a dead peer ends a
 collective with an error instead of a hang.

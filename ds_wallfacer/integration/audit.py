@@ -24,7 +24,7 @@ from .moe import RouterAuxLoss, router_aux_loss
 from .rope import rope_problems
 from .sequence_rules import sequence_findings
 
-__all__ = ["ModelAudit", "RefusedModel", "audit_model", "audit_sequence"]
+__all__ = ["ModelAudit", "RefusedModel", "audit_model", "audit_sequence", "refusal"]
 
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 _SOFTCAP_KEYS = ("attn_logit_softcapping",)
@@ -129,10 +129,14 @@ class RefusedModel(ValueError):
     """The model cannot be trained exactly as configured; the message lists every problem and what to change."""
 
 
+def refusal(model: nn.Module, detail: str) -> RefusedModel:
+    """The one refusal text: ``<Model> cannot be trained exactly with ds_wallfacer as configured:<detail>``."""
+    return RefusedModel(f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured:{detail}")
+
+
 def _refuse(model: nn.Module, problems: list[str]) -> None:
     if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise RefusedModel(f"{type(model).__name__} cannot be trained exactly with ds_wallfacer as configured:\n{lines}")
+        raise refusal(model, "".join(f"\n  - {p}" for p in problems))
 
 
 def _sequence_problems(model: nn.Module, seq_len: int | None, allow_modules: tuple[str, ...]) -> list[str]:

@@ -95,6 +95,7 @@ class Finding:
         return f"{self.path} ({self.cls}){more}: {self.what}: {self.fix}"
 
 
+@lru_cache(maxsize=None)
 def _code(cls: type) -> str:
     """The code ``cls`` runs: its source and that of its bases outside torch, without comments and docstrings."""
     return " ".join(_own_code(c) for c in cls.__mro__ if c is not object and not _is_torch(c))
@@ -123,8 +124,10 @@ def _own_code(cls: type) -> str:
     return " ".join(out)
 
 
-def _sequence_ops(cls: type) -> list[str]:
-    return sorted({m.group(1) for m in _SEQUENCE_OPS.finditer(_code(cls))})
+@lru_cache(maxsize=None)
+def _sequence_ops(cls: type) -> tuple[str, ...]:
+    """The sequence ops ``cls``'s code calls (once per class, not per module of a model)."""
+    return tuple(sorted({m.group(1) for m in _SEQUENCE_OPS.finditer(_code(cls))}))
 
 
 def _is_torch(cls: type) -> bool:

@@ -15,15 +15,14 @@ DeepSpeed engine (ZeRO-1, SGD, no clipping). Verdicts:
 
     python -m tests.sweep.run [--only llama,gpt_oss] [--write docs/models.md]
 
-Forked ranks share the parent's imports, so each class costs its own work, not a Python start-up.
+Ranks are forked (``run_distributed(start_method="fork")``) and share the parent's imports, so each class costs
+its own work, not a Python start-up.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tests.dist_utils import free_port
+from tests.dist_utils import run_distributed
 from tests.sweep.tiny import NotBuildable, build_tiny, causal_lm_classes, forward_kwargs
 
 WORLD = 4
@@ -87,22 +86,12 @@ def _config(mode: dict) -> dict:
 MODES = ({"mode": "hybrid", "ulysses_degree": 2, "ring_count": 1}, {"mode": "wallfacer", "ring_count": 2})
 
 
-def _rank(rank: int, port: int, model_type: str, cls: str, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
-    import torch.distributed as dist
-
+def _rank(rank: int, world: int, model_type: str, cls: str) -> tuple[str, Any, str]:
+    """One rank's (status, payload, mode); an error after start-up is a result here, not an exception."""
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        out.put((rank, *_train(rank, model_type, cls)))
-    except BaseException:  # noqa: BLE001 - every failure reaches the parent
-        out.put((rank, "FAILED", traceback.format_exc(limit=6), ""))
-    finally:
-        for seg in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_{rank}"):
-            seg.unlink(missing_ok=True)
-        out.close()
-        out.join_thread()  # the result is in the pipe before the process ends
-        os._exit(0)
+        return _train(rank, model_type, cls)
+    except Exception:  # noqa: BLE001 - every failure reaches the parent as a verdict
+        return "FAILED", traceback.format_exc(limit=6), ""
 
 
 def _train(rank: int, model_type: str, cls: str) -> tuple[str, Any, str]:
@@ -166,39 +155,25 @@ def sweep_one(model_type: str, cls: str) -> Row:
     except NotBuildable as err:
         row.verdict, row.detail = "not buildable", str(err)
         return row
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, model_type, cls, q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple] = {}
-    deadline = time.monotonic() + TIMEOUT_S + 30
-    while len(got) < WORLD and time.monotonic() < deadline:
-        try:
-            rank, status, payload, mode = q.get(timeout=1.0)
-            got[rank] = (status, payload, mode)
-        except queue_mod.Empty:
-            if all(not p.is_alive() for p in procs) and q.empty():
-                break
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
+    try:
+        got = run_distributed(_rank, WORLD, model_type, cls, timeout_s=TIMEOUT_S, start_method="fork")
+    except AssertionError as err:  # a rank hung, died without a word, or failed before the model was built
+        row.seconds = time.perf_counter() - t0
+        row.verdict = "HANG" if "did not finish" in str(err) else "FAILED"
+        row.detail = str(err).splitlines()[0]
+        return row
     row.seconds = time.perf_counter() - t0
-    statuses = {s for s, _, _ in got.values()}
-    row.mode = next((m for _, _, m in got.values() if m), "")
-    if len(got) < WORLD:
-        row.verdict, row.detail = "HANG", f"ranks {sorted(set(range(WORLD)) - set(got))} did not finish"
-    elif statuses == {"refused"}:
-        msgs = {p for _, p, _ in got.values()}
+    statuses = {s for s, _, _ in got}
+    row.mode = next((m for _, _, m in got if m), "")
+    if statuses == {"refused"}:
+        msgs = {p for _, p, _ in got}
         row.verdict = "refused" if len(msgs) == 1 else "FAILED"
         row.detail = _first_line(msgs.pop()) if len(msgs) == 1 else "the ranks refused with different messages"
     elif statuses == {"trained"}:
         losses, params = got[0][1]
         row.verdict, row.detail = _compare(ref, losses, {n: torch.from_numpy(a) for n, a in params.items()})
     else:
-        bad = next(p for s, p, _ in got.values() if s == "FAILED") if "FAILED" in statuses else str(statuses)
+        bad = next(p for s, p, _ in got if s == "FAILED") if "FAILED" in statuses else str(statuses)
         row.verdict, row.detail = "FAILED", _first_line(bad)
     return row
 
