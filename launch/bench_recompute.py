@@ -135,7 +135,7 @@ def _step(engine: Any, sp: Any, batch: dict, kernels: Counter) -> dict:
 def _expected(args: argparse.Namespace, sp: Any) -> int:
     from ds_wallfacer.attention.residuals import kept_bytes_per_layer
 
-    lay = sp.layout
+    lay = sp.setup.dims
     return kept_bytes_per_layer(batch=1, local_tokens=args.seq_len // lay.sp_size, q_heads=args.heads,
                                 kv_heads=args.kv_heads, head_dim=args.hidden // args.heads, elem_bytes=4,
                                 ulysses_degree=lay.ulysses_degree, ring_size=lay.ring_size, ring_count=lay.ring_count)
@@ -157,8 +157,8 @@ def _time(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
         for v in VARIANTS:
             rs = per[v]
             engine, sp = engines[v]
-            rows.append(dict(mode=mode, variant=v, P=sp.layout.sp_size, U=sp.layout.ulysses_degree,
-                             C=sp.layout.ring_count, step_s=statistics.median(r["s"] for r in rs),
+            rows.append(dict(mode=mode, variant=v, P=sp.setup.dims.sp_size, U=sp.setup.dims.ulysses_degree,
+                             C=sp.setup.dims.ring_count, step_s=statistics.median(r["s"] for r in rs),
                              fwd_mib=rs[-1]["fwd"] / 2**20, bwd_mib=rs[-1]["bwd"] / 2**20,
                              fwd_kernels=rs[-1]["kernels"], loss=rs[-1]["loss"],
                              kept_per_layer=(rs[-1]["peak"] / args.layers) if v == "keep" else 0,

@@ -131,7 +131,7 @@ def _ours(spec: dict, ids: list):
         engine.step()
         return loss.detach()
 
-    return engine, step, sp.comm, sp.layout.describe()
+    return engine, step, sp.comm, sp.setup.describe()
 
 
 def worker(spec_path: str) -> None:

@@ -24,7 +24,7 @@ _BLOCK_TORCH = textwrap.dedent(
 
 PURE = [
     "ds_wallfacer.comm.layout",
-    "ds_wallfacer.comm.world",
+    "ds_wallfacer.comm.dims",
     "ds_wallfacer.data.chunks",
     "ds_wallfacer.data.balance",
     "ds_wallfacer.attention.schedule",
@@ -36,6 +36,7 @@ PURE = [
     "ds_wallfacer.planner",
     "ds_wallfacer.planner.cluster",
     "ds_wallfacer.planner.search",
+    "ds_wallfacer.planner.auto",
 ]
 
 

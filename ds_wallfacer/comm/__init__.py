@@ -1,6 +1,7 @@
-"""Communication config generator (rank layouts, the world layout, process groups) and the counted comm layer.
+"""Communication config generator (the parallel sizes and rank arithmetic, WallFacer rank layouts, process groups)
+and the counted comm layer.
 
-``layout`` and ``world`` are pure (no torch); ``groups`` and ``ops`` need torch.distributed and are imported on
+``dims`` and ``layout`` are pure (no torch); ``groups`` and ``ops`` need torch.distributed and are imported on
 first use (``ds_wallfacer._lazy``).
 """
 from .._lazy import lazy_exports
@@ -8,8 +9,9 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "CommLayer": ".ops", "KINDS": ".ops", "Pending": ".ops",
     "WallFacerGroups": ".groups", "build_groups": ".groups",
-    "RankLayout": ".layout", "RankPlace": ".layout", "valid_ring_counts": ".layout",
-    "PLACEMENTS": ".world", "WorldLayout": ".world", "ring_offset": ".world",
+    "RankLayout": ".layout", "RankPlace": ".layout", "check_ring_count": ".layout", "valid_ring_counts": ".layout",
+    "MODES": ".dims", "PLACEMENTS": ".dims", "ParallelDims": ".dims", "divisors": ".dims", "ring_offset": ".dims",
+    "valid_ulysses_degrees": ".dims",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -18,12 +18,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RankLayout", "RankPlace", "valid_ring_counts"]
+__all__ = ["RankLayout", "RankPlace", "check_ring_count", "valid_ring_counts"]
 
 
 def valid_ring_counts(sp_size: int) -> list[int]:
     """Ring counts C with C*C dividing ``sp_size`` (C = 1 always qualifies)."""
     return [c for c in range(1, sp_size + 1) if sp_size % (c * c) == 0]
+
+
+def check_ring_count(ring_size: int, ring_count: int) -> None:
+    """C*C divides the R ring ranks (the rule ``comm.dims`` and the planner's candidates share)."""
+    r, c = ring_size, ring_count
+    if not isinstance(c, int) or isinstance(c, bool) or c < 1 or r % (c * c):
+        raise ValueError(
+            f"wallfacer.ring_count = {c!r} is invalid for a ring dimension of {r} ranks (sequence_parallel_size / "
+            f"ulysses_degree): C*C must divide {r}. Valid ring counts: {valid_ring_counts(r)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,7 @@ class RankLayout:
             raise ValueError("sequence-parallel group is empty: it needs at least one rank")
         if len(set(ranks)) != p:
             raise ValueError(f"sequence-parallel ranks {ranks} contain duplicates")
-        if not isinstance(c, int) or isinstance(c, bool) or c < 1 or p % (c * c) != 0:
-            raise ValueError(
-                f"ring_count={c!r} is invalid for a sequence-parallel size of {p}: C*C must divide P. "
-                f"Valid ring counts for P={p}: {valid_ring_counts(p)}"
-            )
+        check_ring_count(p, c)
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1")
         object.__setattr__(self, "places", tuple(self._place(i) for i in range(p)))

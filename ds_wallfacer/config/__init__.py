@@ -1,17 +1,5 @@
-"""Configuration: the ds_config ``"wallfacer"`` section parsed once into frozen dataclasses, and the resolved,
-validated parallel layout. Pure Python: no torch import."""
-from .resolve import ParallelLayout, PlanInputs, resolve_auto, valid_ulysses_degrees
+"""Configuration: the ds_config ``"wallfacer"`` section parsed once into frozen dataclasses and validated. Pure
+Python: no torch import. "auto" values are resolved by ``planner.auto``."""
 from .schema import MODES, PLACEMENTS, SHARDINGS, RunConfig, WallFacerConfig, parse_ds_config
 
-__all__ = [
-    "MODES",
-    "PLACEMENTS",
-    "SHARDINGS",
-    "ParallelLayout",
-    "PlanInputs",
-    "RunConfig",
-    "WallFacerConfig",
-    "parse_ds_config",
-    "resolve_auto",
-    "valid_ulysses_degrees",
-]
+__all__ = ["MODES", "PLACEMENTS", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]

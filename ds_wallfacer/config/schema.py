@@ -17,7 +17,7 @@ Example (every key optional; the defaults are the dataclass defaults below)::
     }
 
 "auto" sizes, mode and placement are chosen at start-up by the topology planner (``ds_wallfacer.planner``) for the
-cluster, the model and ``seq_len``; see ``resolve.resolve_auto``.
+cluster, the model and ``seq_len`` (``planner.auto.resolve_auto``); this package only parses and validates.
 """
 from __future__ import annotations
 
@@ -30,13 +30,11 @@ from typing import Any, Literal, Mapping, Union
 
 from .._sections import section_kwargs
 from ..attention.kernel_names import KERNEL_NAMES
-from ..comm.world import PLACEMENTS
+from ..comm.dims import MODES, PLACEMENTS, check_mode
 from ..data.chunks import SHARDINGS
 
 __all__ = ["MODES", "PLACEMENTS", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]
 
-MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
-"""The values of ``wallfacer.mode`` once resolved (the config also accepts "auto")."""
 AutoInt = Union[int, Literal["auto"]]
 
 
@@ -107,7 +105,6 @@ class WallFacerConfig:
                 f'wallfacer.sequence_parallel_size = {self.sequence_parallel_size!r} is invalid: allowed is a '
                 f'positive integer or "auto"'
             )
-        _check_choice("mode", self.mode, (*MODES, "auto"))
         _check_auto_int("ring_count", self.ring_count)
         _check_auto_int("ulysses_degree", self.ulysses_degree)
         _check_auto_int("ranks_per_node", self.ranks_per_node)
@@ -131,16 +128,9 @@ class WallFacerConfig:
         if not isinstance(self.allow_modules, tuple) or not all(isinstance(c, str) and c for c in self.allow_modules):
             raise ValueError(f"wallfacer.allow_modules = {list(self.allow_modules)!r} is invalid: allowed is a list "
                              "of module class names")
-        if self.mode == "wallfacer" and self.ulysses_degree not in ("auto", 1):
-            raise ValueError(
-                f'wallfacer.ulysses_degree = {self.ulysses_degree} needs mode "hybrid" (or "ulysses"); mode '
-                f'"wallfacer" has no Ulysses dimension (use 1 or "auto")'
-            )
-        if self.mode == "ulysses" and self.ring_count not in ("auto", 1):
-            raise ValueError(
-                f'wallfacer.ring_count = {self.ring_count} needs mode "wallfacer" or "hybrid"; mode "ulysses" has no '
-                f'ring dimension (use 1 or "auto")'
-            )
+        if self.mode != "auto":
+            check_mode(self.mode, ulysses_degree=self.ulysses_degree, ring_count=self.ring_count,
+                       sp_size=self.sequence_parallel_size)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "WallFacerConfig":

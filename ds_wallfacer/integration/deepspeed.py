@@ -6,7 +6,7 @@
         engine.backward(loss)
         engine.step()
 
-Start-up order: parse the ds_config and resolve the layout ("auto" values by the topology planner when the
+Start-up order: parse the ds_config and resolve the setup ("auto" values by the topology planner when the
 sequence length is known; pure and identical on every rank, so a bad config raises the same error everywhere
 before any collective), audit the model the same way (``audit.py``: what would train differently is refused),
 build every process group once, attach this rank's attention to the model's attention layers, show length-reading
@@ -33,9 +33,10 @@ from torch import nn
 
 from ..attention.residuals import keep_attention_in_layers
 from ..comm import CommLayer
-from ..config import ParallelLayout, PlanInputs, RunConfig, parse_ds_config, resolve_auto
+from ..config import RunConfig, parse_ds_config
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from ..hf_config import text_config
+from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto
 from . import hf
 from .audit import RefusedModel, audit_model, audit_sequence
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
@@ -51,12 +52,12 @@ log = logging.getLogger("ds_wallfacer")
 
 @dataclass(eq=False)
 class SequenceParallel:
-    """What the training loop needs beside the engine: layout, groups, the data loader and the loss wrapper."""
+    """What the training loop needs beside the engine: the setup, groups, the data loader and the loss wrapper."""
 
     config: RunConfig
     """The parsed ds_config."""
-    layout: ParallelLayout
-    """The resolved layout (what "auto" chose is in ``layout.notes``)."""
+    setup: ParallelSetup
+    """The resolved setup: ``setup.dims`` holds the sizes; what "auto" chose is in ``setup.notes``."""
     groups: SequenceParallelGroups
     """This rank's process groups."""
     comm: CommLayer
@@ -102,9 +103,9 @@ class SequenceParallel:
         ``batch_size`` defaults to ``train_micro_batch_size_per_gpu``; ``verify`` checks each batch is the same
         on all ranks of the sequence-parallel group (one tiny all-gather per batch)."""
         spec = self.groups.shard_spec
-        bs = batch_size or self.config.micro_batch(dp_size=self.layout.dp_size)
+        bs = batch_size or self.config.micro_batch(dp_size=self.setup.dims.dp_size)
         check = None
-        if verify and self.layout.sp_size > 1:
+        if verify and self.setup.dims.sp_size > 1:
             group, comm = self.groups.sp_group, self.comm
 
             def check(batch: Mapping[str, Any]) -> None:
@@ -250,7 +251,7 @@ def initialize(
     ``mini_sequence.lm_head`` is on, else the model's logits. Returns (engine, ``SequenceParallel``); the engine's
     forward takes a loader batch and returns the global token-mean loss. ``seq_len``: tokens per training
     sequence, for the planner that resolves "auto" values (``wallfacer.seq_len`` in the config does the same);
-    without either, "auto" falls back to the safe rule. Rank 0 logs the layout and the planner's reasons.
+    without either, "auto" falls back to the safe rule. Rank 0 logs the setup and the planner's reasons.
     """
     import deepspeed
 
@@ -260,16 +261,17 @@ def initialize(
     _init_distributed(timeout)
     length = seq_len if seq_len is not None else run.wallfacer.seq_len
     audit_sequence(model, seq_len=length, allow_modules=run.wallfacer.allow_modules)  # before sizes are read
-    layout = _resolve_layout(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
-    ds_dict = run.deepspeed_dict(world_size=layout.world_size, sp_size=layout.sp_size)
-    found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence, seq_len=length, kernel=layout.kernel,
+    setup = _resolve_setup(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
+    dims = setup.dims
+    ds_dict = run.deepspeed_dict(world_size=dims.world_size, sp_size=dims.sp_size)
+    found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence, seq_len=length, kernel=setup.kernel,
                         sequence=False)
     # 2. groups, this rank's attention on every attention layer, global-length RoPE
     device = _rank_device()  # current before any group is built (NCCL communicators use it)
-    groups = build_sequence_parallel(layout, timeout=timeout)
+    groups = build_sequence_parallel(setup, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
-    hf.attach(model, attention, sp_size=layout.sp_size)
+    hf.attach(model, attention, sp_size=dims.sp_size)
     rope = RopeLength()
     wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
     # 3. Mini-Sequence chunking and the loss module DeepSpeed wraps
@@ -279,12 +281,12 @@ def initialize(
         keep_attention_in_layers(model)
     module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
                                       ignore_index=ignore_index, router_aux=found.router_aux,
-                                      rope=rope if found.rotary else None, sp_size=layout.sp_size,
+                                      rope=rope if found.rotary else None, sp_size=dims.sp_size,
                                       packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec))
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None) or 0
     if run.wallfacer.self_check:  # the model as configured, with and without sequence parallelism (self_check.py)
-        _self_check(module, run, layout, groups, comm, device, pad_token_id=int(pad_token_id),
+        _self_check(module, run, groups, comm, device, pad_token_id=int(pad_token_id),
                     ignore_index=ignore_index)
     # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
     if optimizer is None and model_parameters is None:
@@ -294,15 +296,14 @@ def initialize(
         config=ds_dict, **deepspeed_kwargs,
     )
     sp = SequenceParallel(
-        config=run, layout=layout, groups=groups, comm=comm, attention=attention, module=module,
+        config=run, setup=setup, groups=groups, comm=comm, attention=attention, module=module,
         mini_sequence=mst_handle, pad_token_id=int(pad_token_id), ignore_index=ignore_index,
     )
     return engine, sp
 
 
-def _self_check(module: SequenceParallelCausalLM, run: RunConfig, layout: ParallelLayout,
-                groups: SequenceParallelGroups, comm: CommLayer, device: torch.device, *, pad_token_id: int,
-                ignore_index: int) -> None:
+def _self_check(module: SequenceParallelCausalLM, run: RunConfig, groups: SequenceParallelGroups, comm: CommLayer,
+                device: torch.device, *, pad_token_id: int, ignore_index: int) -> None:
     """Run the start-up self-check on the device training will use (DeepSpeed would move a ZeRO-0/1/2 model there
     anyway; ZeRO-3 models stay where they are), then forget its traffic. Rank 0 logs what it measured."""
     lm = module.lm
@@ -313,7 +314,7 @@ def _self_check(module: SequenceParallelCausalLM, run: RunConfig, layout: Parall
     def shard(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return prepare_batch(batch, spec, pad_token_id=pad_token_id, ignore_index=ignore_index)
 
-    tokens = check_length(text_config(lm), sp_size=layout.sp_size, requested=run.wallfacer.self_check_tokens)
+    tokens = check_length(text_config(lm), sp_size=groups.setup.dims.sp_size, requested=run.wallfacer.self_check_tokens)
     # parameters ZeRO-3 partitioned at construction (zero.Init) are gathered for the check, as a forward would
     partitioned = [p for p in lm.parameters() if hasattr(p, "ds_id")]
     gathered = contextlib.nullcontext()
@@ -329,16 +330,16 @@ def _self_check(module: SequenceParallelCausalLM, run: RunConfig, layout: Parall
         log.warning("ds_wallfacer: %s", report.describe())
 
 
-def _resolve_layout(
+def _resolve_setup(
     model: nn.Module, run: RunConfig, *, ranks_per_node: int | None, seq_len: int | None
-) -> ParallelLayout:
-    """The validated layout ("auto" by the planner when a length is known); rank 0 logs it and the reasons."""
+) -> ParallelSetup:
+    """The validated setup ("auto" by the planner when a length is known); rank 0 logs it and the reasons."""
     hq, hk = model_heads(model)
-    layout = resolve_auto(run.wallfacer, world_size=dist.get_world_size(), num_heads=hq, num_kv_heads=hk,
+    setup = resolve_auto(run.wallfacer, world_size=dist.get_world_size(), num_heads=hq, num_kv_heads=hk,
                           ranks_per_node=ranks_per_node, planner_inputs=_plan_inputs(model, run, seq_len))
     if dist.get_rank() == 0:
-        log.warning("%s", layout.describe())
-    return layout
+        log.warning("%s", setup.describe())
+    return setup
 
 
 def _apply_mini_sequence(

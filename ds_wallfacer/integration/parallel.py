@@ -1,4 +1,4 @@
-"""Process groups of a ``ParallelLayout``, built once on every rank, and this rank's attention and shard spec.
+"""Process groups of a ``ParallelSetup``, built once on every rank, and this rank's attention and shard spec.
 
 ``dist.new_group`` is collective over the world, so every rank creates every group in the same order:
 the sequence-parallel groups (loss reduction, batch checks), the Ulysses groups (consecutive ranks) and, through
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..attention.hybrid import sequence_parallel_attention
 from ..comm import CommLayer, WallFacerGroups, build_groups
 from ..comm.groups import DEFAULT_TIMEOUT
-from ..config import ParallelLayout
+from ..planner.auto import ParallelSetup
 from ..data.loader import ShardSpec
 
 __all__ = ["SequenceParallelGroups", "build_sequence_parallel", "check_same_batch"]
@@ -26,11 +26,11 @@ __all__ = ["SequenceParallelGroups", "build_sequence_parallel", "check_same_batc
 class SequenceParallelGroups:
     """This rank's place and process groups."""
 
-    layout: ParallelLayout
+    setup: ParallelSetup
     rank: int
     """Global rank."""
     shard_index: int
-    """The data shard this rank holds: ``j * U + u`` with ``j`` its WallFacer index (``WorldLayout.shard_index``;
+    """The data shard this rank holds: ``j * U + u`` with ``j`` its WallFacer index (``ParallelDims.shard_index``;
     equal to ``sp_index`` unless the placement permutes the ring ranks)."""
     dp_index: int
     """Data-parallel replica."""
@@ -43,15 +43,15 @@ class SequenceParallelGroups:
 
     @property
     def sp_index(self) -> int:
-        """Position of this rank in its sequence-parallel group (``WorldLayout.sp_index``)."""
-        return self.layout.sp_index(self.rank)
+        """Position of this rank in its sequence-parallel group (``ParallelDims.sp_index``)."""
+        return self.setup.dims.sp_index(self.rank)
 
     @property
     def shard_spec(self) -> ShardSpec:
-        lay = self.layout
+        dims = self.setup.dims
         return ShardSpec(
-            index=self.shard_index, sp_size=lay.sp_size, ulysses_degree=lay.ulysses_degree, scheme=lay.sharding,
-            dp_rank=self.dp_index, dp_size=lay.dp_size,
+            index=self.shard_index, sp_size=dims.sp_size, ulysses_degree=dims.ulysses_degree,
+            scheme=self.setup.sharding, dp_rank=self.dp_index, dp_size=dims.dp_size,
         )
 
 
@@ -69,33 +69,32 @@ def _new_groups(
 
 
 def build_sequence_parallel(
-    layout: ParallelLayout, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    setup: ParallelSetup, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT
 ) -> SequenceParallelGroups:
-    """Create all groups of ``layout`` (call on every rank, identically) and return this rank's. Which ranks form
-    which group is ``layout.world``'s (``comm.world.WorldLayout``)."""
+    """Create all groups of ``setup`` (call on every rank, identically) and return this rank's. Which ranks form
+    which group is ``setup.dims``'s (``comm.dims.ParallelDims``)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() first")
     me, world = dist.get_rank(), dist.get_world_size()
-    if world != layout.world_size:
-        raise ValueError(f"layout is for {layout.world_size} ranks, but the world has {world}")
-    ranks = layout.world
-    sp_group = _new_groups(ranks.all_sp_ranks(), me, timeout)
-    ulysses_group = _new_groups(ranks.all_ulysses_ranks(), me, timeout) if layout.ulysses_degree > 1 else None
-    wallfacer = (build_groups(ranks.rank_layouts(layout.ranks_per_node), timeout=timeout)
-                 if layout.ring_size > 1 else None)
+    dims = setup.dims
+    if world != dims.world_size:
+        raise ValueError(f"the setup is for {dims.world_size} ranks, but the world has {world}")
+    sp_group = _new_groups(dims.all_sp_ranks(), me, timeout)
+    ulysses_group = _new_groups(dims.all_ulysses_ranks(), me, timeout) if dims.ulysses_degree > 1 else None
+    wallfacer = (build_groups(dims.rank_layouts(setup.ranks_per_node), timeout=timeout)
+                 if dims.ring_size > 1 else None)
     assert sp_group is not None
     return SequenceParallelGroups(
-        layout=layout, rank=me, shard_index=ranks.shard_index(me), dp_index=ranks.dp_index(me), sp_group=sp_group,
+        setup=setup, rank=me, shard_index=dims.shard_index(me), dp_index=dims.dp_index(me), sp_group=sp_group,
         ulysses_group=ulysses_group, wallfacer=wallfacer,
     )
 
 
 def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> Any:
     """This rank's sequence-parallel attention object (``attn(q, k, v, causal=, scale=)``)."""
-    lay = groups.layout
     return sequence_parallel_attention(
-        ulysses_group=groups.ulysses_group, wallfacer_groups=groups.wallfacer, comm=comm, kernel=lay.kernel,
-        sharding=lay.sharding, sp_group=groups.sp_group,
+        ulysses_group=groups.ulysses_group, wallfacer_groups=groups.wallfacer, comm=comm, kernel=groups.setup.kernel,
+        sharding=groups.setup.sharding, sp_group=groups.sp_group,
     )
 
 

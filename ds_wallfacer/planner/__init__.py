@@ -8,11 +8,15 @@ peak memory per rank, and pick the fastest one that fits:
 - ``Candidate``, ``Workload``: one configuration, and what is trained
 - ``estimate`` (cost model, byte counts from ``attention.volume``), ``memory_breakdown`` (memory model)
 - ``plan`` (all rows, ranked) and ``resolve`` (the choice for "auto" config values at start-up)
+- ``resolve_auto`` / ``ParallelSetup``: a ``"wallfacer"`` section's "auto" values chosen (planner, else the safe rule)
 - ``layouts`` / ``ulysses_groups``: the chosen placement as ``RankLayout``s and all-to-all groups
 """
 from .._lazy import lazy_exports
 
 _EXPORTS = {
+    "ParallelSetup": ".auto",
+    "PlanInputs": ".auto",
+    "resolve_auto": ".auto",
     "STRATEGIES": ".candidate",
     "PLACEMENTS": ".candidate",
     "Candidate": ".candidate",

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.world import PLACEMENTS
+from ..comm.dims import PLACEMENTS, check_placement, check_ulysses_degree
+from ..comm.layout import check_ring_count
 from ..mst.config import DEFAULT_LOGITS_BUDGET_MIB
 
 __all__ = ["Candidate", "PLACEMENTS", "STRATEGIES", "Workload", "strategy_of"]
@@ -46,13 +47,11 @@ class Candidate:
 
     def __post_init__(self) -> None:
         p, c, u = self.sp_size, self.ring_count, self.ulysses_degree
-        if p < 1 or u < 1 or c < 1 or p % u:
-            raise ValueError(f"ulysses_degree={u} must divide sp_size={p} (both >= 1)")
-        r = p // u
-        if r % (c * c):
-            raise ValueError(f"ring_count={c}: C*C must divide the ring size P/U = {r} (sp_size={p}, U={u})")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement={self.placement!r}; expected one of {PLACEMENTS}")
+        if p < 1:
+            raise ValueError(f"sp_size={p} must be >= 1")
+        check_ulysses_degree(p, u)
+        check_ring_count(p // u, c)
+        check_placement(self.placement)
 
     @property
     def strategy(self) -> str:

@@ -1,9 +1,9 @@
 """Rank placement: which global ranks form each sequence-parallel group, ring and Ulysses group, and which
 links every traffic kind crosses.
 
-Which rank plays which part is ``comm.world.WorldLayout``'s (the same arithmetic the run uses): W / P
+Which rank plays which part is ``comm.dims.ParallelDims``' (the same arithmetic the run uses): W / P
 sequence-parallel groups of consecutive ranks, the Ulysses index innermost, then the WallFacer index in the order of
-the placement (``comm.world.PLACEMENTS``). The WallFacer semantics (teams, sub-rings, skew
+the placement (``comm.dims.PLACEMENTS``). The WallFacer semantics (teams, sub-rings, skew
 and home partners) are ``comm.layout.RankLayout``'s: ``layouts`` builds them, and ``peer_indices`` is its
 arithmetic unrolled for speed (a 1024-rank ``RankLayout`` takes ~20 ms; the planner looks at hundreds), checked
 equal to ``RankLayout`` in the tests.
@@ -17,33 +17,33 @@ import numpy as np
 from dataclasses import dataclass
 
 from ..comm.layout import RankLayout
-from ..comm.world import WorldLayout, ring_offset
+from ..comm.dims import ParallelDims, ring_offset
 from .candidate import Candidate
 from .cluster import ClusterSpec
 
 __all__ = ["LinkStats", "Links", "analyse_links", "layouts", "peer_indices", "ring_offset", "sp_groups",
-           "ulysses_groups", "world_of"]
+           "ulysses_groups", "dims_of"]
 
 
-def world_of(cand: Candidate, world_size: int) -> WorldLayout:
-    """The world layout of ``cand`` over ``world_size`` ranks: the rank arithmetic the run itself uses."""
-    return WorldLayout(world_size=world_size, sp_size=cand.sp_size, ulysses_degree=cand.ulysses_degree,
+def dims_of(cand: Candidate, world_size: int) -> ParallelDims:
+    """The sizes of ``cand`` over ``world_size`` ranks: the rank arithmetic the run itself uses."""
+    return ParallelDims(world_size=world_size, sp_size=cand.sp_size, ulysses_degree=cand.ulysses_degree,
                        ring_count=cand.ring_count, placement=cand.placement)
 
 
 def sp_groups(cand: Candidate, world_size: int) -> list[tuple[int, ...]]:
     """Every SP group's global ranks (consecutive blocks of P; data-parallel replicas are the blocks)."""
-    return world_of(cand, world_size).all_sp_ranks()
+    return dims_of(cand, world_size).all_sp_ranks()
 
 
 def layouts(cand: Candidate, world_size: int, ranks_per_node: int | None = None) -> list[RankLayout]:
     """The WallFacer ``RankLayout`` of every ring (W / R of them; U per SP group), for ``build_groups``."""
-    return world_of(cand, world_size).rank_layouts(ranks_per_node)
+    return dims_of(cand, world_size).rank_layouts(ranks_per_node)
 
 
 def ulysses_groups(cand: Candidate, world_size: int) -> list[tuple[int, ...]]:
     """Every Ulysses all-to-all group: U consecutive ranks (one per ring rank of each SP group)."""
-    return world_of(cand, world_size).all_ulysses_ranks()
+    return dims_of(cand, world_size).all_ulysses_ranks()
 
 
 def _peer_arrays(ring_size: int, ring_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

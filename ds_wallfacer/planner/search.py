@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..comm.layout import valid_ring_counts
-from ..comm.world import divisors
+from ..comm.dims import divisors
 from ..data.chunks import padded_length, seq_len_divisor
 from ..mst.config import auto_lm_head_chunk_tokens, auto_mlp_chunk_tokens
 from .candidate import PLACEMENTS, STRATEGIES, Candidate, Workload

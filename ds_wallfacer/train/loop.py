@@ -82,7 +82,7 @@ def _replica_mean(values: torch.Tensor, *, layout: Any, comm: Any) -> torch.Tens
     the tensor is on the group's device."""
     with comm.phase("metrics"):
         rows = comm.all_gather(values, dist.group.WORLD)  # [W, k]
-    firsts = [rows[layout.sp_ranks(d)[0]] for d in range(layout.dp_size)]
+    firsts = [rows[layout.dims.sp_ranks(d)[0]] for d in range(layout.dims.dp_size)]
     return torch.stack(firsts).double().mean(0).cpu()
 
 
@@ -135,8 +135,8 @@ def run(args: Any) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         raise StartupError(str(e)) from None
-    rank, world, lay = dist.get_rank(), dist.get_world_size(), sp.layout
-    micro, gas, dp = run_cfg.micro_batch(dp_size=lay.dp_size), engine.gradient_accumulation_steps(), lay.dp_size
+    rank, world, lay = dist.get_rank(), dist.get_world_size(), sp.setup
+    micro, gas, dp = run_cfg.micro_batch(dp_size=lay.dims.dp_size), engine.gradient_accumulation_steps(), lay.dims.dp_size
     if len(data.train) < micro * dp:
         raise StartupError(
             f"the training split has {len(data.train)} sequences of {args.seq_len} tokens, fewer than one micro-batch "
@@ -192,7 +192,7 @@ def run(args: Any) -> int:
 
     def evaluate() -> float:
         batches, counts = eval_batches(data.eval, micro=micro, dp=dp, eos_id=eos)
-        mine = counts[lay.dp_index(rank)::dp]
+        mine = counts[lay.dims.dp_index(rank)::dp]
         total = torch.zeros(2, dtype=torch.float64, device=engine.device)
         engine.eval()
         with torch.no_grad():
@@ -301,9 +301,9 @@ def run(args: Any) -> int:
             "final_loss": losses[-1] if losses else None, "eval_loss": eval_loss,
             "finite": all(math.isfinite(x) for x in losses),
             "tokens_per_s": seq_per_step * args.seq_len / measured if measured else None, "wall_s": wall,
-            "measured_step_s": measured, "predicted_step_s": predicted, "mode": lay.mode,
-            "sequence_parallel_size": lay.sp_size, "data_parallel_size": lay.dp_size,
-            "ulysses_degree": lay.ulysses_degree, "ring_count": lay.ring_count, "placement": lay.placement,
+            "measured_step_s": measured, "predicted_step_s": predicted, "mode": lay.dims.mode,
+            "sequence_parallel_size": lay.dims.sp_size, "data_parallel_size": lay.dims.dp_size,
+            "ulysses_degree": lay.dims.ulysses_degree, "ring_count": lay.dims.ring_count, "placement": lay.dims.placement,
             "world_size": world, "seq_len": args.seq_len, "params": n_params, "dtype": str(dtype).replace("torch.", ""),
             "global_batch": seq_per_step, "train_sequences": len(data.train), "eval_sequences": len(data.eval),
             "mini_sequence": sp.mini_sequence is not None, "resumed_from": str(resume_tag) if resume_tag else None,

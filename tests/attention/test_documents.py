@@ -56,7 +56,8 @@ def _modes(world: int):
 def _run(rank: int, world: int) -> list[dict]:
     from ds_wallfacer.attention.documents import SequenceBatch
     from ds_wallfacer.comm import CommLayer
-    from ds_wallfacer.config import ParallelLayout
+    from ds_wallfacer.comm.dims import ParallelDims
+    from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.data.loader import shard_sequence
     from ds_wallfacer.integration import build_sequence_parallel
     from ds_wallfacer.integration.parallel import attention_for
@@ -65,8 +66,9 @@ def _run(rank: int, world: int) -> list[dict]:
     n = SEQ_PER_RANK * world
     out = []
     for mode, u, c in _modes(world):
-        lay = ParallelLayout(world_size=world, sp_size=world, mode=mode, ulysses_degree=u, ring_count=c, num_heads=8,
-                             num_kv_heads=2, kernel="reference")
+        dims = ParallelDims(world_size=world, sp_size=world, mode=mode, ulysses_degree=u, ring_count=c, num_heads=8,
+                            num_kv_heads=2)
+        lay = ParallelSetup(dims, kernel="reference")
         groups = build_sequence_parallel(lay)
         attn = attention_for(groups, comm=CommLayer())
         for i, (window, softcap, packed, balanced) in enumerate([

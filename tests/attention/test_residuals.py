@@ -24,7 +24,7 @@ from tests.dist_utils import run_distributed
 
 B, HQ, HK, D, N, E = 2, 4, 2, 8, 32, 24
 LAYERS = 2
-# name -> (ParallelLayout mode, U, C) on 4 ranks; None: local attention on each rank (P = 1)
+# name -> (mode, U, C) on 4 ranks; None: local attention on each rank (P = 1)
 MODES = {"local": None, "ring": ("wallfacer", 1, 1), "wallfacer": ("wallfacer", 1, 2), "ulysses": ("ulysses", 4, 1),
          "hybrid": ("hybrid", 2, 1)}
 OPS_PER_LAYER = {"local": 1, "ring": 1, "wallfacer": 1, "ulysses": 3, "hybrid": 3}  # all-to-all, inner, all-to-all
@@ -77,7 +77,8 @@ def _checkpoint(variant: str):
 def _attention(rank: int, world: int, mode: str, cache: dict):
     from ds_wallfacer.attention.ulysses import LocalAttention
     from ds_wallfacer.comm import CommLayer
-    from ds_wallfacer.config import ParallelLayout
+    from ds_wallfacer.comm.dims import ParallelDims
+    from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.integration import build_sequence_parallel
     from ds_wallfacer.integration.parallel import attention_for
 
@@ -85,15 +86,15 @@ def _attention(rank: int, world: int, mode: str, cache: dict):
         return LocalAttention(), CommLayer(), lambda x: x, None
     if mode not in cache:  # groups are collective to build: once per layout
         kind, u, c = MODES[mode]
-        lay = ParallelLayout(world_size=world, sp_size=world, mode=kind, ulysses_degree=u, ring_count=c,
-                             num_heads=HQ, num_kv_heads=HK)
+        lay = ParallelSetup(ParallelDims(world_size=world, sp_size=world, mode=kind, ulysses_degree=u, ring_count=c,
+                                         num_heads=HQ, num_kv_heads=HK))
         cache[mode] = (lay, build_sequence_parallel(lay))
     lay, groups = cache[mode]
     comm = CommLayer()
     from ds_wallfacer.data import shard_sequence
 
     def shard(x: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(x, dim=1, index=groups.shard_index, sp_size=world, ulysses_degree=lay.ulysses_degree)
+        return shard_sequence(x, dim=1, index=groups.shard_index, sp_size=world, ulysses_degree=lay.dims.ulysses_degree)
 
     return attention_for(groups, comm=comm), comm, shard, groups
 

@@ -12,7 +12,8 @@ MODES = (("ulysses", 4), ("hybrid", 2))
 
 def _mismatched(rank: int, world: int) -> dict[str, list]:
     from ds_wallfacer.comm import CommLayer
-    from ds_wallfacer.config import ParallelLayout
+    from ds_wallfacer.comm.dims import ParallelDims
+    from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.integration import build_sequence_parallel
     from ds_wallfacer.integration.parallel import attention_for
 
@@ -29,8 +30,8 @@ def _mismatched(rank: int, world: int) -> dict[str, list]:
     ]
     out = {}
     for mode, u in MODES:
-        lay = ParallelLayout(world_size=world, sp_size=world, mode=mode, ulysses_degree=u, ring_count=1,
-                             num_heads=4, num_kv_heads=4)
+        lay = ParallelSetup(ParallelDims(world_size=world, sp_size=world, mode=mode, ulysses_degree=u, num_heads=4,
+                                         num_kv_heads=4))
         attn = attention_for(build_sequence_parallel(lay), comm=CommLayer())
         messages: list = []
         for make in cases:

@@ -54,7 +54,7 @@ def test_teams_are_consecutive_and_placement_report():
 
 @pytest.mark.parametrize("p,c", [(8, 4), (6, 2), (4, 0), (4, -1), (12, 3)])
 def test_invalid_ring_count_names_valid_choices(p, c):
-    with pytest.raises(ValueError, match=rf"Valid ring counts for P={p}: \[1"):
+    with pytest.raises(ValueError, match=rf"C\*C must divide {p}\. Valid ring counts: \[1"):
         RankLayout(tuple(range(p)), c)
 
 

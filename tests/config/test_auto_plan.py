@@ -9,7 +9,9 @@ import dataclasses
 
 import pytest
 
-from ds_wallfacer.config import PLACEMENTS, ParallelLayout, PlanInputs, WallFacerConfig, parse_ds_config, resolve_auto
+from ds_wallfacer.comm.dims import ParallelDims
+from ds_wallfacer.config import PLACEMENTS, WallFacerConfig, parse_ds_config
+from ds_wallfacer.planner.auto import ParallelSetup, PlanInputs, resolve_auto
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "ds_configs").glob("*.json"))
@@ -20,7 +22,7 @@ TINY = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128, "num_
 
 
 def _resolve(section: dict, *, world: int = 8, seq_len: int | None = 4096, rpn: int | None = 8,
-             heads: tuple[int, int] = (8, 4), **plan_kw) -> ParallelLayout:
+             heads: tuple[int, int] = (8, 4), **plan_kw) -> ParallelSetup:
     plan_kw = {"model": TINY, "seq_len": seq_len, "environ": {}, **plan_kw}
     return resolve_auto(WallFacerConfig.from_dict(section), world_size=world, num_heads=heads[0],
                         num_kv_heads=heads[1], ranks_per_node=rpn, planner_inputs=PlanInputs(**plan_kw))
@@ -30,38 +32,38 @@ def test_auto_is_resolved_by_the_planner() -> None:
     from ds_wallfacer import planner
 
     lay = _resolve({"mode": "auto", "cluster": "h100x8"})
-    assert lay.planner_choice is not None and lay.world_size == 8
-    assert lay.mode in ("wallfacer", "ulysses", "hybrid") and lay.placement in PLACEMENTS
+    assert lay.planner_choice is not None and lay.dims.world_size == 8
+    assert lay.dims.mode in ("wallfacer", "ulysses", "hybrid") and lay.dims.placement in PLACEMENTS
     assert lay.notes[0].startswith("planner chose mode = ")
     assert "cluster h100x8" in lay.notes[0] and "seq_len 4096" in lay.notes[0]
     assert any(n.startswith("planner: fastest of ") for n in lay.notes)
     # the very choice of planner.resolve, in the config's vocabulary
     want = planner.resolve("h100x8", TINY, 4096, 8, {"mini_sequence": False, "activation_checkpointing": False},
                            workload=planner.Workload(seq_len=4096, zero_stage=0))
-    got = (lay.mode, lay.sp_size, lay.ulysses_degree, lay.ring_count, lay.placement)
+    got = (lay.dims.mode, lay.dims.sp_size, lay.dims.ulysses_degree, lay.dims.ring_count, lay.dims.placement)
     assert got == (want.mode, want.sp_size, want.ulysses_degree, want.ring_count, want.placement)
     assert "planner chose" in lay.describe() and "placement=" in lay.describe()
     logged = lay.log_dict()  # what train.py sends to wandb
     assert logged["wallfacer/planner_used"] is True and logged["wallfacer/planner/cluster"] == "h100x8"
     assert logged["wallfacer/planner/reasons"] == list(want.reasons)
-    assert logged["wallfacer/sequence_parallel_size"] == lay.sp_size
+    assert logged["wallfacer/sequence_parallel_size"] == lay.dims.sp_size
     assert logged["wallfacer/auto_notes"] == list(lay.notes)
 
 
 def test_user_values_are_fixed_for_the_planner() -> None:
     lay = _resolve({"mode": "hybrid", "sequence_parallel_size": 4, "ulysses_degree": 2, "cluster": "h100x8"})
-    assert (lay.mode, lay.sp_size, lay.dp_size, lay.ulysses_degree) == ("hybrid", 4, 2, 2)
+    assert (lay.dims.mode, lay.dims.sp_size, lay.dims.dp_size, lay.dims.ulysses_degree) == ("hybrid", 4, 2, 2)
     assert lay.notes[0].startswith("planner chose ring_count = ")  # only the open values are named
     assert any("fixed by the user: mode=hybrid, sp_size=4, ulysses_degree=2" in n for n in lay.notes)
     lay = _resolve({"mode": "ulysses", "cluster": "h100x8"})  # ulysses: U = P whatever P the planner takes
-    assert lay.mode == "ulysses" and lay.ulysses_degree == lay.sp_size and lay.ring_count == 1
+    assert lay.dims.mode == "ulysses" and lay.dims.ulysses_degree == lay.dims.sp_size and lay.dims.ring_count == 1
     # the MsT settings the run will use are passed on, not chosen
     lay = _resolve({"cluster": "h100x8", "mini_sequence": {"mlp_chunk_tokens": 64}})
     assert lay.planner_choice["mini_sequence"] is True and lay.planner_choice["mlp_chunk_tokens"] == 64
     assert lay.planner_choice["activation_checkpointing"] is True  # MsT's default layer checkpointing
     # nothing left open: the user's layout, no notes; the planner only predicts its step time
     lay = _resolve({"sequence_parallel_size": 4, "ring_count": 2})
-    assert lay.notes == () and lay.placement == "team-inner" and (lay.sp_size, lay.ring_count) == (4, 2)
+    assert lay.notes == () and lay.dims.placement == "team-inner" and (lay.dims.sp_size, lay.dims.ring_count) == (4, 2)
     assert lay.planner_choice["sp_size"] == 4 and lay.planner_choice["ring_count"] == 2
     assert lay.planner_choice["step_s"] > 0
 
@@ -80,7 +82,7 @@ def test_environment_and_cluster_preset() -> None:
 def test_planner_error_falls_back_to_the_safe_rule_with_its_message() -> None:
     # Llama-3-8B on the 10 GiB CPU preset: nothing fits
     lay = _resolve({"cluster": "cpu"}, world=4, rpn=4, model="llama3-8b", seq_len=65536)
-    assert lay.planner_choice is None and (lay.mode, lay.sp_size, lay.ring_count) == ("wallfacer", 4, 2)
+    assert lay.planner_choice is None and (lay.dims.mode, lay.dims.sp_size, lay.dims.ring_count) == ("wallfacer", 4, 2)
     assert lay.notes[0].startswith("planner found no configuration for cluster cpu ")
     assert "nothing fits in memory" in lay.notes[0] and lay.notes[0].endswith("the safe rule chose instead")
     assert "sequence_parallel_size = 4 (the world size)" in lay.notes[1:]
@@ -92,7 +94,7 @@ def test_planner_error_falls_back_to_the_safe_rule_with_its_message() -> None:
 
 def test_without_a_length_the_safe_rule_says_so() -> None:
     lay = _resolve({"mode": "auto"}, seq_len=None)
-    assert lay.planner_choice is None and lay.mode == "wallfacer" and lay.sp_size == 8
+    assert lay.planner_choice is None and lay.dims.mode == "wallfacer" and lay.dims.sp_size == 8
     assert lay.notes[0].startswith("planner not used: no sequence length known")
     assert "mode = wallfacer (the default when nothing was planned)" in lay.notes
     assert _resolve({"seq_len": 2048, "cluster": "h100x8"}, seq_len=None).planner_choice["seq_len"] == 2048
@@ -123,20 +125,20 @@ def test_ring_inner_ranks_and_shards_agree_with_the_planner(u: int) -> None:
     from ds_wallfacer import planner
     from ds_wallfacer.comm import RankLayout
 
-    lay = ParallelLayout(world_size=32, sp_size=16, mode="wallfacer" if u == 1 else "hybrid", ulysses_degree=u,
-                         ring_count=2, num_heads=8, num_kv_heads=8, placement="ring-inner")
+    dims = ParallelDims(world_size=32, sp_size=16, ulysses_degree=u, ring_count=2, num_heads=8, num_kv_heads=8,
+                        placement="ring-inner")
     cand = planner.Candidate(sp_size=16, ring_count=2, ulysses_degree=u, placement="ring-inner")
-    rings = [lay.ring_ranks(d, k) for d in range(lay.dp_size) for k in range(u)]
+    rings = [dims.ring_ranks(d, k) for d in range(dims.dp_size) for k in range(u)]
     assert rings == [tuple(x.ranks) for x in planner.layouts(cand, 32)]
     assert rings[0] != tuple(sorted(rings[0]))  # a real permutation (G = 16 / u / 4 > 1)
     assert sorted(r for ring in rings for r in ring) == list(range(32))
     for ring in rings:  # the data shard of each rank is the ring chunk its WallFacer index attends with
         wf = RankLayout(ring, 2)
         for rank in ring:
-            i, k = divmod(lay.shard_index(rank), u)
+            i, k = divmod(dims.shard_index(rank), u)
             assert i == wf.place_of_rank(rank).index and k == rank % u
-            assert lay.ulysses_ranks(lay.dp_index(rank), lay.sp_index(rank) // u)[k] == rank
-    team = dataclasses.replace(lay, placement="team-inner")
+            assert dims.ulysses_ranks(dims.dp_index(rank), dims.sp_index(rank) // u)[k] == rank
+    team = dataclasses.replace(dims, placement="team-inner")
     assert all(team.shard_index(r) == team.sp_index(r) for r in range(32))
 
 
@@ -145,8 +147,9 @@ def test_planner_can_choose_ring_inner() -> None:
 
     lay = _resolve({"sequence_parallel_size": 32, "ring_count": 2, "cluster": "h100x64"}, world=32,
                    heads=(32, 32), model="llama2-7b", seq_len=65536, zero_stage=3)
-    assert lay.placement == "ring-inner" and lay.notes[0].startswith("planner chose placement = ring-inner")
-    assert lay.ring_ranks(0, 0) == planner.layouts(planner.Candidate(sp_size=32, ring_count=2, ulysses_degree=1, placement="ring-inner"), 32)[0].ranks
+    assert lay.dims.placement == "ring-inner" and lay.notes[0].startswith("planner chose placement = ring-inner")
+    cand = planner.Candidate(sp_size=32, ring_count=2, ulysses_degree=1, placement="ring-inner")
+    assert lay.dims.ring_ranks(0, 0) == planner.layouts(cand, 32)[0].ranks
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -158,10 +161,10 @@ def test_every_example_config_plans_for_train_py(path: Path) -> None:
     lay = resolve_auto(run.wallfacer, world_size=4, num_heads=8, num_kv_heads=4, ranks_per_node=4, planner_inputs=plan)
     lay.check_seq_len(512)
     assert not any("safe rule" in n for n in lay.notes), lay.notes
-    run.deepspeed_dict(world_size=4, sp_size=lay.sp_size)
+    run.deepspeed_dict(world_size=4, sp_size=lay.dims.sp_size)
 
 
 def test_one_rank_says_so_in_one_line() -> None:
     lay = _resolve({"mini_sequence": {}}, world=1, rpn=1)
     assert lay.notes == ("one rank: no sequence parallelism (attention over the whole sequence on this rank)",)
-    assert (lay.sp_size, lay.ring_count, lay.ulysses_degree) == (1, 1, 1)
+    assert (lay.dims.sp_size, lay.dims.ring_count, lay.dims.ulysses_degree) == (1, 1, 1)

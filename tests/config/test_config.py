@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from ds_wallfacer.config import ParallelLayout, WallFacerConfig, parse_ds_config, resolve_auto, valid_ulysses_degrees
+from ds_wallfacer.comm.dims import ParallelDims, valid_ulysses_degrees
+from ds_wallfacer.config import WallFacerConfig, parse_ds_config
+from ds_wallfacer.planner.auto import ParallelSetup, resolve_auto
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "ds_configs").glob("*.json"))
 
 
-def _layout(**kw) -> ParallelLayout:
+def _dims(**kw) -> ParallelDims:
     base = dict(world_size=8, sp_size=8, mode="hybrid", ulysses_degree=2, ring_count=1, num_heads=8, num_kv_heads=4)
-    return ParallelLayout(**{**base, **kw})
+    return ParallelDims(**{**base, **kw})
 
 
 def test_defaults_and_documented_fields() -> None:
@@ -68,28 +70,28 @@ def test_mini_sequence_is_parsed_by_its_owner() -> None:
         (dict(num_heads=6, num_kv_heads=6, ulysses_degree=4), "ulysses_degree = 4 does not fit the model's heads (6 query, 6 kv)"),
         (dict(num_heads=8, num_kv_heads=2, ulysses_degree=8, ring_count=1, mode="ulysses"), None),  # kv replicated
         (dict(num_heads=12, num_kv_heads=3, ulysses_degree=2), "Valid degrees for sequence_parallel_size 8: [1]"),
-        (dict(ring_count=2, ulysses_degree=4), "ring_count = 2 is invalid for a ring dimension of 2 ranks (sequence_parallel_size 8 / ulysses_degree 4): C*C must divide 2. Valid ring counts: [1]"),
+        (dict(ring_count=2, ulysses_degree=4), "ring_count = 2 is invalid for a ring dimension of 2 ranks (sequence_parallel_size / ulysses_degree): C*C must divide 2. Valid ring counts: [1]"),
         (dict(ulysses_degree=1, ring_count=3, mode="wallfacer"), "Valid ring counts: [1, 2]"),
         (dict(mode="ulysses", ulysses_degree=4), 'mode "ulysses" needs ulysses_degree = sequence_parallel_size = 8'),
         (dict(num_heads=6, num_kv_heads=4), "query heads are not a multiple of its 4 kv heads"),
     ],
 )
-def test_layout_validation(kw: dict, message: str | None) -> None:
+def test_dims_validation(kw: dict, message: str | None) -> None:
     if message is None:
-        _layout(**kw)
+        _dims(**kw)
         return
     with pytest.raises(ValueError) as e:
-        _layout(**kw)
+        _dims(**kw)
     assert message in str(e.value)
 
 
 def test_ring_count_two_in_a_ring_of_four_is_valid() -> None:
-    lay = _layout(ring_count=2, ulysses_degree=2, sp_size=8)  # R = 4, C*C = 4
+    lay = _dims(ring_count=2, ulysses_degree=2, sp_size=8)  # R = 4, C*C = 4
     assert (lay.ring_size, lay.dp_size) == (4, 1)
 
 
 def test_rank_arithmetic() -> None:
-    lay = _layout(world_size=16, sp_size=8, ulysses_degree=2, ring_count=2)
+    lay = _dims(world_size=16, sp_size=8, ulysses_degree=2, ring_count=2)
     assert lay.dp_size == 2 and lay.ring_size == 4
     assert lay.sp_ranks(1) == tuple(range(8, 16))
     assert lay.ulysses_ranks(1, 2) == (12, 13)
@@ -99,22 +101,22 @@ def test_rank_arithmetic() -> None:
     ul = sorted(r for d in range(2) for i in range(4) for r in lay.ulysses_ranks(d, i))
     rg = sorted(r for d in range(2) for u in range(2) for r in lay.ring_ranks(d, u))
     assert ul == rg == list(range(16))
-    lay.check_seq_len(32)
+    ParallelSetup(lay).check_seq_len(32)
     with pytest.raises(ValueError, match="sequence length 30 is not divisible by 2 x sequence_parallel_size = 16: pad to 32 or truncate to 16"):
-        lay.check_seq_len(30)
+        ParallelSetup(lay).check_seq_len(30)
 
 
 def test_auto_choices_are_valid_and_logged() -> None:
     lay = resolve_auto(WallFacerConfig(mode="hybrid"), world_size=16, num_heads=8, num_kv_heads=2, ranks_per_node=8)
-    assert (lay.sp_size, lay.ulysses_degree, lay.ring_count) == (16, 2, 2)  # U = 2 keeps kv heads split
+    assert (lay.dims.sp_size, lay.dims.ulysses_degree, lay.dims.ring_count) == (16, 2, 2)  # U = 2 keeps kv heads split
     assert any("ulysses_degree = 2" in n for n in lay.notes) and any("ring_count = 2" in n for n in lay.notes)
     lay = resolve_auto(WallFacerConfig(mode="ulysses"), world_size=4, num_heads=4, num_kv_heads=2)
-    assert lay.ulysses_degree == 4 and lay.ring_count == 1
+    assert lay.dims.ulysses_degree == 4 and lay.dims.ring_count == 1
     lay = resolve_auto(WallFacerConfig(), world_size=8, num_heads=4, num_kv_heads=2, ranks_per_node=1)
-    assert (lay.ulysses_degree, lay.ring_count) == (1, 1)  # a team of 2 would cross nodes
+    assert (lay.dims.ulysses_degree, lay.dims.ring_count) == (1, 1)  # a team of 2 would cross nodes
     lay = resolve_auto(WallFacerConfig(sequence_parallel_size=4, ring_count=2), world_size=8, num_heads=4,
                        num_kv_heads=2)
-    assert (lay.sp_size, lay.dp_size, lay.ring_count) == (4, 2, 2) and lay.notes == ()
+    assert (lay.dims.sp_size, lay.dims.dp_size, lay.dims.ring_count) == (4, 2, 2) and lay.notes == ()
     with pytest.raises(ValueError, match="Valid ring counts"):
         resolve_auto(WallFacerConfig(ring_count=3), world_size=8, num_heads=4, num_kv_heads=2)
     assert valid_ulysses_degrees(8, 4, 2) == [1, 2, 4]
@@ -151,7 +153,7 @@ def test_every_example_config_validates(path: Path) -> None:
     run = parse_ds_config(path)
     lay = resolve_auto(run.wallfacer, world_size=4, num_heads=8, num_kv_heads=4, ranks_per_node=4)
     lay.check_seq_len(512)
-    ds = run.deepspeed_dict(world_size=4, sp_size=lay.sp_size)
+    ds = run.deepspeed_dict(world_size=4, sp_size=lay.dims.sp_size)
     assert json.loads(json.dumps(ds)) == ds
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
     ds.pop("train_batch_size")  # no distributed backend here: DeepSpeed's parser takes world size 1

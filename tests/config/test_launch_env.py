@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ds_wallfacer.config import WallFacerConfig, resolve_auto
+from ds_wallfacer.config import WallFacerConfig
+from ds_wallfacer.planner.auto import resolve_auto
 
 
 @pytest.mark.parametrize("var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
@@ -14,5 +15,5 @@ def test_ranks_per_node_from_either_launcher(monkeypatch: pytest.MonkeyPatch, va
     monkeypatch.setenv(var, "2")
     lay = resolve_auto(WallFacerConfig(mode="hybrid"), world_size=8, num_heads=8, num_kv_heads=8)
     assert lay.ranks_per_node == 2
-    assert lay.ulysses_degree == 2 and "the 2 ranks of a node" in " ".join(lay.notes), lay.notes
-    assert all(len({r // 2 for r in lay.ulysses_ranks(0, i)}) == 1 for i in range(lay.ring_size))
+    assert lay.dims.ulysses_degree == 2 and "the 2 ranks of a node" in " ".join(lay.notes), lay.notes
+    assert all(len({r // 2 for r in lay.dims.ulysses_ranks(0, i)}) == 1 for i in range(lay.dims.ring_size))

@@ -75,7 +75,7 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
         assert ms.lm_head is not None
         if case.family == "qwen2_moe":
             assert ms.mlp_modules == ["model.layers.1.mlp"], ms.mlp_modules
-    dp, d = sp.layout.dp_size, sp.groups.dp_index
+    dp, d = sp.setup.dims.dp_size, sp.groups.dp_index
     ref_losses, ref_aux, ref_params = _reference(case, dp)
     failures = []
     for step in range(STEPS):

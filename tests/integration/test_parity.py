@@ -72,8 +72,8 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
 
     ours = tiny_model(case.family)
     engine, sp = initialize(model=ours, config=_ds_config(case), optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
-    dp, d = sp.layout.dp_size, sp.groups.dp_index
-    assert sp.layout.sp_size == case.wallfacer.get("sequence_parallel_size", world)
+    dp, d = sp.setup.dims.dp_size, sp.groups.dp_index
+    assert sp.setup.dims.sp_size == case.wallfacer.get("sequence_parallel_size", world)
     if "mini_sequence" in case.wallfacer:  # MsT really in the path: both MLPs chunked, LM head wrapped
         assert sp.mini_sequence is not None and len(sp.mini_sequence.mlp_modules) == 2, sp.mini_sequence
     ref_losses, ref_params = _reference(case, dp)
@@ -90,7 +90,7 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
     failures += param_failures(engine, ref_params, steps=STEPS)
     # every collective tensor went through the comm layer's device check (comm/ops.py), on the engine's device
     assert sp.comm.device == torch.device(engine.device), (sp.comm.device, engine.device)
-    assert sp.comm.checked >= sum(sp.comm.calls.values()) and (sp.comm.checked > 0 or sp.layout.sp_size == 1)
+    assert sp.comm.checked >= sum(sp.comm.calls.values()) and (sp.comm.checked > 0 or sp.setup.dims.sp_size == 1)
     engine.destroy()
     return [f"[{case.name()}] rank {rank}: {f}" for f in failures]
 

@@ -37,7 +37,8 @@ def _reference(q, k, v, causal):
 def _attention_cases(rank: int, world: int, cases: list) -> list[str]:
     from ds_wallfacer.attention import AttnShape, ulysses_bytes, wallfacer_bytes
     from ds_wallfacer.comm import CommLayer
-    from ds_wallfacer.config import ParallelLayout
+    from ds_wallfacer.comm.dims import ParallelDims
+    from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.data import shard_sequence
     from ds_wallfacer.integration import build_sequence_parallel
     from ds_wallfacer.integration.parallel import attention_for
@@ -45,8 +46,9 @@ def _attention_cases(rank: int, world: int, cases: list) -> list[str]:
     failures = []
     for mode, u, c, sharding, hq, hk, causal, n in cases:
         name = f"{mode} U={u} C={c} {sharding} hq={hq} hk={hk} causal={causal} N={n}"
-        lay = ParallelLayout(world_size=world, sp_size=world, mode=mode, ulysses_degree=u, ring_count=c,
-                             num_heads=hq, num_kv_heads=hk, sharding=sharding)
+        dims = ParallelDims(world_size=world, sp_size=world, mode=mode, ulysses_degree=u, ring_count=c, num_heads=hq,
+                            num_kv_heads=hk)
+        lay = ParallelSetup(dims, sharding=sharding)
         groups = build_sequence_parallel(lay)
         comm = CommLayer()
         attn = attention_for(groups, comm=comm)
@@ -79,7 +81,7 @@ def _attention_cases(rank: int, world: int, cases: list) -> list[str]:
             if groups.wallfacer is not None:
                 hk_u = max(hk, u) // u  # kv heads per rank after the all-to-all (replicated when hk < U)
                 inner = AttnShape(B, n, hq // u, hk_u, D, elem_bytes=4)
-                want_wf = wallfacer_bytes(inner, sp_size=lay.ring_size, ring_count=c,
+                want_wf = wallfacer_bytes(inner, sp_size=dims.ring_size, ring_count=c,
                                           local=groups.wallfacer.place.local)[phase]
                 got_wf = {kind: sent[kind] for kind in want_wf}
                 if got_wf != want_wf:
@@ -109,12 +111,12 @@ def _startup_errors(rank: int, world: int) -> list[str]:
 def _data_errors(rank: int, world: int) -> list[str]:
     """Diverging batches across the sequence-parallel group, and a length that is not padded."""
     from ds_wallfacer.comm import CommLayer
-    from ds_wallfacer.config import ParallelLayout
+    from ds_wallfacer.comm.dims import ParallelDims
+    from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.data import ShardSpec, prepare_batch
     from ds_wallfacer.integration import build_sequence_parallel, check_same_batch
 
-    lay = ParallelLayout(world_size=world, sp_size=world, mode="wallfacer", ulysses_degree=1, ring_count=1,
-                         num_heads=4, num_kv_heads=2)
+    lay = ParallelSetup(ParallelDims(world_size=world, sp_size=world, num_heads=4, num_kv_heads=2))
     groups = build_sequence_parallel(lay)
     out = []
     check_same_batch({"input_ids": torch.arange(16)[None]}, group=groups.sp_group, comm=CommLayer())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_wallfacer.config import ParallelLayout
+from ds_wallfacer.comm.dims import ParallelDims
 from tests.dist_utils import free_port
 from tests.train.jobs import DEEPSPEED, Job
 
@@ -42,16 +42,16 @@ def test_two_nodes_over_loopback(tmp_path: Path) -> None:
         assert re.search(r"global_rank_mapping=.*'node0': \[0, 1\], 'node1': \[2, 3\]", out), out[-3000:]
         assert f"nnodes=2, num_local_procs=2, node_rank={node}" in out, out[-3000:]
     node_of = {0: 0, 1: 0, 2: 1, 3: 1}
-    # rank 0 logs the resolved layout: the planner saw 2 nodes x 2 ranks and kept the all-to-all inside a node
+    # rank 0 logs the resolved plan: the planner saw 2 nodes x 2 ranks and kept the all-to-all inside a node
     m = re.search(r"ds_wallfacer: mode=(\w+) world=4 .* ulysses_degree=(\d+) ring_size=(\d+) ring_count=(\d+) "
                   r"placement=(\S+)", out0)
     assert m, out0[-3000:]
     mode, u, r, c, placement = m.group(1), *map(int, m.groups()[1:4]), m.group(5)
     assert (mode, u, r, c) == ("hybrid", 2, 2, 1), m.group(0)
     assert "(2 x 2 ranks)" in out0 and "a2a:intra (2 ranks/node)" in out0, out0[-3000:]
-    lay = ParallelLayout(world_size=4, sp_size=4, mode=mode, ulysses_degree=u, ring_count=c, num_heads=8,
-                         num_kv_heads=4, ranks_per_node=2, placement=placement)
-    groups = [lay.ulysses_ranks(0, ring) for ring in range(r)]
+    dims = ParallelDims(world_size=4, sp_size=4, mode=mode, ulysses_degree=u, ring_count=c, num_heads=8, num_kv_heads=4,
+                        placement=placement)
+    groups = [dims.ulysses_ranks(0, ring) for ring in range(r)]
     assert groups == [(0, 1), (2, 3)] and all(len({node_of[x] for x in g}) == 1 for g in groups), groups
     summary = json.loads([line for line in out0.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] == 3 and summary["finite"] and summary["world_size"] == 4, summary

@@ -1,158 +1,64 @@
-"""From a parsed ``WallFacerConfig`` + world size + model heads to the one validated ``ParallelLayout``.
-
-Rank arithmetic (pure; no torch): world = D data-parallel replicas x P sequence-parallel ranks; rank
-``d * P + i`` is index i of replica d. In a sequence-parallel group, index ``i = r * U + u``: U consecutive
-ranks form a Ulysses group (inner, one node), R = P / U ring ranks with the same ``u`` form a WallFacer
-group of ring count C (outer). mode "wallfacer" is U = 1, mode "ulysses" is U = P (R = 1). Which ring
-rank r holds WallFacer index i (team * C + local) is the placement's: r = i for "team-inner" (teams of
-consecutive ranks), ``comm.world.ring_offset`` for "ring-inner" (sub-rings of consecutive ranks).
-
-``resolve_auto`` is the one place where "auto" values are chosen: by the topology planner when it has a model and
-a sequence length, else (or when the planner finds nothing) by the safe rule (``_safe_rule``).
+"""From a parsed ``WallFacerConfig``, the world size and the model's heads to the ``ParallelSetup`` a run uses: the one
+place where "auto" values are chosen, by the topology planner when it has a model and a sequence length, else (or
+when the planner finds nothing) by the safe rule (``_safe_rule``). The sizes are ``comm.dims.ParallelDims``'s.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Any, Mapping
 
+from ..comm.dims import ParallelDims, check_sp_size, divisors, valid_ulysses_degrees
 from ..comm.layout import valid_ring_counts
-from ..comm.world import WorldLayout, divisors
+from ..config.schema import WallFacerConfig
 from ..data.chunks import check_divisible, padded_length
-from .schema import MODES, SHARDINGS, WallFacerConfig
 
-__all__ = ["ParallelLayout", "PlanInputs", "resolve_auto", "valid_ulysses_degrees"]
-
-
-def _ulysses_ok(u: int, num_heads: int, num_kv_heads: int) -> bool:
-    # kv heads are split when U divides them, replicated U/hk times when hk divides U (as DeepSpeed does)
-    return num_heads % u == 0 and (num_kv_heads % u == 0 or u % num_kv_heads == 0)
-
-
-def valid_ulysses_degrees(sp_size: int, num_heads: int, num_kv_heads: int) -> list[int]:
-    """Degrees U that divide P and the query heads, and divide or are a multiple of the kv heads."""
-    return [u for u in divisors(sp_size) if _ulysses_ok(u, num_heads, num_kv_heads)]
+__all__ = ["ParallelSetup", "PlanInputs", "resolve_auto"]
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """The resolved and validated parallel layout; the same on every rank."""
+class ParallelSetup:
+    """What the run does across ranks, the same on every rank: the validated sizes, the sharding, the kernel, and
+    what "auto" chose and why."""
 
-    world_size: int
-    """All ranks."""
-    sp_size: int
-    """P: ranks per sequence-parallel group."""
-    mode: str
-    """"wallfacer" | "ulysses" | "hybrid"."""
-    ulysses_degree: int
-    """U: Ulysses group size (1 = none)."""
-    ring_count: int
-    """C: WallFacer ring count over the R = P / U ring ranks."""
-    num_heads: int
-    """Query heads of the model."""
-    num_kv_heads: int
-    """Key/value heads of the model."""
+    dims: ParallelDims
+    """World, data, sequence, Ulysses and ring sizes, ring count, placement, mode, heads; the rank arithmetic."""
     sharding: str = "zigzag"
-    """Chunk layout over the ring dimension."""
+    """Chunk layout over the ring dimension (``data.chunks.SHARDINGS``)."""
     kernel: str = "auto"
     """Block-attention kernel name."""
     ranks_per_node: int | None = None
     """Ranks per node (None: unknown)."""
-    placement: str = "team-inner"
-    """Which ring rank holds which WallFacer index ("team-inner" | "ring-inner", ``schema.PLACEMENTS``)."""
     notes: tuple[str, ...] = ()
     """What "auto" chose and why (logged at start-up)."""
     planner_choice: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     """The planner's choice (``PlanChoice.as_dict()`` plus cluster, model, seq_len) when it chose; for wandb."""
 
-    def __post_init__(self) -> None:
-        p, u = self.sp_size, self.ulysses_degree
-        hq, hk = self.num_heads, self.num_kv_heads
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is invalid: allowed are {MODES}")
-        if self.sharding not in SHARDINGS:
-            raise ValueError(f"sharding {self.sharding!r} is invalid: allowed are {SHARDINGS}")
-        if hq < 1 or hk < 1 or hq % hk:
-            raise ValueError(f"the model's {hq} query heads are not a multiple of its {hk} kv heads")
-        _ = self.world  # the structural rules (world / P / U / C / placement) are ``WorldLayout``'s
-        if self.mode == "wallfacer" and u != 1:
-            raise ValueError(f'mode "wallfacer" needs ulysses_degree 1, got {u}')
-        if self.mode == "ulysses" and u != p:
-            raise ValueError(
-                f'mode "ulysses" needs ulysses_degree = sequence_parallel_size = {p}, got {u}; use mode "hybrid" '
-                f"for a smaller Ulysses degree"
-            )
-        if not _ulysses_ok(u, hq, hk):
-            raise ValueError(
-                f"wallfacer.ulysses_degree = {u} does not fit the model's heads ({hq} query, {hk} kv): U must divide "
-                f"the query heads and divide or be a multiple of the kv heads. Valid degrees for "
-                f"sequence_parallel_size {p}: {valid_ulysses_degrees(p, hq, hk)}"
-            )
-
-    @cached_property
-    def world(self) -> WorldLayout:
-        """The rank arithmetic of this layout (``comm.world``): every rank question goes there."""
-        return WorldLayout(world_size=self.world_size, sp_size=self.sp_size, ulysses_degree=self.ulysses_degree,
-                           ring_count=self.ring_count, placement=self.placement)
-
-    # -- sizes and ranks: ``WorldLayout``'s ------------------------------------------------------------------
-    @property
-    def dp_size(self) -> int:
-        """D: data-parallel replicas (sequence-parallel groups)."""
-        return self.world.dp_size
-
-    @property
-    def ring_size(self) -> int:
-        """R = P / U: ranks of one WallFacer group."""
-        return self.world.ring_size
-
-    def sp_index(self, rank: int) -> int:
-        return self.world.sp_index(rank)
-
-    def dp_index(self, rank: int) -> int:
-        return self.world.dp_index(rank)
-
-    def sp_ranks(self, dp: int) -> tuple[int, ...]:
-        return self.world.sp_ranks(dp)
-
-    def ulysses_ranks(self, dp: int, ring: int) -> tuple[int, ...]:
-        return self.world.ulysses_ranks(dp, ring)
-
-    def ring_order(self) -> tuple[int, ...]:
-        return self.world.ring_order
-
-    def ring_ranks(self, dp: int, u: int) -> tuple[int, ...]:
-        return self.world.ring_ranks(dp, u)
-
-    def shard_index(self, rank: int) -> int:
-        return self.world.shard_index(rank)
-
     def check_seq_len(self, seq_len: int) -> None:
         """Every rank holds 2 of 2P equal pieces of a sequence: N must be divisible by 2P."""
-        check_divisible(seq_len, self.sp_size)
+        check_divisible(seq_len, self.dims.sp_size)
 
     def describe(self) -> str:
+        d = self.dims
         s = (
-            f"ds_wallfacer: mode={self.mode} world={self.world_size} data_parallel={self.dp_size} "
-            f"sequence_parallel={self.sp_size} ulysses_degree={self.ulysses_degree} ring_size={self.ring_size} "
-            f"ring_count={self.ring_count} placement={self.placement} sharding={self.sharding} kernel={self.kernel}"
+            f"ds_wallfacer: mode={d.mode} world={d.world_size} data_parallel={d.dp_size} "
+            f"sequence_parallel={d.sp_size} ulysses_degree={d.ulysses_degree} ring_size={d.ring_size} "
+            f"ring_count={d.ring_count} placement={d.placement} sharding={self.sharding} kernel={self.kernel}"
         )
         return "\n".join([s, *(f"ds_wallfacer: auto: {n}" for n in self.notes)])
 
     def log_dict(self) -> dict[str, Any]:
-        """Flat values for wandb's run config: the resolved layout, the notes and the planner's choice."""
-        d: dict[str, Any] = {
-            "wallfacer/mode": self.mode, "wallfacer/world_size": self.world_size,
-            "wallfacer/sequence_parallel_size": self.sp_size, "wallfacer/data_parallel_size": self.dp_size,
-            "wallfacer/ulysses_degree": self.ulysses_degree, "wallfacer/ring_count": self.ring_count,
-            "wallfacer/placement": self.placement, "wallfacer/sharding": self.sharding,
+        """Flat values for wandb's run config: the sizes, the notes and the planner's choice."""
+        d = self.dims
+        out: dict[str, Any] = {
+            "wallfacer/mode": d.mode, "wallfacer/world_size": d.world_size,
+            "wallfacer/sequence_parallel_size": d.sp_size, "wallfacer/data_parallel_size": d.dp_size,
+            "wallfacer/ulysses_degree": d.ulysses_degree, "wallfacer/ring_count": d.ring_count,
+            "wallfacer/placement": d.placement, "wallfacer/sharding": self.sharding,
             "wallfacer/kernel": self.kernel, "wallfacer/auto_notes": list(self.notes),
             "wallfacer/planner_used": self.planner_choice is not None,
         }
-        return d | {f"wallfacer/planner/{k}": v for k, v in (self.planner_choice or {}).items()}
-
-
+        return out | {f"wallfacer/planner/{k}": v for k, v in (self.planner_choice or {}).items()}
 
 
 @dataclass(frozen=True)
@@ -230,10 +136,7 @@ def _check_sp_size(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num
         except ValueError:
             continue
         ok.append(d)
-    raise ValueError(
-        f"wallfacer.sequence_parallel_size = {p} does not divide the world size {world_size}: valid sizes for "
-        f"{world_size} ranks are {ok} (with the other wallfacer settings as given)"
-    )
+    check_sp_size(world_size, p, valid=ok)
 
 
 def resolve_auto(
@@ -244,16 +147,16 @@ def resolve_auto(
     num_kv_heads: int,
     ranks_per_node: int | None = None,
     planner_inputs: PlanInputs | None = None,
-) -> ParallelLayout:
+) -> ParallelSetup:
     """Resolve every "auto" of ``cfg`` and validate. Pure and deterministic (same result on every rank).
 
     With ``planner_inputs`` and a sequence length (``cfg.seq_len`` or ``planner_inputs.seq_len``), the topology
-    planner chooses the open values (``ds_wallfacer.planner.resolve``) for the cluster (``cfg.cluster`` preset, launch shape from the
-    environment), the model and the length; the user's values are passed to it as fixed. Otherwise, or when the
+    planner chooses the open values (``ds_wallfacer.planner.resolve``) for the cluster (``cfg.cluster`` preset,
+    launch shape from the environment), the model and the length; the user's values are passed to it as fixed. Otherwise, or when the
     planner raises ``PlanError``, the safe rule applies: P = world size; mode "auto" = wallfacer;
     U = 1 (wallfacer), P (ulysses) or, for hybrid, the largest valid degree below P that fits in a node;
     C = the largest valid ring count whose team fits in a node; placement team-inner. Every choice and the
-    planner's reasons (or its error) are recorded in ``ParallelLayout.notes``.
+    planner's reasons (or its error) are recorded in ``ParallelSetup.notes``.
     """
     environ = os.environ if planner_inputs is None or planner_inputs.environ is None else planner_inputs.environ
     rpn = _ranks_per_node(cfg, ranks_per_node, environ)
@@ -273,31 +176,31 @@ def resolve_auto(
             notes.append("planner not used: no sequence length known (set wallfacer.seq_len or pass "
                          "initialize(seq_len=...)); the safe rule chose instead")
         else:
-            layout = _planned(cfg, planner_inputs, seq_len, open_keys, world_size=world_size, num_heads=num_heads,
-                              num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=notes)
-            if layout is not None:
-                return layout
-    layout = _safe_rule(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn,
-                        notes=notes)
+            setup = _planned(cfg, planner_inputs, seq_len, open_keys, world_size=world_size, num_heads=num_heads,
+                            num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=notes)
+            if setup is not None:
+                return setup
+    setup = _safe_rule(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn,
+                      notes=notes)
     if world_size == 1:
-        layout = replace(layout, notes=tuple(notes[:1]))
+        setup = replace(setup, notes=tuple(notes[:1]))
     seq_len = cfg.seq_len or (planner_inputs.seq_len if planner_inputs is not None else None)
     if planner_inputs is not None and not open_keys and seq_len is not None:
-        # every size was set: the planner chooses nothing, but its prediction for this layout is still worth
-        # logging beside the measured step time (no note when it has none: the user's layout stands either way)
-        fixed = replace(cfg, ulysses_degree=layout.ulysses_degree, placement=layout.placement)
+        # every size was set: the planner chooses nothing, but its prediction for these sizes is still worth
+        # logging beside the measured step time (no note when it has none: the user's sizes stand either way)
+        fixed = replace(cfg, ulysses_degree=setup.dims.ulysses_degree, placement=setup.dims.placement)
         predicted = _planned(fixed, planner_inputs, seq_len, [], world_size=world_size, num_heads=num_heads,
                              num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=[])
         if predicted is not None:
-            layout = replace(layout, planner_choice=predicted.planner_choice)
-    return layout
+            setup = replace(setup, planner_choice=predicted.planner_choice)
+    return setup
 
 
 def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: list[str], *, world_size: int,
              num_heads: int, num_kv_heads: int, rpn: int | None, environ: Mapping[str, str],
-             notes: list[str]) -> ParallelLayout | None:
-    """The planner's layout, or None (with the reason in ``notes``) when it has no plan."""
-    from .. import planner as pl  # lazily: the planner imports torch (byte formulas); this module stays pure
+             notes: list[str]) -> ParallelSetup | None:
+    """The planner's setup, or None (with the reason in ``notes``) when it has no plan."""
+    from .. import planner as pl  # lazily: the search imports torch (byte formulas); this module stays pure
 
     base = pl.get_cluster(inputs.default_cluster if cfg.cluster == "auto" else cfg.cluster)  # bad name: error
     try:
@@ -343,16 +246,17 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
         chosen = ", ".join(f"{k} = {values[k]}" for k in open_keys)
         notes.append(f"planner chose {chosen} for {what}")
         notes.extend(f"planner: {r}" for r in choice.reasons)
-    return ParallelLayout(
-        world_size=world_size, sp_size=choice.sp_size, mode=choice.mode, ulysses_degree=choice.ulysses_degree,
-        ring_count=choice.ring_count, num_heads=num_heads, num_kv_heads=num_kv_heads, sharding=cfg.sharding,
-        kernel=cfg.kernel, ranks_per_node=rpn, placement=choice.placement, notes=tuple(notes),
+    dims = ParallelDims(world_size=world_size, sp_size=choice.sp_size, ulysses_degree=choice.ulysses_degree,
+                        ring_count=choice.ring_count, placement=choice.placement, mode=choice.mode,
+                        num_heads=num_heads, num_kv_heads=num_kv_heads)
+    return ParallelSetup(
+        dims, sharding=cfg.sharding, kernel=cfg.kernel, ranks_per_node=rpn, notes=tuple(notes),
         planner_choice=choice.as_dict() | {"cluster": cluster.name, "model": model.name, "seq_len": n},
     )
 
 
 def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_heads: int, rpn: int | None,
-               notes: list[str]) -> ParallelLayout:
+               notes: list[str]) -> ParallelSetup:
     """The safe rule: valid values that keep teams and Ulysses groups inside a node."""
     node = rpn or world_size
     p = world_size if cfg.sequence_parallel_size == "auto" else int(cfg.sequence_parallel_size)
@@ -387,17 +291,7 @@ def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_
         if r > 1:
             notes.append(f"ring_count = {c} (largest C with C*C | {r} ring ranks whose team stays in a node)")
 
-    return ParallelLayout(
-        world_size=world_size,
-        sp_size=p,
-        mode=mode,
-        ulysses_degree=u,
-        ring_count=c,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        sharding=cfg.sharding,
-        kernel=cfg.kernel,
-        ranks_per_node=rpn,
-        placement="team-inner" if cfg.placement == "auto" else cfg.placement,
-        notes=tuple(notes),
-    )
+    dims = ParallelDims(world_size=world_size, sp_size=p, ulysses_degree=u, ring_count=c, mode=mode,
+                        placement="team-inner" if cfg.placement == "auto" else cfg.placement, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads)
+    return ParallelSetup(dims, sharding=cfg.sharding, kernel=cfg.kernel, ranks_per_node=rpn, notes=tuple(notes))

@@ -1,0 +1,218 @@
+"""The parallel sizes, validated once, and the rank arithmetic that derives from them (docs/design.md §3,
+Note [World layout]). Pure Python.
+
+``ParallelDims`` holds W, D, P, U, R, C, the placement, the mode and the model's heads; each rule below has one
+function and one error text, which the config parser, the planner's candidates and ``RankLayout`` share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from .layout import RankLayout, check_ring_count
+
+__all__ = ["MODES", "PLACEMENTS", "ParallelDims", "check_heads", "check_mode", "check_placement", "check_sp_size",
+           "check_ulysses_degree", "divisors", "ring_offset", "valid_ulysses_degrees"]
+
+MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
+"""Attention across ranks once resolved: WallFacer (U = 1), Ulysses (U = P) or both (the config also accepts
+"auto")."""
+
+PLACEMENTS: tuple[str, ...] = ("team-inner", "ring-inner")
+"""How a WallFacer group's indices map to consecutive ranks, fastest-varying first (after the Ulysses index):
+
+- ``team-inner``: team member, then sub-ring position: teams on consecutive ranks (team collectives inside a node
+  when U*C divides the ranks per node); the default.
+- ``ring-inner``: sub-ring position, then team member: each sub-ring of G ranks on consecutive ranks (ring hops
+  inside a node when U*G divides the ranks per node; teams then span nodes).
+"""
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ring_offset(index: int, *, ring_size: int, ring_count: int, placement: str) -> int:
+    """Ring rank (position among the R ring ranks, before the Ulysses stride) of WallFacer index ``index``."""
+    if placement == "team-inner":
+        return index
+    c = ring_count
+    g = ring_size // (c * c)
+    team, local = divmod(index, c)
+    group, pos = divmod(team, g)
+    return pos + g * (local + c * group)
+
+
+# -- the rules: one function and one error text each -----------------------------------------------------------
+def check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"wallfacer.placement = {placement!r} is invalid: allowed are {PLACEMENTS}")
+
+
+def check_sp_size(world_size: int, sp_size: int, *, valid: list[int] | None = None) -> None:
+    """P divides W. ``valid``: the sizes to offer instead (default: every divisor of W)."""
+    if world_size < 1 or sp_size < 1 or world_size % sp_size:
+        also = "" if valid is None else " (with the other wallfacer settings as given)"
+        raise ValueError(
+            f"wallfacer.sequence_parallel_size = {sp_size} does not divide the world size {world_size}: valid sizes "
+            f"for {world_size} ranks are {divisors(world_size) if valid is None else valid}{also}"
+        )
+
+
+def check_ulysses_degree(sp_size: int, ulysses_degree: int) -> None:
+    """U divides P."""
+    p, u = sp_size, ulysses_degree
+    if u < 1 or p % u:
+        raise ValueError(
+            f"wallfacer.ulysses_degree = {u} does not divide sequence_parallel_size {p}: valid degrees are "
+            f"{divisors(p)} (and they must fit the model's heads)"
+        )
+
+
+def check_mode(mode: str, *, ulysses_degree: int | str, ring_count: int | str = 1,
+               sp_size: int | str | None = None) -> None:
+    """The mode agrees with the sizes: wallfacer has U = 1, ulysses has U = P and C = 1. Sizes may be "auto" (or P
+    unknown), which this rule leaves to the planner."""
+    u, c, p = ulysses_degree, ring_count, sp_size
+    if mode not in MODES:
+        raise ValueError(f"wallfacer.mode = {mode!r} is invalid: allowed are {', '.join(map(repr, (*MODES, 'auto')))}")
+    if mode == "wallfacer" and u not in ("auto", 1):
+        raise ValueError(
+            f'wallfacer.ulysses_degree = {u} needs mode "hybrid" (or "ulysses"); mode "wallfacer" has no Ulysses '
+            f'dimension (use 1 or "auto")'
+        )
+    if mode == "ulysses" and c not in ("auto", 1):
+        raise ValueError(
+            f'wallfacer.ring_count = {c} needs mode "wallfacer" or "hybrid"; mode "ulysses" has no ring dimension '
+            f'(use 1 or "auto")'
+        )
+    if mode == "ulysses" and isinstance(p, int) and u not in ("auto", p):
+        raise ValueError(
+            f'mode "ulysses" needs ulysses_degree = sequence_parallel_size = {p}, got {u}; use mode "hybrid" for a '
+            f"smaller Ulysses degree"
+        )
+
+
+def _ulysses_fits(u: int, num_heads: int, num_kv_heads: int) -> bool:
+    # kv heads are split when U divides them, replicated U/hk times when hk divides U (as DeepSpeed does)
+    return num_heads % u == 0 and (num_kv_heads % u == 0 or u % num_kv_heads == 0)
+
+
+def valid_ulysses_degrees(sp_size: int, num_heads: int, num_kv_heads: int) -> list[int]:
+    """Degrees U that divide P and the query heads, and divide or are a multiple of the kv heads."""
+    return [u for u in divisors(sp_size) if _ulysses_fits(u, num_heads, num_kv_heads)]
+
+
+def check_heads(num_heads: int, num_kv_heads: int, *, ulysses_degree: int, sp_size: int) -> None:
+    """The heads group evenly, and U fits them (splits the query heads; splits or replicates the kv heads)."""
+    hq, hk, u = num_heads, num_kv_heads, ulysses_degree
+    if hq < 1 or hk < 1 or hq % hk:
+        raise ValueError(f"the model's {hq} query heads are not a multiple of its {hk} kv heads")
+    if not _ulysses_fits(u, hq, hk):
+        raise ValueError(
+            f"wallfacer.ulysses_degree = {u} does not fit the model's heads ({hq} query, {hk} kv): U must divide the "
+            f"query heads and divide or be a multiple of the kv heads. Valid degrees for sequence_parallel_size "
+            f"{sp_size}: {valid_ulysses_degrees(sp_size, hq, hk)}"
+        )
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the world's dimensions, the placement, the mode and the model's heads; validated on construction.
+    Every rank question (which group, which shard) is answered here."""
+
+    world_size: int
+    """W: all ranks."""
+    sp_size: int
+    """P: ranks that share one sequence."""
+    ulysses_degree: int = 1
+    """U: consecutive ranks of one Ulysses all-to-all group."""
+    ring_count: int = 1
+    """C: WallFacer ring count over the R = P / U ring ranks (C*C divides R)."""
+    placement: str = "team-inner"
+    """``PLACEMENTS``."""
+
+    mode: str | None = None
+    """``MODES``; None: derived from the sizes (U = 1 wallfacer, U = P ulysses, else hybrid)."""
+    num_heads: int | None = None
+    """Query heads of the model (None: no head rule, e.g. in the planner's pure rank arithmetic)."""
+    num_kv_heads: int | None = None
+    """Key/value heads of the model (None: as many as the query heads)."""
+
+    def __post_init__(self) -> None:
+        w, p, u, c = self.world_size, self.sp_size, self.ulysses_degree, self.ring_count
+        check_placement(self.placement)
+        check_sp_size(w, p)
+        check_ulysses_degree(p, u)
+        if self.mode is None:
+            object.__setattr__(self, "mode", "wallfacer" if u == 1 else "ulysses" if u == p else "hybrid")
+        check_mode(self.mode, ulysses_degree=u, ring_count=c, sp_size=p)
+        check_ring_count(p // u, c)
+        if self.num_heads is not None:
+            check_heads(self.num_heads, self.num_kv_heads or self.num_heads, ulysses_degree=u, sp_size=p)
+
+    # -- sizes -------------------------------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """D: data-parallel replicas (sequence-parallel groups)."""
+        return self.world_size // self.sp_size
+
+    @property
+    def ring_size(self) -> int:
+        """R = P / U: ranks of one WallFacer group."""
+        return self.sp_size // self.ulysses_degree
+
+    # -- one rank ----------------------------------------------------------------------------------------
+    def dp_index(self, rank: int) -> int:
+        """The replica of global ``rank``."""
+        return rank // self.sp_size
+
+    def sp_index(self, rank: int) -> int:
+        """Position of global ``rank`` in its sequence-parallel group (``i = r * U + u``)."""
+        return rank % self.sp_size
+
+    def shard_index(self, rank: int) -> int:
+        """The data shard ``rank`` holds: ``j * U + u`` with ``j`` its WallFacer index, the ring chunk its attention
+        expects (``data.loader.ShardSpec.index``). Equals ``sp_index`` unless the placement permutes ring ranks."""
+        r, u = divmod(self.sp_index(rank), self.ulysses_degree)
+        return self.ring_order.index(r) * self.ulysses_degree + u
+
+    # -- groups ------------------------------------------------------------------------------------------
+    @cached_property
+    def ring_order(self) -> tuple[int, ...]:
+        """Ring rank of each WallFacer index (the identity unless "ring-inner" permutes it)."""
+        r, c = self.ring_size, self.ring_count
+        return tuple(ring_offset(i, ring_size=r, ring_count=c, placement=self.placement) for i in range(r))
+
+    def sp_ranks(self, dp: int) -> tuple[int, ...]:
+        """Global ranks of sequence-parallel group ``dp``, in index order."""
+        return tuple(range(dp * self.sp_size, (dp + 1) * self.sp_size))
+
+    def ulysses_ranks(self, dp: int, ring: int) -> tuple[int, ...]:
+        """Global ranks of the Ulysses group at ring rank ``ring`` of replica ``dp`` (consecutive)."""
+        base = dp * self.sp_size + ring * self.ulysses_degree
+        return tuple(range(base, base + self.ulysses_degree))
+
+    def ring_ranks(self, dp: int, u: int) -> tuple[int, ...]:
+        """Global ranks of the WallFacer group with Ulysses index ``u`` of replica ``dp``, in WallFacer index
+        order (``RankLayout.ranks``)."""
+        base = dp * self.sp_size
+        return tuple(base + r * self.ulysses_degree + u for r in self.ring_order)
+
+    def all_sp_ranks(self) -> list[tuple[int, ...]]:
+        """Every sequence-parallel group, by replica."""
+        return [self.sp_ranks(d) for d in range(self.dp_size)]
+
+    def all_ulysses_ranks(self) -> list[tuple[int, ...]]:
+        """Every Ulysses group, by replica then ring rank."""
+        return [self.ulysses_ranks(d, r) for d in range(self.dp_size) for r in range(self.ring_size)]
+
+    def rank_layouts(self, ranks_per_node: int | None = None) -> list[RankLayout]:
+        """The ``RankLayout`` of every WallFacer group (D * U of them), by replica then Ulysses index: the list
+        ``comm.build_groups`` takes, identical on every rank."""
+        return [
+            RankLayout(self.ring_ranks(d, u), self.ring_count, ranks_per_node=ranks_per_node)
+            for d in range(self.dp_size)
+            for u in range(self.ulysses_degree)
+        ]
