@@ -1,7 +1,9 @@
 """Run a test body on N local gloo ranks and surface every rank's failure in the parent.
 
-Each case spawns fresh processes (``spawn`` start method, OMP_NUM_THREADS=1), so many cases should be
-grouped inside one launch: the process start-up and the imports dominate on a 2-core machine.
+The ranks are forked from the test process, which imported torch, DeepSpeed and transformers once
+(``tests/conftest.py``): a 4-rank launch then costs about half a second instead of the tens of seconds that four
+fresh interpreters spend importing them on a 2-core machine. Where forking is unsafe (a CUDA device, or a process
+group already in this process) the ranks are spawned instead.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["default_start_method", "free_port", "run_distributed"]
 
 
 def free_port() -> int:
@@ -55,15 +57,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             seg.unlink(missing_ok=True)
 
 
+def default_start_method() -> str:
+    """"fork" unless this process holds what a fork cannot carry: CUDA (a forked child cannot use it) or a
+    torch.distributed group (the child would inherit it)."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() or (dist.is_available() and dist.is_initialized()):
+        return "spawn"
+    return "fork"
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
-                    start_method: str = "spawn") -> list[Any]:
+                    start_method: str | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
 
-    ``fn`` must be a module-level function (it is pickled by name). A rank that raises makes this raise
-    with that rank's traceback; a rank that hangs is killed after ``timeout_s``. ``start_method="fork"``: the ranks
-    share the parent's imports (for many short launches from one parent that imported everything once).
+    ``fn`` must be a module-level function. A rank that raises makes this raise with that rank's traceback; a rank
+    that hangs is killed after ``timeout_s``. ``start_method``: None = ``default_start_method()``.
     """
-    ctx = mp.get_context(start_method)
+    ctx = mp.get_context(start_method or default_start_method())
     queue = ctx.Queue()
     port = free_port()
     procs = [
