@@ -218,7 +218,8 @@ def launched() -> bool:
 
 def init_launched(*, timeout_s: float = 600.0) -> Any:
     """Join the launcher's process group (through DeepSpeed where it is installed): NCCL on this rank's GPU where
-    CUDA exists, else gloo on CPU with OMP_NUM_THREADS torch threads. Returns the rank's torch device."""
+    CUDA exists, else gloo on CPU with OMP_NUM_THREADS torch threads, DeepSpeed's /dev/shm segments released once
+    mapped (Note [DeepSpeed's CPU shared-memory buffers]). Returns the rank's torch device."""
     import torch
     import torch.distributed as dist
 
@@ -235,6 +236,11 @@ def init_launched(*, timeout_s: float = 600.0) -> Any:
             dist.init_process_group(backend, timeout=timeout)
         else:
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+            if not cuda:  # every rank has mapped every peer's /dev/shm segment: unlink them now
+                from ds_wallfacer.integration.deepspeed import release_shm_buffer
+
+                dist.barrier()
+                release_shm_buffer()
     return torch.device("cuda") if cuda else torch.device("cpu")
 
 
