@@ -16,4 +16,4 @@ the model needs (masks, soft-capping). Each backend's ``supports`` decides per d
 Hopper only and comes first there (Hopper-tuned); flash-attn-4 serves Blackwell, and Hopper where
 FlashAttention-3 is not installed; then cuDNN (PyTorch 2.5's release notes report it up to 75% faster than
 flash-attn 2 on H100), flash-attn 2, PyTorch's CUDA kernels, the CPU kernels. The order among the first three is
-not measured here: ``launch/gpu_check.sh`` prints each one's TFLOP/s side by side."""
+not measured here: ``benchmarks/gpu_check.sh`` prints each one's TFLOP/s side by side."""

@@ -20,7 +20,7 @@ hq / hk query / kv heads, d head dim, e bytes per element, S_l tokens per rank, 
 ``kept_bytes_per_layer`` computes these; ``ResidualStats`` counts what is really held (tests assert both equal).
 Entries exist from a layer's first forward to its backward: they add to what the forward leaves for the backward
 (the layer inputs), and to a step's peak only where that peak falls while entries are held (the start of backward
-for large models; measured in ``launch/bench_recompute.py --memory``).
+for large models; measured in ``benchmarks/bench_recompute.py --memory``).
 
 Note [Attention once under layer checkpointing]: how a first forward, its recompute and an ordinary forward are
 told apart. Reading torch's state alone cannot do it: DeepSpeed's (and torch's reentrant) first forward runs

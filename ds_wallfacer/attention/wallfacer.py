@@ -207,7 +207,7 @@ def _mask_of(call: KernelCall, opts: _Options, device: torch.device) -> torch.Te
 # the dk/dv accumulators passed along the sub-ring, and each lane's final dk/dv slice sent home.
 # ``WallFacerAttention.accum_comm_dtype`` chooses each (``volume.SumDtypes``). The defaults were measured: bf16
 # inputs, 8/2 heads, causal zigzag, max abs error against float64 as a multiple of the same kernel's error on the
-# full sequence in one process (``launch/bench_precision.py``); a tensor travels in the input dtype where that
+# full sequence in one process (``benchmarks/bench_precision.py``); a tensor travels in the input dtype where that
 # stays within 2x, in fp32 where it does not. The partial outputs are weighted by exp(lse - lse_team) <= 1 before
 # they are rounded, so they are bounded by the output's scale; dq partials and home slices are rounded once each
 # and summed once; only the ring accumulator is a running sum rounded again at every hop, so its error grows with

@@ -24,7 +24,7 @@ the transfer hides behind the compute. Two things make that measurable without c
   synchronise the device around a call to time it there.)
 - ``serial = True`` makes ``exchange`` wait for its sends and receives before returning, so nothing overlaps: the
   same bytes and the same results, with the whole transfer on the critical path. Overlapped minus serial time
-  is what the overlap saves (``launch/bench_overlap.py``).
+  is what the overlap saves (``benchmarks/bench_overlap.py``).
 
 Note [Device of collective tensors]: an NCCL-only group (what DeepSpeed creates on GPUs) rejects a CPU tensor,
 while gloo on CPU accepts anything, so a CPU-only test suite cannot catch a tensor built without ``device=``.

@@ -27,7 +27,7 @@ SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous", "balanced")
 """The values of ``wallfacer.sharding``: which chunks each rank holds."""
 DEFAULT_CHUNKS_PER_RANK = 8
 """Chunks per ring rank under "balanced". Measured on log-normal document mixes packed into 128K-token rows
-(``launch/bench_balance.py``, worst of 8 batches): with one row per micro-batch, the usual case at this length,
+(``benchmarks/bench_balance.py``, worst of 8 batches): with one row per micro-batch, the usual case at this length,
 8 keeps the busiest rank within 1.006x the mean for P = 4..64, 4 only within 1.44x (a single chunk of a long
 document's tail can outweigh a rank's share), zigzag 3.9x; with 4 rows, 4 already suffices (1.02x). More chunks
 mean shorter kernel calls (P = 64: 256-token chunks at 128K)."""

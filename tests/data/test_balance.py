@@ -103,7 +103,7 @@ def _measure(p: int, m: int, rows: int, seeds: range) -> tuple[float, float]:
 @pytest.mark.parametrize("rows", [1, 4])
 def test_balance_on_a_lognormal_document_mix(rows: int) -> None:
     """Log-normal document lengths (median 2048, sigma 1.5) clipped to [100, 65536], packed into rows of 131072
-    tokens, 8 seeded batches of ``rows`` rows; worst max/mean over the batches (launch/bench_balance.py prints
+    tokens, 8 seeded batches of ``rows`` rows; worst max/mean over the batches (benchmarks/bench_balance.py prints
     the table).
 
     Measured, P = 4 / 8 / 16. One row: zigzag 2.56 / 2.86 / 3.92; balanced with 2 chunks per rank 1.55 / 2.37 /

@@ -1,16 +1,19 @@
-"""The verdict lines of ``launch/gpu_check.sh``: block-kernel speed and WallFacer's P = 1 overhead against targets.
+"""The verdict lines of ``benchmarks/gpu_check.sh``: block-kernel speed and WallFacer's P = 1 overhead against
+targets.
 
-    python launch/gpu_check_summary.py OUT_DIR        # reads bench_kernels.json and bench_p1.json there
+    python benchmarks/gpu_check_summary.py OUT_DIR    # reads bench_kernels.json and bench_p1.json there
 
 Targets: the fastest block kernel at >= 550 TFLOP/s fwd+bwd at 16K tokens (causal, bf16; PyTorch's cuda_sdpa path
 measured 311 on an H200), and WallFacer at P = 1 within 1.03x of its bare kernel. Prints one line per check and
-a last JSON line; a missing result file is reported, not fatal.
+a last JSON line (also written to OUT_DIR/summary.json); a missing result file is reported, not fatal.
 """
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+from harness import emit
 
 TARGET_TFLOPS = 550.0
 TARGET_RATIO = 1.03
@@ -44,9 +47,9 @@ def summarize(out_dir: str | Path) -> dict:
                   f"(target <= {TARGET_RATIO}: {'met' if r['ratio'] <= TARGET_RATIO else 'NOT met'})")
     else:
         print(f"no {p1}")
-    print(json.dumps(dict(summary="gpu_check", **verdict)))
+    emit(dict(summary="gpu_check", **verdict), out / "summary.json")
     return verdict
 
 
 if __name__ == "__main__":
-    summarize(sys.argv[1] if len(sys.argv) > 1 else "results/gpu_check")
+    summarize(sys.argv[1] if len(sys.argv) > 1 else "runs/bench/gpu_check")

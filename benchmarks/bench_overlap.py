@@ -1,7 +1,7 @@
 """How much of the k/v communication of ring and WallFacer attention hides behind the block kernels (measured).
 
-    python launch/bench_overlap.py                          # 4 CPU ranks (gloo, spawned), ring and C = 2
-    python launch/bench_overlap.py --ranks 8 --lengths 4096,8192 --iters 5
+    python benchmarks/bench_overlap.py                          # 4 CPU ranks (gloo, spawned), ring and C = 2
+    python benchmarks/bench_overlap.py --ranks 8 --lengths 4096,8192 --iters 5
 
 WallFacer (``attention/wallfacer.py``) starts the next ring step's k/v exchange, runs the block kernel, then waits
 (``CommLayer.exchange`` returns a ``Pending``). For each ring count and sequence length, attention forward +
@@ -24,24 +24,18 @@ disturbed on a shared machine; the medians are in the JSON). Reported:
   hidden_vs_blocked = (serial - overlapped) / blocked_serial, clipped: the same saving over the time the serial
       run spent blocked in communication (``CommLayer.blocked_s``, the slowest rank), a direct estimate.
 
-Also the seconds blocked in communication per rank in both modes, by kind. Prints a table, saves
-``runs/bench/overlap.png`` (skipped with a message without matplotlib) and ends with one JSON line.
+Also the seconds blocked in communication per rank in both modes, by kind. Prints a table, writes
+``runs/bench/overlap/`` (``--out``: result.json, and plot.png with matplotlib) and ends with one JSON line.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import socket
 import statistics
-import sys
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import add_out_option, emit, plot_path, print_table, run_ranks, save_plot  # first: repository on path
+
 MODES = ("overlapped", "serial")
 
 
@@ -72,7 +66,8 @@ class TimedKernel:
 
 
 # ----------------------------------------------------------------------------------------------- one rank
-def _measure(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
+def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
+    """Every (length, ring count) on this rank; rank 0 returns the rows, the others None."""
     import torch
     import torch.distributed as dist
 
@@ -148,94 +143,32 @@ def _measure(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
             if rank == 0:
                 print(f"  measured {row['method']} N={n}: overlapped {row['overlapped_s']:.3f} s, serial "
                       f"{row['serial_s']:.3f} s, kernels {row['compute_only_s']:.3f} s", flush=True)
-    return rows
-
-
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(args.threads))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(args.threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        rows = _measure(args, rank, world)
-        queue.put((rank, "ok", rows if rank == 0 else None))
-    except BaseException:  # noqa: BLE001 - every failure reaches the driver
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(args: argparse.Namespace) -> list[dict]:
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    rows, errors = None, []
-    try:
-        for _ in procs:
-            rank, status, value = queue.get(timeout=args.timeout_s)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{value}")
-            elif rank == 0:
-                rows = value
-    except queue_mod.Empty:
-        errors.append(f"no answer from every rank within {args.timeout_s} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors or rows is None:
-        raise SystemExit("bench_overlap failed:\n" + "\n".join(errors))
-    return rows
+    return rows if rank == 0 else None
 
 
 # ----------------------------------------------------------------------------------------------- report
 def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
-    print(f"\nattention fwd+bwd, P={args.ranks} CPU ranks (gloo, {args.threads} thread each), heads "
-          f"{args.heads}/{args.kv_heads}, d={args.head_dim}, fp32, kernel {args.kernel}; slowest rank, fastest of "
-          f"{args.iters}; seconds")
-    head = (f"{'method':14s} {'N':>6s} {'overlap':>8s} {'serial':>8s} {'kernels':>8s} {'blk ovl':>8s} "
-            f"{'blk ser':>8s} {'hidden':>7s} {'(raw)':>7s} {'vs blk':>7s} {'MiB/rank':>9s}")
-    print(head)
-    for r in rows:
-        mib = sum(r["bytes_rank0"].values()) / 2**20
-        print(f"{r['method']:14s} {r['seq_len']:6d} {r['overlapped_s']:8.3f} {r['serial_s']:8.3f} "
-              f"{r['compute_only_s']:8.3f} {r['blocked_overlapped_s']:8.3f} {r['blocked_serial_s']:8.3f} "
-              f"{r['hidden']:7.2f} {r['hidden_raw']:7.2f} {r['hidden_vs_blocked']:7.2f} {mib:9.2f}")
+    print_table([("method", "<"), ("N", "d"), ("overlap", ".3f"), ("serial", ".3f"), ("kernels", ".3f"),
+                 ("blk ovl", ".3f"), ("blk ser", ".3f"), ("hidden", ".2f"), ("(raw)", ".2f"), ("vs blk", ".2f"),
+                 ("MiB/rank", ".2f")],
+                [[r["method"], r["seq_len"], r["overlapped_s"], r["serial_s"], r["compute_only_s"],
+                  r["blocked_overlapped_s"], r["blocked_serial_s"], r["hidden"], r["hidden_raw"],
+                  r["hidden_vs_blocked"], sum(r["bytes_rank0"].values()) / 2**20] for r in rows],
+                title=f"\nattention fwd+bwd, P={args.ranks} CPU ranks (gloo, {args.threads} thread each), heads "
+                      f"{args.heads}/{args.kv_heads}, d={args.head_dim}, fp32, kernel {args.kernel}; slowest rank, "
+                      f"fastest of {args.iters}; seconds")
     print("hidden = (serial - overlapped) / (serial - kernels), clipped to [0, 1]; its denominator includes the "
           "local work around the kernels, which cannot be hidden (a lower bound). 'vs blk' = the same saving over the "
           "serial run's blocked time. blk = seconds blocked in communication (slowest rank).")
-    _plot(rows, Path(args.plot))
-    print(json.dumps(dict(bench="overlap", P=args.ranks, heads=args.heads, kv_heads=args.kv_heads,
-                          head_dim=args.head_dim, kernel=args.kernel, threads=args.threads, iters=args.iters,
-                          wall_s=round(wall_s, 1),
-                          results=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                                    if k not in ("blocked_by_kind_rank0", "bytes_rank0")} for r in rows])))
+    save_plot(plot_path(args), lambda plt: _draw(rows, plt))
+    emit(dict(bench="overlap", P=args.ranks, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+              kernel=args.kernel, threads=args.threads, iters=args.iters, wall_s=round(wall_s, 1),
+              results=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                        if k not in ("blocked_by_kind_rank0", "bytes_rank0")} for r in rows]),
+         args.out / "result.json")
 
 
-def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot saved")
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _draw(rows: list[dict], plt):
     methods = sorted({r["method"] for r in rows})
     fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 4), squeeze=False)
     for ax, m in zip(axes[0], methods):
@@ -252,9 +185,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot saved to {path}")
+    return fig
 
 
 def main() -> None:
@@ -270,18 +201,17 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout-s", type=float, default=1800.0)
-    p.add_argument("--plot", default=str(ROOT / "runs" / "bench" / "overlap.png"))
+    add_out_option(p, "overlap")
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.ring_counts = [int(x) for x in args.ring_counts.split(",")]
     bad = [n for n in args.lengths if n % (2 * args.ranks)]
     if bad:
         raise SystemExit(f"sequence lengths {bad} are not divisible by 2P = {2 * args.ranks}")
-    sys.path.insert(0, str(ROOT))
     t0 = time.time()
-    rows = _spawn(args)
-    _report(args, rows, time.time() - t0)
-
+    got = run_ranks(_measure, args.ranks, args, timeout_s=args.timeout_s, threads=args.threads)
+    if got is not None:  # None: a launcher's rank other than 0
+        _report(args, got[0], time.time() - t0)
 
 if __name__ == "__main__":
     main()

@@ -2,11 +2,11 @@
 and without MsT), DeepSpeed's own ALST Ulysses (plain, and with its TiledMLP + TiledFusedLogitsLoss tiling and
 checkpointing), and a non-parallel run, on the same HF Llama, data and steps.
 
-    python launch/bench_train.py                        # 4 CPU ranks, 2048 tokens (about 10 min on 2 cores)
-    python launch/bench_train.py --seq-len 4096 --steps 4
-    python launch/bench_train.py --p8                   # adds ring vs WallFacer C = 2 on 8 ranks
-    python launch/bench_train.py --ckpt-seq-len 8192    # adds layer checkpointing on / off at a longer length
-    python launch/bench_train.py --only ulysses,alst    # a subset (names as in the table)
+    python benchmarks/bench_train.py                        # 4 CPU ranks, 2048 tokens (about 10 min on 2 cores)
+    python benchmarks/bench_train.py --seq-len 4096 --steps 4
+    python benchmarks/bench_train.py --p8                   # adds ring vs WallFacer C = 2 on 8 ranks
+    python benchmarks/bench_train.py --ckpt-seq-len 8192    # adds layer checkpointing on / off at a longer length
+    python benchmarks/bench_train.py --only ulysses,alst    # a subset (names as in the table)
 
 Every configuration is its own ``deepspeed --num_gpus N`` job (CPU ranks where there is no GPU; this script is
 the worker too, with ``--worker SPEC``; the ALST jobs live in ``bench_train_alst.py``): same model (seeded), same random-token batches (a skewed unigram
@@ -27,8 +27,8 @@ ALST's documented loss weighting and DeepSpeed's mpu give its gradients another 
 With tiling, each rank back-propagates its share of the global token mean as it is: TiledFusedLogitsLoss adds the
 head weight's gradient inside its forward for an incoming gradient of 1, so the tutorial's all-gather weighting
 (which scales that incoming gradient) would give the head another gradient scale than the rest of the model.
-Prints one table, saves ``runs/bench/train.png`` (skipped with a message without matplotlib), ends with one JSON
-line. Targets printed against: our Ulysses >= ALST tokens/s at the same P, with the same loss.
+Prints one table, writes ``runs/bench/train/`` (``--out``: result.json, and plot.png with matplotlib), ends with
+one JSON line. Targets printed against: our Ulysses >= ALST tokens/s at the same P, with the same loss.
 """
 from __future__ import annotations
 
@@ -42,7 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import (  # first: the repository on sys.path
+    ROOT, add_out_option, emit, free_port, plot_path, print_table, remove_shm_segments, save_plot,
+)
+
 MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=1 << 17, rms_norm_eps=1e-5, tie_word_embeddings=False)
 _MARK = "BENCH_TRAIN_RESULT "
@@ -145,7 +148,7 @@ def worker(spec_path: str) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ids = _batches(spec)
     if spec["system"] == "alst":
-        from bench_train_alst import alst_job  # launch/ is this script's directory: first on sys.path
+        from bench_train_alst import alst_job  # benchmarks/ is this script's directory: first on sys.path
 
         engine, step, comm, layout = alst_job(spec, ids, build_model=_model, ds_config=_ds_config(spec),
                                               vocab=MODEL["vocab_size"])
@@ -218,8 +221,7 @@ def _run(cfg: dict, args: argparse.Namespace, port: int) -> dict:
         out, err, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "", "timeout"
     finally:
         os.unlink(f.name)
-        for seg in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-            seg.unlink(missing_ok=True)  # leftovers of a job that died before releasing them
+        remove_shm_segments(port)  # leftovers of a job that died before releasing them
     lines = [ln.split(_MARK, 1)[1] for ln in out.splitlines() if _MARK in ln]
     if rc != 0 or not lines:
         tail = "\n".join((out + err).splitlines()[-25:])
@@ -249,14 +251,6 @@ def _merge(runs: list[dict]) -> dict:
     return row
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
     ok = [r for r in rows if "error" not in r]
     print(f"\nLlama {MODEL['hidden_size']}d x {MODEL['num_hidden_layers']} layers, heads "
@@ -265,18 +259,17 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
           f"median of {args.repeat} run(s); "
           f"memory GiB per rank (max), bytes = MiB sent by rank 0 in one step")
     kinds = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "check")
-    print(f"{'configuration':30s} {'P':>2s} {'tokens':>6s} {'tok/s':>7s} {'best':>7s} {'vs 1':>5s} {'final loss':>10s} "
-          f"{'peak':>6s} {'act':>6s} {'MiB':>7s}  " + " ".join(f"{k:>9s}" for k in kinds))
     single = next((r for r in ok if r["ranks"] == 1), None)
+    print_table([("configuration", "<"), ("P", "d"), ("tokens", "d"), ("tok/s", ".0f"), ("best", ".0f"),
+                 ("vs 1", ".2f"), ("final loss", ".6f"), ("peak", ".3f"), ("act", ".3f"), ("MiB", ".2f"),
+                 *((k, ".2f") for k in kinds)],
+                [[r["name"], r["ranks"], r["seq_len"], r["tokens_per_s"], r.get("tokens_per_s_best", float("nan")),
+                  r["tokens_per_s"] / single["tokens_per_s"] if single and r["seq_len"] == single["seq_len"] else None,
+                  r["final_loss"], r["peak_gib"], r["act_gib"], r["bytes_total"] / 2**20,
+                  *(r["bytes_by_kind"].get(k, 0) / 2**20 for k in kinds)] for r in ok])
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:30s} {r['ranks']:2d} {r['seq_len']:6d}  failed: {r['error']}")
-            continue
-        rel = f"{r['tokens_per_s'] / single['tokens_per_s']:5.2f}" if single and r["seq_len"] == single["seq_len"] else "    -"
-        by = " ".join(f"{r['bytes_by_kind'].get(k, 0) / 2**20:9.2f}" for k in kinds)
-        print(f"{r['name']:30s} {r['ranks']:2d} {r['seq_len']:6d} {r['tokens_per_s']:7.0f} "
-              f"{r.get('tokens_per_s_best', float('nan')):7.0f} {rel} {r['final_loss']:10.6f} "
-              f"{r['peak_gib']:6.3f} {r['act_gib']:6.3f} {r['bytes_total'] / 2**20:7.2f}  {by}")
+            print(f"{r['name']} (P = {r['ranks']}, {r['seq_len']} tokens): failed: {r['error']}")
     summary: dict[str, Any] = dict(bench="train", model=MODEL, ranks=args.ranks, seq_len=args.seq_len,
                                    steps=args.steps, warmup=args.warmup, wall_s=round(wall_s))
     by_name = {r["name"]: r for r in ok}
@@ -302,22 +295,13 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
             print(f"checkpointing, {name} at {args.ckpt_seq_len} tokens: {on['tokens_per_s']:.0f} vs "
                   f"{off['tokens_per_s']:.0f} tok/s without = {on['tokens_per_s'] / off['tokens_per_s']:.3f}x")
     summary["results"] = [{k: v for k, v in r.items() if k not in ("step_times",)} for r in rows]
-    _plot(ok, Path(args.plot))
-    print(json.dumps(summary))
+    save_plot(plot_path(args), lambda plt: _draw(ok, plt), dpi=110)
+    emit(summary, args.out / "result.json")
 
 
-def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot saved")
-        return
+def _draw(rows: list[dict], plt):
     if not rows:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
+        return None
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     names = [f"{r['name']}" + ("" if r["name"].endswith(f"@{r['seq_len']}") else f" ({r['ranks']}r)") for r in rows]
     colors = ["tab:gray" if r["ranks"] == 1 else "tab:red" if r["system"] == "alst" else "tab:blue" for r in rows]
@@ -332,9 +316,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     axes[2].set_ylabel("loss")
     axes[2].legend(fontsize=7)
     axes[2].grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot saved to {path}")
+    return fig
 
 
 def main() -> None:
@@ -356,7 +338,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs of every configuration, round-robin (medians)")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--job-timeout-s", type=int, default=900)
-    p.add_argument("--plot", default=str(ROOT / "runs" / "bench" / "train.png"))
+    add_out_option(p, "train")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = p.parse_args()
@@ -372,7 +354,7 @@ def main() -> None:
     runs: list[list[dict]] = [[] for _ in cfgs]
     for rep in range(args.repeat):  # round-robin: a busy machine's drift spreads over every configuration
         for i, c in enumerate(cfgs):
-            runs[i].append(_run(c, args, _free_port()))
+            runs[i].append(_run(c, args, free_port()))
     _report(args, [_merge(r) for r in runs], time.time() - t0)
 
 

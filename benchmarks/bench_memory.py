@@ -16,9 +16,10 @@ chunking and checkpointing control, exact and repeatable; the optimizer's own te
 last two lengths, is over budget (activation memory is linear in S with SDPA attention; saves the slowest runs). CUDA: one process per method, torch.cuda.max_memory_allocated per length (resettable), a method
 stops at the first out-of-memory or when the next step would exceed --max-step-s.
 
-Prints a table, saves a plot and JSON under results/, and prints one JSON object as the last line.
-  python launch/bench_memory.py                                  # CPU default, about 15-20 min on 2 cores
-  python launch/bench_memory.py --preset llama3-8b --dtype bf16 --device cuda
+Prints a table, writes ``runs/bench/memory/`` (``--out``: <preset>_<dtype>_<device>.json, and .png with
+matplotlib), and prints one JSON object as the last line.
+  python benchmarks/bench_memory.py                              # CPU default, about 15-20 min on 2 cores
+  python benchmarks/bench_memory.py --preset llama3-8b --dtype bf16 --device cuda
 """
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from harness import (  # first: the repository on sys.path
+    ROOT, add_out_option, emit, init_one_rank, plot_path, print_table, save_plot,
+)
 
 METHODS = ("hf", "hf_ckpt", "alst", "ours")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -132,21 +135,6 @@ def _make_loss(method: str, model, shape: Shape, logits_budget_mib: int):
     return lambda ids, labels: mini_sequence_lm_loss(model, labels=labels, input_ids=ids)
 
 
-def _init_dist(device: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if not dist.is_initialized():  # one rank: DeepSpeed checkpointing wants deepspeed.comm up
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-
-
 def _rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB (Linux)
 
@@ -184,7 +172,7 @@ def worker(args) -> list[dict]:
     shape = PRESETS[args.preset]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     cuda = args.device == "cuda"
-    _init_dist(args.device)
+    init_one_rank(args.device)  # DeepSpeed checkpointing wants deepspeed.comm up
     model = _build(shape, dtype, args.device)
     loss_fn = _make_loss(args.method, model, shape, args.logits_budget_mib)
     params = [p for p in model.parameters()]
@@ -297,7 +285,7 @@ def main() -> None:
                    "take longer (extrapolated as S^2)")
     p.add_argument("--no-tensor-peak", dest="tensor_peak", action="store_false",
                    help="CPU: skip the profiled forward + backward that measures tensor memory")
-    p.add_argument("--out", default=str(ROOT / "results" / "bench_memory"))
+    add_out_option(p, "memory")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -341,29 +329,25 @@ def _report(args, shape: Shape, methods: list[str], rows: list[dict], wall_s: fl
     lengths = sorted({r["seq_len"] for r in rows})
     budget = args.budget_gib
     what = "max_memory_allocated" if args.device == "cuda" else "ru_maxrss"
-    print(f"\nmodel {args.preset} {asdict(shape)} {args.dtype} on {args.device}; memory = {what} (GiB), "
-          f"act = minus the model's own (params + grads + AdamW states)")
     tens = any(r.get("tensor_act_gib") is not None for r in rows)
-    w = 30 if tens else 22
-    print(f"{'seq_len':>8} | " + " | ".join(f"{m:>{w}}" for m in methods))
     head = "peak / act / tensors / step_s" if tens else "peak / act / step_s"
-    print(f"{'':>8} | " + " | ".join(f"{head:>{w}}" for _ in methods))
+    cells = []
     for L in lengths:
-        cells = []
+        row: list = [L]
         for m in methods:
             r = table[m].get(L)
             if r is None:
-                cells.append(f"{'-':>{w}}")
+                row.append(None)
             elif "peak_gib" not in r:
-                why = "OOM" if r.get("oom") else f"skip: {r['skipped']}"[:w] if r.get("skipped") else "error"
-                cells.append(f"{why:>{w}}")
-            elif tens:
-                t = r.get("tensor_act_gib")
-                tcell = f"{t:7.3f}" if t is not None else f"{'-':>7}"
-                cells.append(f"{r['peak_gib']:7.2f} {r['act_gib']:6.2f} {tcell} {r['step_s']:7.1f}")
+                row.append("OOM" if r.get("oom") else f"skip: {r['skipped']}"[:30] if r.get("skipped") else "error")
             else:
-                cells.append(f"{r['peak_gib']:7.2f} {r['act_gib']:6.2f} {r['step_s']:7.1f}")
-        print(f"{L:>8} | " + " | ".join(cells))
+                t = r.get("tensor_act_gib")
+                parts = [f"{r['peak_gib']:.2f}", f"{r['act_gib']:.2f}"] + (["-" if t is None else f"{t:.3f}"] if tens else [])
+                row.append(" / ".join(parts + [f"{r['step_s']:.1f}"]))
+        cells.append(row)
+    print_table([("seq_len", "d"), *((f"{m}: {head}", "") for m in methods)], cells,
+                title=f"\nmodel {args.preset} {asdict(shape)} {args.dtype} on {args.device}; memory = {what} (GiB), "
+                      f"act = minus the model's own (params + grads + AdamW states)")
     max_len = {m: _max_fit(list(table[m].values()), budget, args.device) for m in methods}
     summary: dict = dict(preset=args.preset, shape=asdict(shape), dtype=args.dtype, device=args.device,
                          budget_gib=budget if args.device == "cpu" else None, max_len=max_len, wall_s=round(wall_s))
@@ -393,22 +377,13 @@ def _report(args, shape: Shape, methods: list[str], rows: list[dict], wall_s: fl
                 table["ours"][max(common)]["step_s"] / table["alst"][max(common)]["step_s"], 3)
     print(f"\nlongest length within budget ({'%.2f GiB activations' % budget if args.device == 'cpu' else 'device memory'}): "
           + ", ".join(f"{m} {max_len[m]}" for m in methods))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tag = f"{args.preset}_{args.dtype}_{args.device}"
-    (out / f"{tag}.json").write_text(json.dumps(summary, indent=1))
-    _plot(out / f"{tag}.png", table, methods, budget if args.device == "cpu" else None, tag, what)
-    print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
+    cpu_budget = budget if args.device == "cpu" else None
+    save_plot(plot_path(args, f"{tag}.png"), lambda plt: _draw(plt, table, methods, cpu_budget, tag, what))
+    emit(summary, args.out / f"{tag}.json", line={k: v for k, v in summary.items() if k != "results"})
 
 
-def _plot(path: Path, table, methods, budget, title: str, what: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+def _draw(plt, table, methods, budget, title: str, what: str):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     key = "act_gib" if budget else "peak_gib"
     for m in methods:
@@ -422,8 +397,7 @@ def _plot(path: Path, table, methods, budget, title: str, what: str) -> None:
     ax.set_title(f"one training step: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

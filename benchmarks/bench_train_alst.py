@@ -1,4 +1,4 @@
-"""DeepSpeed's own ALST baseline of ``launch/bench_train.py``: Ulysses sequence parallelism for HF models
+"""DeepSpeed's own ALST baseline of ``benchmarks/bench_train.py``: Ulysses sequence parallelism for HF models
 (``UlyssesSPAttentionHF`` + ``UlyssesSPDataLoaderAdapter``, deepspeed.runtime.sequence_parallel.ulysses_sp) with the
 loss weighting of its tutorial, and, with ``spec["tiled"]``, its tiling: ``TiledMLP`` per MLP (ceil(S / d) shards),
 ``TiledFusedLogitsLoss`` for the head, HF activation checkpointing (non-reentrant).

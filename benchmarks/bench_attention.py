@@ -1,22 +1,22 @@
 """Benchmark WallFacer attention against plain ring attention on the same inputs.
 
-    deepspeed --num_gpus 8 launch/bench_attention.py            # 8 CPU ranks here, 8 GPUs where present
-    deepspeed --num_gpus 16 launch/bench_attention.py           # adds C = 4
+    deepspeed --num_gpus 8 benchmarks/bench_attention.py        # 8 CPU ranks here, 8 GPUs where present
+    deepspeed --num_gpus 16 benchmarks/bench_attention.py       # adds C = 4
+    python benchmarks/bench_attention.py --ranks 4              # no launcher: 4 spawned gloo CPU ranks
 
 Per method (ring count C, sharding), it prints: bytes sent per rank per layer by kind, forward and
 backward (max over ranks; ranks with team position 0 skip the skew), the prediction of our exact formula
 and of the paper's formula, causal attention work per rank (max/mean), max error against a
 single-process computation of the full sequence, and the median fwd+bwd time. The last line is one JSON
-object; a plot of the bytes is saved under results/.
+object, also written to ``runs/bench/attention/result.json`` (``--out``) with a plot of the bytes.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import time
+
+from harness import add_out_option, emit, plot_path, print_table, rank_device, run_ranks, save_plot  # first
 
 import torch
 import torch.distributed as dist
@@ -41,26 +41,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--kernel", default="auto")
     ap.add_argument("--ring-counts", default=None, help="comma list; default: 1,2 (and 4 when P >= 16)")
-    ap.add_argument("--out", default="results/bench_attention.png")
+    ap.add_argument("--ranks", type=int, default=8, help="spawned gloo CPU ranks without a launcher (under one: "
+                    "the launcher's)")
+    add_out_option(ap, "attention")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return ap.parse_args()
-
-
-def init() -> torch.device:
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if not dist.is_initialized():
-        backend, timeout = ("nccl" if cuda else "gloo"), datetime.timedelta(minutes=10)
-        try:
-            import deepspeed
-        except ImportError:  # torchrun works too
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-    return torch.device("cuda") if cuda else torch.device("cpu")
 
 
 def sync(device: torch.device) -> None:
@@ -104,10 +89,9 @@ def run_method(args, device, c: int, sharding: str, full, reference) -> dict:
     )
 
 
-def main() -> None:
-    args = parse()
-    device = init()
-    world, rank = dist.get_world_size(), dist.get_rank()
+def _measure(rank: int, world: int, args: argparse.Namespace) -> dict | None:
+    """Every method on this rank's shard; rank 0 returns the rows and the setup, the others None."""
+    device = rank_device()
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     n = args.seq_len or 256 * world
     hk = args.kv_heads or args.heads
@@ -124,42 +108,47 @@ def main() -> None:
     reference = [o, *kern.backward(f32[3], *f32[:3], o, lse, causal=True, scale=args.head_dim**-0.5)]
     rows = [run_method(args, device, c, sh, full, reference) for c in rcs for sh in ("zigzag", "contiguous")]
     if rank != 0:
+        return None
+    return dict(rows=rows, P=world, N=n, kv_heads=hk, dtype=dtype, elem_bytes=full[0].element_size(),
+                kernel=kern.name, device=device.type)
+
+
+def main() -> None:
+    args = parse()
+    got = run_ranks(_measure, args.ranks, args)
+    if got is None:  # a launcher's rank other than 0
         return
-    shape = AttnShape(args.batch, n, args.heads, hk, args.head_dim, elem_bytes=full[0].element_size())
-    mb = lambda b: f"{b / 2**20:8.3f}"  # noqa: E731
-    print(f"\nWallFacer attention benchmark: P={world} N={n} B={args.batch} heads={args.heads}/{hk} d={args.head_dim} "
-          f"{dtype} kernel={kern.name} device={device.type}; MiB sent per rank per layer (max over ranks)")
-    head = f"{'method':28s} {'phase':8s}" + "".join(f"{k:>15s}" for k in KINDS if k != "check") + f"{'ours(pred)':>12s}{'paper':>10s}"
-    print(head)
+    m = got[0]
+    rows, world, n, hk, dtype = m["rows"], m["P"], m["N"], m["kv_heads"], m["dtype"]
+    shape = AttnShape(args.batch, n, args.heads, hk, args.head_dim, elem_bytes=m["elem_bytes"])
+    mib = lambda b: b / 2**20  # noqa: E731
+    kinds = [k for k in KINDS if k != "check"]
+    table = []
     for r in rows:
         c = r["ring_count"]
         pred = wallfacer_bytes(shape, sp_size=world, ring_count=c, local=min(1, c - 1))
         paper = paper_ring_bytes(shape, sp_size=world) if c == 1 else sum(paper_wallfacer_bytes(shape, sp_size=world, ring_count=c).values())
         for ph in ("forward", "backward"):
-            vals = "".join(f"{mb(r['bytes'][ph][k]):>15s}" for k in KINDS if k != "check")
-            extra = f"{mb(sum(pred[ph].values())):>12s}{mb(paper) if ph == 'forward' else '':>10s}"
-            print(f"{r['method']:28s} {ph:8s}{vals}{extra}")
-    print(f"\n{'method':28s} {'fwd ring MiB':>12s} {'vs C=1':>7s} {'work max/mean':>14s} {'max err':>9s} {'median fwd+bwd s':>17s}")
+            table.append([r["method"], ph, *(mib(r["bytes"][ph][k]) for k in kinds), mib(sum(pred[ph].values())),
+                          mib(paper) if ph == "forward" else ""])
+    print_table([("method", "<"), ("phase", "<"), *((k, ".3f") for k in kinds), ("ours(pred)", ".3f"), ("paper", ".3f")],
+                table, title=f"\nWallFacer attention benchmark: P={world} N={n} B={args.batch} heads={args.heads}/{hk} "
+                             f"d={args.head_dim} {dtype} kernel={m['kernel']} device={m['device']}; MiB sent per rank "
+                             f"per layer (max over ranks)")
     base = next(r for r in rows if r["ring_count"] == 1 and r["sharding"] == "zigzag")
-    for r in rows:
-        ratio = r["bytes"]["forward"]["ring"] / max(1, base["bytes"]["forward"]["ring"])
-        print(f"{r['method']:28s} {mb(r['bytes']['forward']['ring']):>12s} {ratio:7.3f} {r['work_max_over_mean']:14.3f} "
-              f"{r['max_error']:9.2e} {r['median_s']:17.4f}")
-    _plot(rows, args.out)
-    print(json.dumps(dict(bench="attention", P=world, N=n, batch=args.batch, heads=args.heads, kv_heads=hk,
-                          head_dim=args.head_dim, dtype=str(dtype), kernel=kern.name, device=device.type,
-                          methods=[{k: v for k, v in r.items() if k != "bytes_rank0"} for r in rows])))
+    print()
+    print_table([("method", "<"), ("fwd ring MiB", ".3f"), ("vs C=1", ".3f"), ("work max/mean", ".3f"),
+                 ("max err", ".2e"), ("median fwd+bwd s", ".4f")],
+                [[r["method"], mib(r["bytes"]["forward"]["ring"]),
+                  r["bytes"]["forward"]["ring"] / max(1, base["bytes"]["forward"]["ring"]), r["work_max_over_mean"],
+                  r["max_error"], r["median_s"]] for r in rows])
+    save_plot(plot_path(args), lambda plt: _draw(rows, plt))
+    emit(dict(bench="attention", P=world, N=n, batch=args.batch, heads=args.heads, kv_heads=hk,
+              head_dim=args.head_dim, dtype=str(dtype), kernel=m["kernel"], device=m["device"],
+              methods=[{k: v for k, v in r.items() if k != "bytes_rank0"} for r in rows]), args.out / "result.json")
 
 
-def _plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+def _draw(rows: list[dict], plt):
     fig, ax = plt.subplots(figsize=(9, 4))
     kinds = [k for k in KINDS if k != "check"]
     labels = [r["method"] for r in rows if r["sharding"] == "zigzag"]
@@ -170,9 +159,7 @@ def _plot(rows: list[dict], path: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("MiB sent per rank per layer (fwd + bwd)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"plot saved to {path}")
+    return fig
 
 
 if __name__ == "__main__":

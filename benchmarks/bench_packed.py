@@ -1,28 +1,26 @@
 """Packed documents under ring / WallFacer attention: work balance and time of dense causal, packed with zigzag
 sharding, and packed with balanced sharding, on the same inputs.
 
-    python launch/bench_packed.py                       # 4 CPU ranks (gloo), 8K tokens
-    python launch/bench_packed.py --ranks 8 --seq-len 16384 --ring-count 2
+    python benchmarks/bench_packed.py                       # 4 CPU ranks (gloo), 8K tokens
+    python benchmarks/bench_packed.py --ranks 8 --seq-len 16384 --ring-count 2
 
 Documents are log-normal lengths (median N/64, clipped to [N/512, N/2]) packed into one N-token row, the mix
 of ``data.balance.lognormal_document_mix`` scaled to N. Per method it prints the attention work per rank
 (score entries the kernels compute: max/mean is the balance figure; packed methods compute no pair across
 documents) and the median fwd+bwd time over the slowest rank. Work is deterministic; times on a shared CPU are
-noisy, so compare the methods of one run. The last line is one JSON object; a plot is saved.
+noisy, so compare the methods of one run. The last line is one JSON object, also written to
+``runs/bench/packed/result.json`` (``--out``) beside the plot.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import time
-from pathlib import Path
+
+from harness import add_out_option, emit, plot_path, print_table, run_ranks, save_plot  # first: repository on path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 METHODS = ("dense causal", "packed, zigzag", "packed, balanced")
 
@@ -38,33 +36,18 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--chunks-per-rank", type=int, default=8, help="balanced sharding: chunks per rank")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", default="runs/bench/packed.png", help="output path, or 'none'")
+    add_out_option(ap, "packed")
     return ap.parse_args()
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks, timeout=datetime.timedelta(minutes=10))
-    try:
-        queue.put((rank, _measure(rank, args)))
-    except BaseException:  # noqa: BLE001 - report it instead of leaving the parent waiting
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure(rank: int, args: argparse.Namespace) -> list[dict]:
+def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from ds_wallfacer.attention.documents import BatchDocuments, SequenceBatch
     from ds_wallfacer.attention.wallfacer import WallFacerAttention
     from ds_wallfacer.comm import RankLayout, build_groups
     from ds_wallfacer.data.balance import balanced_assignment, lognormal_document_mix
     from ds_wallfacer.data.pieces import shard_sequence
 
-    p, n = args.ranks, args.seq_len
+    p, n = world, args.seq_len
     lengths = lognormal_document_mix(seed=args.seed, rows=1, seq_len=n, median=n / 64, min_len=max(1, n // 512),
                                      max_len=n // 2)[0]
     starts = [0]
@@ -102,14 +85,7 @@ def _measure(rank: int, args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def _plot(rows: list[dict], path: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed"
+def _draw(rows: list[dict], plt):
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
     names = [r["method"] for r in rows]
     a1.bar(names, [r["balance"] for r in rows], color=["grey", "tab:orange", "tab:green"])
@@ -119,51 +95,29 @@ def _plot(rows: list[dict], path: str) -> str:
     a2.set_ylabel("fwd+bwd time, slowest rank (s)")
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return f"plot: {path}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return fig
 
 
 def main() -> None:
     args = parse()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.ranks)]
-    for pr in procs:
-        pr.start()
-    per_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for pr in procs:
-        pr.join()
-    failed = {r: v for r, v in per_rank.items() if isinstance(v, str)}
-    if failed:
-        raise SystemExit(f"rank {min(failed)} failed:\n{failed[min(failed)]}")
+    per_rank = run_ranks(_measure, args.ranks, args, timeout_s=3600)
+    if per_rank is None:  # a launcher's rank other than 0
+        return
     rows = []
-    print(f"P = {args.ranks}, C = {args.ring_count}, N = {args.seq_len}, {per_rank[0][0]['docs']} documents, "
-          f"{args.heads}/{args.kv_heads} heads, d = {args.head_dim}, fp32, cpu_flash")
-    print(f"{'method':<18} {'work max/mean':>13} {'work (max rank)':>15} {'fwd+bwd s':>10} {'vs dense':>8}")
     for i, name in enumerate(METHODS):
-        work = [per_rank[r][i]["work"] for r in range(args.ranks)]
-        t = max(per_rank[r][i]["time_s"] for r in range(args.ranks))
+        work = [mine[i]["work"] for mine in per_rank]
+        t = max(mine[i]["time_s"] for mine in per_rank)
         rows.append(dict(method=name, balance=max(work) / (sum(work) / len(work)), work_max=max(work), time_s=t))
     for r in rows:
         r["time_vs_dense"] = r["time_s"] / rows[0]["time_s"]
-        print(f"{r['method']:<18} {r['balance']:>13.3f} {r['work_max']:>15,d} {r['time_s']:>10.3f} "
-              f"{r['time_vs_dense']:>8.2f}")
-    if args.plot != "none":
-        print(_plot(rows, args.plot))
-    print(json.dumps({"bench": "packed", "sp_size": args.ranks, "ring_count": args.ring_count,
-                      "seq_len": args.seq_len, "chunks_per_rank": args.chunks_per_rank, "rows": rows}))
-
+    print_table([("method", "<"), ("work max/mean", ".3f"), ("work (max rank)", ",d"), ("fwd+bwd s", ".3f"),
+                 ("vs dense", ".2f")],
+                [[r["method"], r["balance"], r["work_max"], r["time_s"], r["time_vs_dense"]] for r in rows],
+                title=f"P = {len(per_rank)}, C = {args.ring_count}, N = {args.seq_len}, {per_rank[0][0]['docs']} "
+                      f"documents, {args.heads}/{args.kv_heads} heads, d = {args.head_dim}, fp32, cpu_flash")
+    save_plot(plot_path(args), lambda plt: _draw(rows, plt))
+    emit({"bench": "packed", "sp_size": len(per_rank), "ring_count": args.ring_count, "seq_len": args.seq_len,
+          "chunks_per_rank": args.chunks_per_rank, "rows": rows}, args.out / "result.json")
 
 if __name__ == "__main__":
     main()

@@ -1,21 +1,23 @@
 """Block-attention kernels side by side: error against the reference and fwd+bwd speed, in one process.
 
-    python launch/bench_kernels.py                      # CPU: reference vs cpu_flash, small shapes
-    python launch/bench_kernels.py --seq-lens 4096,16384 # on a GPU: every CUDA backend this machine supports
-    python launch/bench_kernels.py --dtypes bf16 --causal only --kernels cudnn,flash_attn4 --json out.json
+    python benchmarks/bench_kernels.py                      # CPU: reference vs cpu_flash, small shapes
+    python benchmarks/bench_kernels.py --seq-lens 4096,16384 # on a GPU: every CUDA backend this machine supports
+    python benchmarks/bench_kernels.py --dtypes bf16 --causal only --kernels cudnn,flash_attn4 --json out.json
 
 Every registered backend that supports the tensors runs: cuda_sdpa and cudnn with any CUDA torch, flash_attn,
 flash_attn3 and flash_attn4 where installed (on the GPUs they support). Prints a table (kernel, dtype, seq len,
 causal, max error of out/dq/dk/dv against the float32 reference kernel, median fwd+bwd milliseconds, TFLOP/s),
-the fastest kernel per shape, and a last JSON line. TFLOP/s counts 4 * 3.5 * N^2 * h * d (half of it causal):
+the fastest kernel per shape, and a last JSON line, also written to ``runs/bench/kernels/result.json`` (``--out``).
+TFLOP/s counts 4 * 3.5 * N^2 * h * d (half of it causal):
 fwd 2 matmuls, bwd 5, 2 FLOP per multiply-add.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+
+from harness import add_out_option, emit, print_table  # first: the repository on sys.path
 
 import torch
 
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--kernels", default=None, help="comma list of backends (default: every one that runs here)")
     ap.add_argument("--causal", choices=("both", "only", "no"), default="both")
     ap.add_argument("--json", default=None, help="also write the JSON result to this file")
+    add_out_option(ap, "kernels", plot=False)
     args = ap.parse_args()
     names = [n for n in KERNELS if n != "reference"] if args.kernels is None else args.kernels.split(",")
     for n in names:
@@ -103,11 +106,11 @@ def main() -> None:
                                      max_error=err, ms=sec * 1e3, tflops=flops / sec / 1e12))
                 if cuda:
                     torch.cuda.empty_cache()
-    print(f"\nblock kernels on {device} (heads {hq}/{hk}, head dim {args.head_dim}, batch 1; fwd+bwd)")
-    print(f"{'kernel':12s} {'dtype':9s} {'seq':>6s} {'causal':>6s} {'max err':>9s} {'ms':>9s} {'TFLOP/s':>8s}")
-    for r in rows:
-        e = "-" if r["max_error"] is None else f"{r['max_error']:.2e}"
-        print(f"{r['kernel']:12s} {r['dtype']:9s} {r['seq_len']:6d} {str(r['causal']):>6s} {e:>9s} {r['ms']:9.2f} {r['tflops']:8.1f}")
+    print_table([("kernel", "<"), ("dtype", "<"), ("seq", "d"), ("causal", ""), ("max err", ".2e"), ("ms", ".2f"),
+                 ("TFLOP/s", ".1f")],
+                [[r["kernel"], r["dtype"], r["seq_len"], str(r["causal"]), r["max_error"], r["ms"], r["tflops"]]
+                 for r in rows],
+                title=f"\nblock kernels on {device} (heads {hq}/{hk}, head dim {args.head_dim}, batch 1; fwd+bwd)")
     best = {}
     for r in rows:
         key = (r["dtype"], r["seq_len"], r["causal"])
@@ -115,12 +118,8 @@ def main() -> None:
             best[key] = r
     print("fastest: " + "; ".join(f"{d} {n} causal={c}: {r['kernel']} {r['tflops']:.1f} TFLOP/s"
                                   for (d, n, c), r in best.items()))
-    result = dict(bench="kernels", device=str(device), device_name=torch.cuda.get_device_name() if cuda else "cpu", heads=hq, kv_heads=hk, head_dim=args.head_dim,
-                  rows=rows)
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(dict(bench="kernels", device=str(device), device_name=torch.cuda.get_device_name() if cuda else "cpu",
+              heads=hq, kv_heads=hk, head_dim=args.head_dim, rows=rows), args.out / "result.json", args.json)
 
 
 if __name__ == "__main__":

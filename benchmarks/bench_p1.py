@@ -1,20 +1,22 @@
 """WallFacer attention on one rank (P = 1) against its own bare block kernel: what the ring machinery costs.
 
-    python launch/bench_p1.py                                  # CUDA: 16K and 128K tokens, 32/8 heads, d = 128, bf16
-    python launch/bench_p1.py --seq-lens 1024 --heads 8 --kv-heads 2 --head-dim 64    # CPU, small
+    python benchmarks/bench_p1.py                                  # CUDA: 16K and 128K tokens, 32/8 heads, d = 128, bf16
+    python benchmarks/bench_p1.py --seq-lens 1024 --heads 8 --kv-heads 2 --head-dim 64    # CPU, small
 
 At P = 1 WallFacer runs one causal block call per direction, so its time over the kernel's is pure overhead: the
 fp32 accumulators and the log-sum-exp merge, the final weighting, gradient accumulation, and the collectives of
 a one-rank group. Both are timed in this one process, interleaved (kernel, WallFacer, kernel, ...), fwd+bwd,
 median of ``--iters`` after a warm-up. Prints a table (ratio = WallFacer / kernel; the target is <= 1.03) and a
-last JSON line; ``--json`` also writes it to a file. Needs no launcher: it opens a one-rank process group itself.
+last JSON line, also written to ``runs/bench/p1/result.json`` (``--out``) and to ``--json``. Needs no launcher: it
+opens a one-rank process group itself.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+
+from harness import add_out_option, emit, init_one_rank, print_table  # first: the repository on sys.path
 
 import torch
 import torch.distributed as dist
@@ -32,14 +34,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernel", default="auto")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the JSON result here")
+    add_out_option(ap, "p1", plot=False)
     return ap.parse_args(argv)
-
-
-def init_one_rank(device: torch.device) -> None:
-    """A one-rank process group in this process (no launcher, no port: an in-memory store)."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
 
 
 def _sync(device: torch.device) -> None:
@@ -98,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda") if cuda else torch.device("cpu")
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     seqs = [int(x) for x in (args.seq_lens or ("16384,131072" if cuda else "1024")).split(",")]
-    init_one_rank(device)
+    init_one_rank(device.type)
     from ds_wallfacer.attention.merge import triton_merge_available
 
     rows = []
@@ -108,23 +104,20 @@ def main(argv: list[str] | None = None) -> dict:
         except torch.OutOfMemoryError as e:
             rows.append(dict(seq_len=n, failed=f"out of memory: {e}"[:200]))
             torch.cuda.empty_cache()
-    print(f"\nWallFacer P = 1 vs its bare block kernel on {device} ({dtype}, heads {args.heads}/{args.kv_heads}, "
-          f"head dim {args.head_dim}, causal, fwd+bwd, median of {args.iters}; Triton merge available: "
-          f"{triton_merge_available()})")
-    print(f"{'seq':>7s} {'kernel':12s} {'kernel ms':>10s} {'WallFacer ms':>13s} {'ratio':>6s} {'kernel TFLOP/s':>15s} "
-          f"{'max diff':>9s}")
+    ok = [r for r in rows if "failed" not in r]
+    print_table([("seq", "d"), ("kernel", "<"), ("kernel ms", ".2f"), ("WallFacer ms", ".2f"), ("ratio", ".3f"),
+                 ("kernel TFLOP/s", ".1f"), ("max diff", ".2e")],
+                [[r["seq_len"], r["kernel"], r["kernel_ms"], r["wallfacer_ms"], r["ratio"], r["kernel_tflops"],
+                  r["max_abs_diff"]] for r in ok],
+                title=f"\nWallFacer P = 1 vs its bare block kernel on {device} ({dtype}, heads {args.heads}/"
+                      f"{args.kv_heads}, head dim {args.head_dim}, causal, fwd+bwd, median of {args.iters}; Triton "
+                      f"merge available: {triton_merge_available()})")
     for r in rows:
         if "failed" in r:
             print(f"{r['seq_len']:7d} FAILED {r['failed']}")
-            continue
-        print(f"{r['seq_len']:7d} {r['kernel']:12s} {r['kernel_ms']:10.2f} {r['wallfacer_ms']:13.2f} {r['ratio']:6.3f} "
-              f"{r['kernel_tflops']:15.1f} {r['max_abs_diff']:9.2e}")
     result = dict(bench="p1_overhead", device=str(device), dtype=str(dtype).replace("torch.", ""), heads=args.heads,
                   kv_heads=args.kv_heads, head_dim=args.head_dim, triton_merge=triton_merge_available(), rows=rows)
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.out / "result.json", args.json)
     return result
 
 

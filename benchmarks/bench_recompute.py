@@ -1,8 +1,8 @@
 """What keeping attention's residuals across the layer recompute saves (time, bytes, kernel calls) and costs (memory).
 
-    python launch/bench_recompute.py                               # 4 CPU ranks: ring, C = 2, Ulysses, hybrid
-    python launch/bench_recompute.py --checkpointing torch --no-mst --modes ring --seq-len 8192
-    python launch/bench_recompute.py --memory --ranks 1 --seq-len 4096 --hidden 1024 --heads 8 --kv-heads 8
+    python benchmarks/bench_recompute.py                               # 4 CPU ranks: ring, C = 2, Ulysses, hybrid
+    python benchmarks/bench_recompute.py --checkpointing torch --no-mst --modes ring --seq-len 8192
+    python benchmarks/bench_recompute.py --memory --ranks 1 --seq-len 4096 --hidden 1024 --heads 8 --kv-heads 8
 
 A Llama-shaped model (random weights) is trained through ``ds_wallfacer.integration.initialize`` on spawned gloo CPU
 ranks, the same steps three ways per mode, interleaved step by step (a shared machine drifts):
@@ -20,25 +20,22 @@ fresh processes and reports rank 0's peak resident memory during the steps above
 step (Linux ``/proc/self/clear_refs``; glibc's mmap threshold fixed so freed tensors leave the resident set), so
 keep - recompute is the measured memory cost.
 
-Prints a table, writes ``runs/bench/recompute.json`` (and ``recompute.png`` with matplotlib) and ends with one JSON
-line.
+Prints a table, writes ``runs/bench/recompute/`` (``--out``: result.json, and plot.png with matplotlib; with
+``--memory``: memory.json) and ends with one JSON line.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import socket
 import statistics
-import sys
 import time
-import traceback
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import (  # first: the repository on sys.path
+    add_out_option, emit, launched, plot_path, print_table, run_ranks, save_plot,
+)
+
 VARIANTS = ("no ckpt", "recompute", "keep")
 # name -> "wallfacer" section (P = all ranks)
 MODES = {
@@ -208,58 +205,17 @@ def _memory(args: argparse.Namespace, rank: int, world: int) -> list[dict]:
                  kept_per_layer=kept / args.layers, formula_per_layer=_expected(args, sp) if variant == "keep" else 0)]
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS=str(args.threads),
-                      DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(args.threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1200))
-        rows = (_memory if args.only else _time)(args, rank, world)
-        queue.put((rank, "ok", rows if rank == 0 else None))
-    except BaseException:  # noqa: BLE001 - every failure reaches the driver
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for seg in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_{rank}"):
-            seg.unlink(missing_ok=True)
+def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
+    """The timed steps, or with ``args.only`` one variant's memory; rank 0 returns the rows, the others None."""
+    rows = (_memory if args.only else _time)(args, rank, world)
+    return rows if rank == 0 else None
 
 
-def _spawn(args: argparse.Namespace) -> list[dict]:
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    rows, errors = None, []
-    try:
-        for _ in procs:
-            rank, status, value = queue.get(timeout=args.timeout_s)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{value}")
-            elif rank == 0:
-                rows = value
-    except queue_mod.Empty:
-        errors.append(f"no answer from every rank within {args.timeout_s} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors or rows is None:
-        raise SystemExit("bench_recompute failed:\n" + "\n".join(errors))
-    return rows
+def _ranks(args: argparse.Namespace) -> list[dict]:
+    got = run_ranks(_measure, args.ranks, args, timeout_s=args.timeout_s, threads=args.threads)
+    if got is None:  # a launcher's rank other than 0
+        raise SystemExit(0)
+    return got[0]
 
 
 def _setup(args: argparse.Namespace) -> str:
@@ -269,30 +225,43 @@ def _setup(args: argparse.Namespace) -> str:
 
 
 def _report_time(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
-    print(f"\none training step, {_setup(args)}; slowest rank, median of {args.steps}")
-    print(f"{'mode':10s} {'variant':10s} {'step s':>7s} {'vs keep':>8s} {'fwd MiB':>8s} {'bwd MiB':>8s} "
-          f"{'fwd kern':>8s} {'kept MiB/layer':>15s} {'formula':>8s}")
-    for r in rows:
-        keep = next(x for x in rows if x["mode"] == r["mode"] and x["variant"] == "keep")
-        kept = f"{r['kept_per_layer'] / 2**20:15.3f}" if r["variant"] == "keep" else f"{'':15s}"
-        formula = f"{r['formula_per_layer'] / 2**20:8.3f}" if r["variant"] == "keep" else f"{'':8s}"
-        print(f"{r['mode']:10s} {r['variant']:10s} {r['step_s']:7.3f} {r['step_s'] / keep['step_s']:8.3f} "
-              f"{r['fwd_mib']:8.2f} {r['bwd_mib']:8.2f} {r['fwd_kernels']:8d} {kept} {formula}")
+    def keep(r: dict) -> dict:
+        return next(x for x in rows if x["mode"] == r["mode"] and x["variant"] == "keep")
+
+    kept = lambda r, key: r[key] / 2**20 if r["variant"] == "keep" else ""  # noqa: E731
+    print_table([("mode", "<"), ("variant", "<"), ("step s", ".3f"), ("vs keep", ".3f"), ("fwd MiB", ".2f"),
+                 ("bwd MiB", ".2f"), ("fwd kern", "d"), ("kept MiB/layer", ".3f"), ("formula", ".3f")],
+                [[r["mode"], r["variant"], r["step_s"], r["step_s"] / keep(r)["step_s"], r["fwd_mib"], r["bwd_mib"],
+                  r["fwd_kernels"], kept(r, "kept_per_layer"), kept(r, "formula_per_layer")] for r in rows],
+                title=f"\none training step, {_setup(args)}; slowest rank, median of {args.steps}")
     print("vs keep = step time / the keep variant's; fwd/bwd MiB = bytes rank 0 sent per step in each phase; fwd kern "
           "= block-kernel forward calls on rank 0 per step")
     return dict(bench="recompute", setup=_setup(args), wall_s=round(wall_s, 1),
                 results=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 
-def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
+def _report_memory(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
+    def rec(r: dict) -> dict:
+        return next(x for x in rows if x["mode"] == r["mode"] and x["variant"] == "recompute")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot saved")
-        return
+    def if_keep(r: dict, value: float) -> float | str:
+        return value if r["variant"] == "keep" else ""
+
+    mib = args.layers / 2**20  # per-layer bytes -> MiB over the layers
+    print_table([("mode", "<"), ("variant", "<"), ("peak MiB", ".1f"), ("+keep", ".1f"), ("after fwd MiB", ".1f"),
+                 ("+keep", ".1f"), ("kept MiB (counted)", ".1f"), ("formula", ".1f")],
+                [[r["mode"], r["variant"], r["rss_mib"], if_keep(r, r["rss_mib"] - rec(r)["rss_mib"]),
+                  r["after_forward_mib"], if_keep(r, r["after_forward_mib"] - rec(r)["after_forward_mib"]),
+                  if_keep(r, r["kept_per_layer"] * mib), if_keep(r, r["formula_per_layer"] * mib)] for r in rows],
+                title=f"\npeak RSS of rank 0 during {args.steps} steps above its resting RSS after a warm-up step, "
+                      f"{_setup(args)}")
+    print("+keep = keep - recompute; peak = the step's peak resident memory above the resting memory; after fwd = "
+          "resident memory between forward and backward (what checkpointing exists to shrink)")
+    return dict(bench="recompute_memory", setup=_setup(args), wall_s=round(wall_s, 1),
+                results=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+
+
+def _draw(rows: list[dict], plt):
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, ax = plt.subplots(figsize=(1.8 * len(modes) + 2, 4))
     width = 0.8 / len(VARIANTS)
@@ -303,10 +272,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("step time, slowest rank (s)")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot saved to {path}")
+    return fig
 
 
 def main() -> None:
@@ -328,13 +294,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--memory", action="store_true", help="peak RSS per variant, fresh processes")
     p.add_argument("--timeout-s", type=float, default=3600.0)
-    p.add_argument("--out", default=str(ROOT / "runs" / "bench" / "recompute.json"))
+    add_out_option(p, "recompute")
     args = p.parse_args()
     args.modes = args.modes.split(",")
     args.only = None
     if args.seq_len % (2 * args.ranks):
         raise SystemExit(f"--seq-len {args.seq_len} is not divisible by 2P = {2 * args.ranks}")
-    sys.path.insert(0, str(ROOT))
+    if args.memory and launched():
+        raise SystemExit("--memory measures each variant in fresh processes: run it without a launcher")
     t0 = time.time()
     if args.memory:
         # large blocks straight from mmap and back on free: resident memory then follows live tensors (glibc's
@@ -344,34 +311,15 @@ def main() -> None:
         for mode in args.modes:
             for v in VARIANTS:
                 args.only = (mode, v)
-                rows += _spawn(args)
+                rows += _ranks(args)
                 print(f"  {mode:9s} {v:9s} peak RSS +{rows[-1]['rss_mib']:.1f} MiB, after forward "
                       f"+{rows[-1]['after_forward_mib']:.1f} MiB", flush=True)
-        print(f"\npeak RSS of rank 0 during {args.steps} steps above its resting RSS after a warm-up step, "
-              f"{_setup(args)}")
-        print(f"{'mode':10s} {'variant':10s} {'peak MiB':>9s} {'+keep':>7s} {'after fwd MiB':>14s} {'+keep':>7s} "
-              f"{'kept MiB (counted)':>19s} {'formula':>8s}")
-        for r in rows:
-            rec = next(x for x in rows if x["mode"] == r["mode"] and x["variant"] == "recompute")
-            keep = r["variant"] == "keep"
-            d_peak = f"{r['rss_mib'] - rec['rss_mib']:7.1f}" if keep else f"{'':7s}"
-            d_fwd = f"{r['after_forward_mib'] - rec['after_forward_mib']:7.1f}" if keep else f"{'':7s}"
-            total = args.layers / 2**20
-            kept = (f"{r['kept_per_layer'] * total:19.1f} {r['formula_per_layer'] * total:8.1f}" if keep else "")
-            print(f"{r['mode']:10s} {r['variant']:10s} {r['rss_mib']:9.1f} {d_peak} {r['after_forward_mib']:14.1f} "
-                  f"{d_fwd} {kept}")
-        print("+keep = keep - recompute; peak = the step's peak resident memory above the resting memory; after fwd = "
-              "resident memory between forward and backward (what checkpointing exists to shrink)")
-        summary = dict(bench="recompute_memory", setup=_setup(args), wall_s=round(time.time() - t0, 1),
-                       results=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+        emit(_report_memory(args, rows, time.time() - t0), args.out / "memory.json")
     else:
-        rows = _spawn(args)
+        rows = _ranks(args)
         summary = _report_time(args, rows, time.time() - t0)
-        _plot(rows, Path(args.out).with_suffix(".png"))
-    out = Path(args.out if not args.memory else str(Path(args.out).with_name("recompute_memory.json")))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
+        save_plot(plot_path(args), lambda plt: _draw(rows, plt))
+        emit(summary, args.out / "result.json")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #      the Triton merge against the PyTorch merge;
 #  (b) block kernels' fwd+bwd TFLOP/s at 4K and 16K tokens, causal, bf16, 32/8 heads, d = 128 (target >= 550 at 16K);
 #  (c) WallFacer attention at P = 1 against its bare block kernel at 16K and 128K tokens (target ratio <= 1.03).
-# Results: logs and JSON under $OUT (default results/gpu_check), verdicts last.
+# Results: logs and JSON under $OUT (default runs/bench/gpu_check), verdicts last.
 #
 # Optional backends travel as wheels in .whl/ (or $WHEELS): installed with --no-deps into /tmp/site. flash-attn-4
 # needs flash_attn_4, nvidia_cutlass_dsl, nvidia_cutlass_dsl_libs_base, nvidia_cutlass_dsl_libs_cu13 (92 MB: more
@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-results/gpu_check}"; mkdir -p "$OUT"
+OUT="${OUT:-runs/bench/gpu_check}"; mkdir -p "$OUT"
 WHEELS="${WHEELS:-.whl}"; WF_PARTS="${WF_PARTS:-/tmp/wf_parts}"
 
 # -- optional wheels ----------------------------------------------------------------------------------------------
@@ -54,11 +54,11 @@ timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/attention/test_ke
   | tee "$OUT/pytest_cuda.log" | tail -25
 
 # (b) block kernels at 4K and 16K, causal, bf16, 32/8 heads, d = 128
-timeout 150 python3 launch/bench_kernels.py --seq-lens 4096,16384 --heads 32 --kv-heads 8 --head-dim 128 \
+timeout 150 python3 benchmarks/bench_kernels.py --seq-lens 4096,16384 --heads 32 --kv-heads 8 --head-dim 128 \
   --dtypes bf16 --causal only --iters 5 --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" | tail -14
 
 # (c) WallFacer at P = 1 against its bare kernel, 16K and 128K
-timeout 150 python3 launch/bench_p1.py --seq-lens 16384,131072 --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 \
+timeout 150 python3 benchmarks/bench_p1.py --seq-lens 16384,131072 --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 \
   --iters 3 --json "$OUT/bench_p1.json" 2>&1 | tee "$OUT/bench_p1.log" | tail -6
 
-python3 launch/gpu_check_summary.py "$OUT" 2>&1 | tee "$OUT/summary.log"
+python3 benchmarks/gpu_check_summary.py "$OUT" 2>&1 | tee "$OUT/summary.log"

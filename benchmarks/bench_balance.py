@@ -1,22 +1,22 @@
 """Attention balance of packed documents: zigzag sharding against the balanced chunk assignment.
 
-    python launch/bench_balance.py                   # 1 and 4 rows; P = 4, 8, 16; 2, 4, 8 chunks per rank
-    python launch/bench_balance.py --rows 2 --seeds 32 --sp-sizes 8,32,64 --chunks 4,8,16
+    python benchmarks/bench_balance.py                   # 1 and 4 rows; P = 4, 8, 16; 2, 4, 8 chunks per rank
+    python benchmarks/bench_balance.py --rows 2 --seeds 32 --sp-sizes 8,32,64 --chunks 4,8,16
 
 Document lengths are log-normal (median 2048, sigma 1.5) clipped to [100, 65536] and packed into rows of
 131072 tokens; a batch of ``--rows`` rows shares one assignment (one row per micro-batch is the hardest case:
 nothing averages out). Work of a token = keys of its own document it sees (``ds_wallfacer.data.balance``).
 Prints a table per row count (P, chunks per rank, zigzag and balanced max/mean as mean and worst over the
-seeded batches, assignment time), saves ``runs/bench/balance.png`` when matplotlib is installed, and ends with a
-JSON line. Pure Python: no torch.
+seeded batches, assignment time), writes ``runs/bench/balance/`` (``--out``: result.json, and plot.png when
+matplotlib is installed) and ends with a JSON line. Pure Python: no torch.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from harness import add_out_option, emit, plot_path, print_table, save_plot  # first: the repository on sys.path
 
 from ds_wallfacer.data.balance import (
     balance_ratio,
@@ -34,14 +34,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def _plot(rows: list[dict], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
+def _draw(rows: list[dict], plt):
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     sps = sorted({r["sp_size"] for r in rows})
     for b, style in zip(sorted({r["rows"] for r in rows}), ("-", ":", "-.", "--")):
@@ -58,10 +51,7 @@ def _plot(rows: list[dict], path: Path) -> str:
     ax.set_ylabel("attention work, busiest rank / mean (worst batch)")
     ax.set_title("packed log-normal documents, 128K-token rows")
     ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+    return fig
 
 
 def main() -> None:
@@ -72,10 +62,8 @@ def main() -> None:
     ap.add_argument("--rows", type=_ints, default=[1, 4],
                     help="comma list of rows per batch (they share one assignment)")
     ap.add_argument("--seeds", type=int, default=8, help="seeded batches per setting")
-    ap.add_argument("--plot", default="runs/bench/balance.png", help="output path, or 'none'")
+    add_out_option(ap, "balance")
     args = ap.parse_args()
-    print(f"{'rows':>4} {'P':>4} {'chunks':>6} {'zigzag mean':>11} {'zigzag worst':>12} {'balanced mean':>13} "
-          f"{'balanced worst':>14} {'assign ms':>9}")
     rows, recommended = [], {}
     for n_rows in args.rows:
         batches = [lognormal_document_mix(seed=s, rows=n_rows, seq_len=args.seq_len) for s in range(args.seeds)]
@@ -92,13 +80,15 @@ def main() -> None:
                            zigzag_worst=max(zig), balanced_mean=statistics.mean(bal), balanced_worst=max(bal),
                            assign_ms_median=statistics.median(times), assign_ms_max=max(times))
                 rows.append(row)
-                print(f"{n_rows:>4} {p:>4} {m:>6} {row['zigzag_mean']:>11.3f} {row['zigzag_worst']:>12.3f} "
-                      f"{row['balanced_mean']:>13.4f} {row['balanced_worst']:>14.4f} {row['assign_ms_median']:>9.2f}")
         # the fewest chunks per rank whose worst batch meets the target at every P (fewer: longer kernel calls)
         mine = [r for r in rows if r["rows"] == n_rows]
         meets = [m for m in sorted(args.chunks)
                  if all(r["balanced_worst"] <= TARGET for r in mine if r["chunks_per_rank"] == m)]
         recommended[n_rows] = meets[0] if meets else None
+    print_table([("rows", "d"), ("P", "d"), ("chunks", "d"), ("zigzag mean", ".3f"), ("zigzag worst", ".3f"),
+                 ("balanced mean", ".4f"), ("balanced worst", ".4f"), ("assign ms", ".2f")],
+                [[r["rows"], r["sp_size"], r["chunks_per_rank"], r["zigzag_mean"], r["zigzag_worst"],
+                  r["balanced_mean"], r["balanced_worst"], r["assign_ms_median"]] for r in rows])
     docs = [len(row) for s in range(args.seeds) for row in lognormal_document_mix(seed=s, rows=1, seq_len=args.seq_len)]
     print(f"{args.seeds} seeded batches per row count; documents per {args.seq_len}-token row: median "
           f"{statistics.median(docs):.0f}, min {min(docs)}, max {max(docs)}")
@@ -110,12 +100,12 @@ def main() -> None:
     balanced_assignment(big, sp_size=64, chunks_per_rank=16)
     big_ms = 1e3 * (time.perf_counter() - t0)
     print(f"assignment time for P = 64, 16 chunks per rank: {big_ms:.1f} ms")
-    print(_plot(rows, Path(args.plot)) if args.plot != "none" else "plot: off")
-    print(json.dumps({"bench": "balance", "rows": args.rows, "seeds": args.seeds, "seq_len": args.seq_len,
-                      "target": TARGET, "recommended_chunks_per_rank": {str(k): v for k, v in recommended.items()},
-                      "default_chunks_per_rank": DEFAULT_CHUNKS_PER_RANK, "p64_m16_assign_ms": round(big_ms, 2),
-                      "results": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
-                                  for r in rows]}))
+    save_plot(plot_path(args), lambda plt: _draw(rows, plt))
+    emit({"bench": "balance", "rows": args.rows, "seeds": args.seeds, "seq_len": args.seq_len, "target": TARGET,
+          "recommended_chunks_per_rank": {str(k): v for k, v in recommended.items()},
+          "default_chunks_per_rank": DEFAULT_CHUNKS_PER_RANK, "p64_m16_assign_ms": round(big_ms, 2),
+          "results": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]},
+         args.out / "result.json")
 
 
 if __name__ == "__main__":
