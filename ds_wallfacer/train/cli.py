@@ -1,7 +1,8 @@
 """Command-line options of the trainer (``python -m ds_wallfacer.train`` / ``launch/train.py``).
 
-Every option has a default, so ``deepspeed --num_gpus 4 launch/train.py`` trains the tiny built-in Llama on the
-bundled text. Errors found in the options themselves (paths, sizes) are ``StartupError``: the trainer prints one
+Every option has a default, so ``deepspeed --num_gpus 4 --module ds_wallfacer.train`` trains the tiny built-in
+Llama on the demo corpus with the example config ``wallfacer`` (both shipped in ``ds_wallfacer.examples``), from
+any folder. Errors found in the options themselves (paths, sizes) are ``StartupError``: the trainer prints one
 line and exits with status 2 on every rank, before any process group exists.
 """
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .. import examples
+
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_DATA", "StartupError", "parse_args"]
 
-_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = _ROOT / "launch" / "data"
-"""The bundled corpus (a few KB of text)."""
-DEFAULT_CONFIG = _ROOT / "ds_configs" / "wallfacer.json"
+DEFAULT_DATA = examples.DATA_DIR
+"""The demo corpus (a few KB of text)."""
+DEFAULT_CONFIG = examples.CONFIG_DIR / "wallfacer.json"
 
 
 class StartupError(ValueError):
@@ -27,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Train an HF causal LM with sequence parallelism through DeepSpeed (launch with `deepspeed`).",
     )
     p.add_argument("--deepspeed_config", default=str(DEFAULT_CONFIG),
-                   help='ds_config JSON with a "wallfacer" section')
+                   help='ds_config JSON with a "wallfacer" section, or the name of a shipped example: '
+                        + ", ".join(examples.config_names()))
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (LOCAL_RANK is used)")
 
     g = p.add_argument_group("model and data")
@@ -100,7 +103,11 @@ def _check(args: argparse.Namespace) -> None:
         raise StartupError(f"--data {args.data!r} does not exist: give a .txt/.jsonl/.parquet file, a folder of "
                            "them, or a datasets.save_to_disk folder")
     if not Path(args.deepspeed_config).is_file():
-        raise StartupError(f"--deepspeed_config {args.deepspeed_config!r} does not exist")
+        shipped = examples.find_config(args.deepspeed_config)
+        if shipped is None:
+            raise StartupError(f"--deepspeed_config {args.deepspeed_config!r} does not exist (nor is it a shipped "
+                               f"example: {', '.join(examples.config_names())})")
+        args.deepspeed_config = str(shipped)
     if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
         raise StartupError(f"--resume {args.resume!r} is not a checkpoint directory: give \"auto\" or a tag "
                            "directory such as OUTPUT_DIR/checkpoints/step_100")

@@ -4,33 +4,8 @@
     ...train...
     watchdog.stop()
 
-Note [Watchdog: heartbeats from a thread, over the rendezvous store]
-A collective blocked on a dead or stopped peer cannot be interrupted from Python, and the process groups'
-timeout (``collective_timeout_s``) must be longer than the longest legitimate step, so it is no fault detector.
-Every rank runs two daemon threads. One writes a counter to the job's rendezvous TCPStore every ``interval_s``
-and reads its peers' counters; the other judges them. They run beside the training loop (torch ops and
-collectives release the GIL), so a step that takes minutes never looks stalled, while a SIGSTOPped process stops
-all its threads and so its heartbeat. The threads open their own connection to the store (MASTER_ADDR /
-MASTER_PORT), not torch.distributed's client, whose lock a long ``wait`` in the main thread may hold; the store
-works the same whatever the collective backend (gloo, NCCL). Staleness is measured on the watcher's own monotonic
-clock (time since a peer's counter last changed), so the clocks of different hosts are never compared.
-
-Verdicts: a peer on this host whose process is gone (pid and start time), at once; a peer that raised (its
-``atexit`` hook marks it "failed"), at once; a peer silent for ``timeout_s``; the store itself silent for
-``timeout_s`` (its host process, rank 0 under the env:// rendezvous, is stopped or gone); this rank's launcher
-or the ``deepspeed`` runner gone (the rank was orphaned, and nothing would end it). The first rank to judge
-posts its verdict in the store, so the other ranks print the same names. Each rank then prints ONE line and
-leaves with ``os._exit``: its main thread may be stuck in a collective that nothing else would end. A stalled
-peer on this host is also SIGKILLed: stopped, or stuck holding the GIL, it would not act on the launcher's
-SIGTERM, and the launcher waits 30 s before it sends SIGKILL. (So native code that holds the GIL for longer than
-``timeout_s`` looks stalled too: choose the timeout above the longest such call.) A collective that raises
-because a peer vanished (gloo sees the closed connection at once) does not print its traceback: the rank waits
-for the verdict and prints that instead.
-
-SIGINT (Ctrl-C) and SIGTERM (the launcher stopping the job after another rank failed) end the rank the same way,
-with one line instead of a traceback per thread. Python runs signal handlers in the main thread only, and only
-between bytecodes; a main thread blocked in a collective would never run one. So the signals also reach a third
-thread through ``signal.set_wakeup_fd``.
+How: Note [Watchdog: heartbeats from a thread, over the rendezvous store] in docs/design.md. Signals reach it
+through ``signals.SignalRelay``.
 """
 from __future__ import annotations
 
@@ -38,7 +13,6 @@ import atexit
 import datetime
 import json
 import os
-import select
 import signal
 import socket
 import sys
@@ -50,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .signals import SIGNAL_EXIT, SignalRelay
+
 __all__ = ["FAULT_EXIT_CODE", "RankInfo", "Watchdog", "start_watchdog"]
 
 FAULT_EXIT_CODE = 3
@@ -58,11 +34,6 @@ _PREFIX = "ds_wallfacer/watchdog"
 _DONE, _FAILED = "done", "failed"
 _COMM_ERRORS = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer")
 """Text of the errors a collective raises when a peer vanishes."""
-_SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shell's 128 + signal number
-_SIGINT, _SIGTERM = int(signal.SIGINT), int(signal.SIGTERM)
-_CTRL_C_GRACE_S = 0.5
-"""Ctrl-C reaches every process of the job at once and the launcher answers it with SIGTERM: a SIGINT that
-arrives within this grace after a SIGTERM wins, so the rank's line says what the user did."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +89,7 @@ def _store_host() -> str:
 
 
 class Watchdog:
-    """Heartbeat, judge and signal threads of one rank (see the note above). ``start()`` on every rank after
+    """Heartbeat and judge threads of one rank, and its signals (see the note). ``start()`` on every rank after
     torch.distributed is initialised; ``stop()`` at the end of training (also ``with Watchdog(...):``)."""
 
     def __init__(self, *, timeout_s: float = 30.0, interval_s: float = 2.0, max_watched: int = 64,
@@ -153,9 +124,7 @@ class Watchdog:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._pipe: tuple[int, int] | None = None
-        self._old_handlers: dict[int, Any] = {}
-        self._old_wakeup = -1
+        self._signals = SignalRelay(self._on_signal)
         self._old_excepthook: Any = None
         self._launchers = _launchers()
 
@@ -174,8 +143,8 @@ class Watchdog:
         self._changed = dict.fromkeys(self.watched, now)  # a peer that never beats is stale after timeout_s
         atexit.register(self._at_exit)
         self._old_excepthook, sys.excepthook = sys.excepthook, self._excepthook
-        if self.handle_signals:
-            self._install_signals()
+        if self.handle_signals and (reader := self._signals.install()) is not None:
+            self._threads.append(reader)
         for target in (self._beat, self._judge):
             t = threading.Thread(target=target, name=f"ds_wallfacer-watchdog-{target.__name__[1:]}", daemon=True)
             t.start()
@@ -192,7 +161,7 @@ class Watchdog:
         atexit.unregister(self._at_exit)
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._old_excepthook
-        self._restore_signals()
+        self._signals.restore()
         if self._store_lost:
             return
         try:
@@ -361,51 +330,10 @@ class Watchdog:
         if not self._store_lost:
             self._quick(lambda: self._store.set(f"hb/{self.rank}", state))
 
-    # -- signals -----------------------------------------------------------------------------------
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # only the main thread may install handlers; the caller keeps Python's defaults
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._pipe = (r, w)
-        self._old_handlers = {s: signal.signal(s, self._on_signal_main) for s in _SIGNAL_EXIT}
-        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        t = threading.Thread(target=self._signal_reader, name="ds_wallfacer-watchdog-signals", daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _restore_signals(self) -> None:
-        if self._pipe is None or threading.current_thread() is not threading.main_thread():
-            return
-        signal.set_wakeup_fd(self._old_wakeup)
-        for s, h in self._old_handlers.items():
-            signal.signal(s, h)
-        os.write(self._pipe[1], b"\0")  # wakes the reader, which then closes the pipe
-
-    def _signal_reader(self) -> None:
-        r, w = self._pipe
-        while True:
-            data = os.read(r, 64)
-            if _SIGTERM in data and _SIGINT not in data and select.select([r], [], [], _CTRL_C_GRACE_S)[0]:
-                data += os.read(r, 64)
-            forward = data.replace(b"\0", b"")
-            if self._old_wakeup >= 0 and forward:  # whoever had the wakeup fd before still gets its bytes
-                _ignore_errors(lambda forward=forward: os.write(self._old_wakeup, forward))
-            for signum in (_SIGINT, _SIGTERM):
-                if signum in data:
-                    self._on_signal(signum)
-            if b"\0" in data:
-                os.close(r)
-                os.close(w)
-                return
-
-    def _on_signal_main(self, signum: int, frame: Any) -> None:
-        # the reader thread normally acts first; this runs only if the main thread gets to Python before it
-        if signum == _SIGTERM:
-            time.sleep(_CTRL_C_GRACE_S)
-        self._on_signal(signum)
-
+    # -- signals (from signals.SignalRelay) ----------------------------------------------------------
     def _on_signal(self, signum: int) -> None:
+        """End this rank for a signal, with a line that names a peer on this host whose exit made the launcher send
+        SIGTERM."""
         if signum == signal.SIGINT:
             what = "interrupted (SIGINT)"
         else:
@@ -417,7 +345,7 @@ class Watchdog:
             if gone and not self._store_lost:  # ranks on other hosts cannot see the process: tell them
                 verdict = {"what": f"{self._names(gone)} exited during training (its process is gone)", "by": self.rank}
                 self._quick(lambda: self._store.set("fault", json.dumps(verdict)))
-        self._end(what, [], False, code=_SIGNAL_EXIT[signal.Signals(signum)])
+        self._end(what, [], False, code=SIGNAL_EXIT[signal.Signals(signum)])
 
 
 def start_watchdog(*, timeout_s: float, interval_s: float | None = None) -> Watchdog | None:

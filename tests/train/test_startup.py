@@ -17,7 +17,7 @@ from ds_wallfacer.train import checkpoint as ckpt
 from ds_wallfacer.train import main
 from ds_wallfacer.train.cli import StartupError
 from ds_wallfacer.train.data import load_token_data, train_batches
-from ds_wallfacer.train.loop import lr_factor
+from ds_wallfacer.train.trainer import lr_factor
 from ds_wallfacer.train.model import byte_tokenizer, load_model
 from tests.train.helpers import ROOT, env, make_model_dir
 
@@ -107,6 +107,22 @@ def test_start_up_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "wallfacer": {"ring_count": 0}}))
     err = _refusal(capsys, "--deepspeed_config", str(bad), *out)
     assert "wallfacer.ring_count = 0 is invalid" in err
+
+
+def test_shipped_examples_are_the_defaults_and_found_by_name(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from ds_wallfacer import examples
+    from ds_wallfacer.train.cli import DEFAULT_CONFIG, DEFAULT_DATA, parse_args
+
+    # the package holds the files; the checkout's ds_configs/ and launch/data/ lead to the same ones
+    assert DEFAULT_CONFIG.is_file() and (DEFAULT_DATA / "sample.txt").is_file()
+    assert (ROOT / "ds_configs" / "wallfacer.json").resolve() == DEFAULT_CONFIG.resolve()
+    assert (ROOT / "launch" / "data").resolve() == DEFAULT_DATA.resolve()
+    args = parse_args(["--deepspeed_config", "hybrid", "--output_dir", str(tmp_path)])
+    assert Path(args.deepspeed_config) == examples.CONFIG_DIR / "hybrid.json"
+    assert parse_args(["--deepspeed_config", "hybrid.json"]).deepspeed_config == args.deepspeed_config
+    assert examples.find_config("./hybrid") is None  # a path, not a name
+    err = _refusal(capsys, "--deepspeed_config", "hybird", "--output_dir", str(tmp_path))
+    assert "--deepspeed_config 'hybird' does not exist (nor is it a shipped example: hybrid, main," in err
 
 
 def test_refusal_exits_non_zero_with_one_line(tmp_path: Path) -> None:

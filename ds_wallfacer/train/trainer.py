@@ -1,0 +1,408 @@
+"""The trainer as steps: ``Trainer.build`` (every start-up refusal), ``resume``, ``train`` (``train_step``,
+``evaluate``, ``save``), ``finish`` (export, summary). Why in that order: Note [Trainer start-up order] in
+docs/design.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..hf_config import text_config
+from . import checkpoint as ckpt
+from .cli import StartupError
+from .data import eval_batches, load_token_data, train_batches
+from .export import export_hf
+from .metrics import comm_bytes, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops, split_wandb_section
+from .model import dtype_of, load_model
+from .watchdog import start_watchdog
+
+__all__ = ["Trainer", "lr_factor"]
+
+Batch = dict[str, torch.Tensor]
+
+
+def lr_factor(*, steps: int, warmup_steps: int, decay: str, min_ratio: float) -> Callable[[int], float]:
+    """Learning-rate multiplier by optimizer step: linear warm-up, then cosine / linear decay to ``min_ratio``
+    at ``steps`` (or constant)."""
+
+    def factor(s: int) -> float:
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if decay == "constant":
+            return 1.0
+        frac = min(1.0, (s - warmup_steps) / max(1, steps - warmup_steps))
+        if decay == "cosine":
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        return 1 - (1 - min_ratio) * frac
+
+    return factor
+
+
+def _offline_defaults() -> None:
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def _read_ds_config(path: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise StartupError(f"--deepspeed_config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise StartupError(f"--deepspeed_config {path!r} must hold a JSON object")
+    return raw
+
+
+def _scheduler(args: Any) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]:
+    """The warm-up + decay schedule of the options, as the callable DeepSpeed builds it from (with its optimizer)."""
+    factor = lr_factor(steps=args.steps, warmup_steps=args.warmup_steps, decay=args.lr_decay,
+                       min_ratio=args.min_lr_ratio)
+
+    def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+    return scheduler
+
+
+def _replica_mean(values: torch.Tensor, *, dims: Any, comm: Any) -> torch.Tensor:
+    """[k] on every rank (equal within a sequence-parallel group) -> their mean over the data-parallel replicas,
+    in float64 (one value per replica, so D = 1 returns the value exactly). Through the comm layer, which checks
+    the tensor is on the group's device."""
+    with comm.phase("metrics"):
+        rows = comm.all_gather(values, dist.group.WORLD)  # [W, k]
+    firsts = [rows[dims.sp_ranks(d)[0]] for d in range(dims.dp_size)]
+    return torch.stack(firsts).double().mean(0).cpu()
+
+
+class Trainer:
+    """One rank's run. The loss it prints and logs per step is the global token-mean loss of its micro-batches,
+    averaged over the gradient-accumulation micro-steps and the data-parallel replicas (every sequence is full, so
+    this is the token mean over the whole global batch)."""
+
+    # set by build(): the config, model, data and engine, and the sizes that follow from them
+    wandb_section: dict[str, Any]
+    run_cfg: Any
+    resume_tag: Path | None
+    universal: bool
+    dtype: torch.dtype
+    loaded: Any
+    data: Any
+    text_cfg: Any
+    n_params: int
+    engine: Any
+    sp: Any
+    setup: Any
+    rank: int
+    world: int
+    micro: int
+    dp: int
+    gas: int
+    seq_per_step: int
+    eos: int | None
+    # set by start()
+    flops: float
+    peak: float | None
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.out = Path(args.output_dir)
+        self.export_dir = Path(args.export_dir) if args.export_dir else self.out / "hf_model"
+        self.log_file = self.out / "metrics.jsonl"
+        self.step = 0
+        self.state = {"epoch": 0, "sequences_in_epoch": 0, "tokens_seen": 0}
+        """Data position and token count, saved in every checkpoint."""
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.eval_loss: float | None = None
+        self.saved: dict[str, Any] | None = None
+        """The trainer state of the checkpoint resumed from."""
+        self.last_ckpt: Path | None = None
+        self.watchdog: Any = None
+        self.wandb_run: Any = None
+        self.bar: Any = None
+        self.batches: Iterator[Batch] = iter(())
+        self.wall_s = 0.0
+
+    # -- start-up: every refusal, on every rank, before any training -----------------------------------------
+    def build(self) -> None:
+        """ds_config, checkpoint to resume, model, data, then the DeepSpeed engine and the sizes it decides."""
+        args = self.args
+        _offline_defaults()
+        import ds_wallfacer.integration as wfi  # registers attn_implementation="wallfacer"
+
+        from ..config import parse_ds_config
+
+        ds_config, self.wandb_section = split_wandb_section(_read_ds_config(args.deepspeed_config))
+        try:
+            self.run_cfg = parse_ds_config(ds_config)
+        except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
+            raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
+        self.resume_tag = self.last_ckpt = ckpt.resolve_resume(args.resume, self.out)
+        self.dtype = dtype_of(self.run_cfg.deepspeed)
+        self.loaded = loaded = load_model(args.model, seq_len=args.seq_len, dtype=self.dtype, seed=args.seed)
+        self.data = load_token_data(
+            args.data, loaded.tokenizer, tokenizer_id=loaded.tokenizer_id, eos_id=loaded.eos_id,
+            seq_len=args.seq_len, eval_fraction=args.eval_fraction, text_field=args.text_field,
+            cache_dir=args.cache_dir or self.out / "token_cache",
+        )
+        self.text_cfg = text_config(loaded.model)
+        self.n_params = sum(p.numel() for p in loaded.model.parameters())  # before ZeRO-3 partitions them
+        self._initialize(wfi, ds_config)
+        lay = self.setup = self.sp.setup
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.micro, self.dp = self.run_cfg.micro_batch(dp_size=lay.dims.dp_size), lay.dims.dp_size
+        self.gas = self.engine.gradient_accumulation_steps()
+        self.seq_per_step = self.micro * self.dp * self.gas
+        self.eos = loaded.eos_id if args.document_masking else None  # documents end at EOS (train/data.py)
+        if len(self.data.train) < self.micro * self.dp:
+            raise StartupError(
+                f"the training split has {len(self.data.train)} sequences of {args.seq_len} tokens, fewer than one "
+                f"micro-batch ({self.micro}) per data-parallel replica ({self.dp}): add data, lower --seq_len, or "
+                "raise sequence_parallel_size"
+            )
+
+    def _initialize(self, wfi: Any, ds_config: dict[str, Any]) -> None:
+        """``wfi.initialize`` with the optimizer and schedule the ds_config leaves to the options; a checkpoint
+        written by another number of ranks is loaded through DeepSpeed's universal checkpoint."""
+        args, model = self.args, self.loaded.model
+        optimizer = None
+        if not self.run_cfg.has_optimizer:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        scheduler = None if "scheduler" in ds_config else _scheduler(args)  # else DeepSpeed builds the configured one
+        world_now = int(os.environ.get("WORLD_SIZE", "1"))
+        self.universal = self.resume_tag is not None and ckpt.saved_world_size(self.resume_tag) != world_now
+        if self.universal:  # DeepSpeed's universal checkpoint re-partitions ZeRO state
+            ds_config = {**ds_config, "checkpoint": {**(ds_config.get("checkpoint") or {}), "load_universal": True}}
+        try:
+            self.engine, self.sp = wfi.initialize(model=model, config=ds_config, optimizer=optimizer,
+                                                  lr_scheduler=scheduler, seq_len=args.seq_len)
+        except ValueError as e:  # sizes the model does not fit, or a model refused by the audit or the self-check
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise StartupError(str(e)) from None
+
+    def resume(self) -> None:
+        """Load the checkpoint ``build`` chose (its RNG states only in ``start``, last)."""
+        tag = self.resume_tag
+        if self.rank == 0 and self.args.resume == "auto" and tag is None:
+            print(f"ds_wallfacer.train: no complete checkpoint in {self.out / 'checkpoints'}: starting fresh",
+                  flush=True)
+        if tag is None:
+            return
+        self.saved = ckpt.load(self.engine, tag, universal=self.universal)
+        self.step = int(self.saved["step"])
+        self.state = {k: self.saved[k] for k in self.state}
+        if self.state["sequences_in_epoch"] % (self.micro * self.dp):
+            raise StartupError(
+                f"{tag} stopped after {self.state['sequences_in_epoch']} sequences of its epoch, not a multiple of "
+                f"this run's micro batch x data-parallel size = {self.micro * self.dp}: keep the global batch of the "
+                "saved run"
+            )
+
+    def export_only(self) -> int:
+        """``--export_only``: the loaded (or initial) model as an HF checkpoint, then done."""
+        export_hf(self.sp.model, self.loaded.tokenizer, self.export_dir, zero_stage=self.run_cfg.zero_stage)
+        if self.rank == 0:
+            print(json.dumps({"export_dir": str(self.export_dir), "step": self.step,
+                              "checkpoint": str(self.resume_tag)}), flush=True)
+        self.engine.destroy()
+        return 0
+
+    def start(self) -> None:
+        """Watchdog, wandb, progress bar, the data position; the saved RNG states last of all."""
+        args, lay, data = self.args, self.setup, self.data
+        self.watchdog = start_watchdog(timeout_s=args.watchdog_timeout)  # a dead or stalled rank ends the job, named
+        if self.rank == 0 and not args.no_wandb:
+            self.wandb_run = init_wandb(
+                output_dir=self.out, section=self.wandb_section, project=args.wandb_project, name=args.wandb_run_name,
+                config={**vars(args), "model_source": self.loaded.source, "params": self.n_params,
+                        "dtype": str(self.dtype), "world_size": self.world, "layout": lay.describe(),
+                        "resumed_from": str(self.resume_tag), "train_sequences": len(data.train),
+                        "eval_sequences": len(data.eval), **lay.log_dict()},
+            )
+        cfg = self.text_cfg
+        self.flops = model_flops_per_step(
+            params=self.n_params, layers=int(cfg.num_hidden_layers), q_heads=int(cfg.num_attention_heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+            seq_len=args.seq_len, sequences=self.seq_per_step,
+        )
+        self.peak = peak_tflops(self.dtype)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not args.no_progress:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=args.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                                disable=None)  # None: no bar when stderr is not a terminal
+        self.batches = self._epoch(self.state["epoch"], self.state["sequences_in_epoch"])
+        if self.saved is not None:
+            ckpt.set_rng_state(ckpt.rng_for_rank(self.saved))  # last: nothing after the load may draw from an RNG first
+
+    # -- training -------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        """Steps until ``--steps``, evaluating, logging and checkpointing as the options say."""
+        args = self.args
+        t_start = time.perf_counter()
+        while self.step < args.steps:
+            values = self.train_step()
+            final = self.step == args.steps
+            if self.data.eval.size and (final or (args.eval_every and self.step % args.eval_every == 0)):
+                self.eval_loss = values["eval_loss"] = self.evaluate()
+            self.log(values)
+            due = bool(args.save_every) and self.step % args.save_every == 0 or (final and not args.no_save)
+            if due and (self.last_ckpt is None or self.last_ckpt.name != f"step_{self.step}"):
+                self.save()
+        self.wall_s = time.perf_counter() - t_start
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step (``gas`` micro-batches); its metrics."""
+        engine, sp, seq_len = self.engine, self.sp, self.args.seq_len
+        lr = float(engine.get_lr()[0])
+        sp.comm.reset()
+        t0 = time.perf_counter()
+        acc = torch.zeros(2, device=engine.device)  # loss, MoE router aux loss
+        for _ in range(self.gas):
+            loss = engine(**self._to_device(self._next_batch()))
+            engine.backward(loss)
+            engine.step()  # DeepSpeed updates at the accumulation boundary
+            acc[0] += loss.detach().float()
+            if sp.aux_loss is not None:
+                acc[1] += sp.aux_loss.float()
+            self.state["sequences_in_epoch"] += self.micro * self.dp
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        self.state["tokens_seen"] += self.seq_per_step * seq_len
+        means = _replica_mean(acc / self.gas, dims=self.setup.dims, comm=sp.comm)
+        loss_v = float(means[0])
+        self.losses.append(loss_v)
+        self.step_times.append(dt)
+        gn = engine.get_global_grad_norm()
+        values: dict[str, Any] = {
+            "step": self.step, "loss": loss_v, "lr": lr, "step_time_s": dt,
+            "tokens_per_s": self.seq_per_step * seq_len / dt, "model_tflops": self.flops / dt / 1e12,
+            "peak_memory_bytes": peak_memory_bytes(), "epoch": self.state["epoch"], **comm_bytes(sp.comm.sent),
+        }
+        if gn is not None:
+            values["grad_norm"] = float(gn)
+        if sp.aux_loss is not None:  # included in the loss, times router_aux_loss_coef
+            values["aux_loss"] = float(means[1])
+        if self.peak is not None:
+            values["mfu"] = values["model_tflops"] / (self.peak * self.world)
+        return values
+
+    def evaluate(self) -> float:
+        """Token-mean loss over the held-out sequences (every rank takes part)."""
+        engine = self.engine
+        batches, counts = eval_batches(self.data.eval, micro=self.micro, dp=self.dp, eos_id=self.eos)
+        mine = counts[self.setup.dims.dp_index(self.rank)::self.dp]
+        total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        engine.eval()
+        with torch.no_grad():
+            for batch, count in zip(self.sp.dataloader(batches, batch_size=self.micro), mine):
+                total[0] += engine(**self._to_device(batch)).double() * count
+                total[1] += count
+        engine.train()
+        s = _replica_mean(total, dims=self.setup.dims, comm=self.sp.comm)
+        return float(s[0] / s[1])
+
+    def save(self) -> None:
+        """A checkpoint of this step, with the data position."""
+        position = {"micro_batches_in_epoch": self.state["sequences_in_epoch"] // (self.micro * self.dp),
+                    "global_batch": self.seq_per_step}
+        self.last_ckpt = ckpt.save(self.engine, self.out / "checkpoints", step=self.step,
+                                   state={**self.state, **position})
+
+    def log(self, values: dict[str, Any]) -> None:
+        """Rank 0: a line of ``metrics.jsonl``, wandb, and the step's line (through the progress bar if any)."""
+        if self.rank != 0:
+            return
+        with open(self.log_file, "a") as f:
+            f.write(json.dumps(values) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in values.items() if k != "step"}, step=values["step"])
+        loss_v, lr, dt = values["loss"], values["lr"], values["step_time_s"]
+        line = f"step {self.step} loss {loss_v:.4f} lr {lr:.2e} {values['tokens_per_s']:.0f} tok/s {dt:.2f}s"
+        if "eval_loss" in values:
+            line += f" eval_loss {self.eval_loss:.4f}"
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{values['tokens_per_s']:.0f}",
+                                 mem=f"{values['peak_memory_bytes'] / 2**30:.2f}GiB")
+            self.bar.update(1)
+            self.bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    def _epoch(self, epoch: int, start: int) -> Iterator[Batch]:
+        src = train_batches(self.data.train, micro=self.micro, dp=self.dp, epoch=epoch, seed=self.args.seed,
+                            start=start, eos_id=self.eos)
+        return iter(self.sp.dataloader(src, batch_size=self.micro))
+
+    def _next_batch(self) -> Batch:
+        batch = next(self.batches, None)
+        if batch is None:  # epoch done: reshuffle
+            self.state["epoch"] += 1
+            self.state["sequences_in_epoch"] = 0
+            self.batches = self._epoch(self.state["epoch"], 0)
+            batch = next(self.batches)
+        return batch
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.engine.device) for k, v in batch.items()}
+
+    # -- the end --------------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Export, the summary line (rank 0), and the watchdog and engine stopped."""
+        if self.bar is not None:
+            self.bar.close()
+        exported = None
+        if not self.args.no_export:
+            exported = export_hf(self.sp.model, self.loaded.tokenizer, self.export_dir,
+                                 zero_stage=self.run_cfg.zero_stage)
+        if self.rank == 0:
+            print(json.dumps(self.summary(exported)), flush=True)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.engine.destroy()
+
+    def summary(self, exported: Path | None) -> dict[str, Any]:
+        """The run's last line (rank 0), as JSON; closes the wandb run."""
+        args, lay, losses = self.args, self.setup, self.losses
+        dims = lay.dims
+        measured = statistics.median(self.step_times) if self.step_times else None
+        predicted = (lay.planner_choice or {}).get("step_s")
+        summary = {
+            "steps": self.step, "steps_this_run": len(losses), "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None, "eval_loss": self.eval_loss,
+            "finite": all(math.isfinite(x) for x in losses),
+            "tokens_per_s": self.seq_per_step * args.seq_len / measured if measured else None, "wall_s": self.wall_s,
+            "measured_step_s": measured, "predicted_step_s": predicted, "mode": dims.mode,
+            "sequence_parallel_size": dims.sp_size, "data_parallel_size": dims.dp_size,
+            "ulysses_degree": dims.ulysses_degree, "ring_count": dims.ring_count, "placement": dims.placement,
+            "world_size": self.world, "seq_len": args.seq_len, "params": self.n_params,
+            "dtype": str(self.dtype).replace("torch.", ""), "global_batch": self.seq_per_step,
+            "train_sequences": len(self.data.train), "eval_sequences": len(self.data.eval),
+            "mini_sequence": self.sp.mini_sequence is not None,
+            "resumed_from": str(self.resume_tag) if self.resume_tag else None,
+            "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+            "export_dir": str(exported) if exported else None, "metrics": str(self.log_file), "wandb_dir": None,
+        }
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update({"measured_step_s": measured, "predicted_step_s": predicted})
+            summary["wandb_dir"] = str(Path(self.wandb_run.dir).parent)
+            self.wandb_run.finish()
+        return summary
