@@ -1,5 +1,5 @@
-"""Launching the trainer through the real ``deepspeed`` launcher, and reading what it wrote (offline wandb runs,
-metrics.jsonl, the summary line)."""
+"""Running the trainer, through the real ``deepspeed`` launcher or on ranks forked from the test process, and
+reading what it wrote (offline wandb runs, metrics.jsonl, the summary line)."""
 from __future__ import annotations
 
 import json
@@ -30,6 +30,30 @@ def launch(num: int, cwd: Path, *args: str, timeout: int = 300) -> subprocess.Co
     assert DEEPSPEED is not None
     cmd = [DEEPSPEED, "--num_gpus", str(num), "--master_port", str(free_port()), str(TRAIN), "--no_progress", *args]
     return subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _trainer_rank(rank: int, world: int, cwd: Path, argv: tuple[str, ...]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from ds_wallfacer.train.loop import main
+
+    os.chdir(cwd)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["--no_progress", *argv])
+    return status, out.getvalue()
+
+
+def train_on_ranks(num: int, cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The trainer's ``main`` on ``num`` gloo ranks forked from this process (``tests.dist_utils``): what the
+    launcher's ranks run, without the launcher and the imports of a fresh interpreter per rank (for tests that
+    compare what runs train, not how they start). Rank 0's exit status and output, as ``launch`` returns them."""
+    from tests.dist_utils import run_distributed
+
+    ranks = run_distributed(_trainer_rank, num, cwd, args, timeout_s=timeout)
+    status = next((s for s, _ in ranks if s), 0)
+    return subprocess.CompletedProcess(args=list(args), returncode=status, stdout=ranks[0][1], stderr="")
 
 
 def summary(res: subprocess.CompletedProcess) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The trainer's 10-step loss curves under every sequence-parallel mode equal the run without sequence parallelism.
 
 Ring (C = 1), multi-ring WallFacer (C = 2), Ulysses (U = 4) and the hybrid (U = 2 x ring) on 4 ranks, each
-against the same trainer on one rank (P = 1: local attention, no collective), through the real ``deepspeed``
-launcher with the bundled data. fp32, SGD, no gradient clipping: a gradient off by a constant factor changes the
+against the same trainer on one rank (P = 1: local attention, no collective), with the bundled data. The ranks are
+forked from the test process (``helpers.train_on_ranks``); the launcher's own path is tested in
+``tests/integration/test_launcher.py`` and the other files here. fp32, SGD, no gradient clipping: a gradient off by a constant factor changes the
 curve (Adam and clipping would hide it). Every run sees the same batches in the same order (one sequence-parallel
 group, the same seed), so the losses must agree to fp32 noise at every step.
 """
@@ -11,11 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from .helpers import DEEPSPEED, launch, losses, summary
-
-pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="the deepspeed launcher is not installed")
+from .helpers import losses, summary, train_on_ranks
 
 STEPS = 10
 MODES = {
@@ -42,7 +39,7 @@ def _config(path: Path, wallfacer: dict) -> Path:
 def _run(tmp_path: Path, name: str, ranks: int, wallfacer: dict) -> tuple[dict, dict[int, float]]:
     out = tmp_path / name
     out.mkdir()
-    res = launch(ranks, tmp_path, "--deepspeed_config", str(_config(out / "ds.json", wallfacer)),
+    res = train_on_ranks(ranks, tmp_path, "--deepspeed_config", str(_config(out / "ds.json", wallfacer)),
                  "--steps", str(STEPS), "--seq_len", "64", "--output_dir", str(out), "--cache_dir",
                  str(tmp_path / "cache"), "--no_wandb", "--no_save", "--no_export", "--eval_every", "1000")
     return summary(res), losses(out)
@@ -79,7 +76,7 @@ def test_document_masking_curves_equal_across_modes_and_differ_from_one_stream(t
     def run(name: str, ranks: int, section: dict, *extra: str) -> dict[int, float]:
         out = tmp_path / name
         out.mkdir()
-        res = launch(ranks, tmp_path, "--deepspeed_config", str(_config(out / "ds.json", section)),
+        res = train_on_ranks(ranks, tmp_path, "--deepspeed_config", str(_config(out / "ds.json", section)),
                      "--steps", "4", "--seq_len", "64", "--data", str(data), "--output_dir", str(out), "--cache_dir",
                      str(tmp_path / "cache"), "--no_wandb", "--no_save", "--no_export", "--eval_every", "1000", *extra)
         summary(res)
