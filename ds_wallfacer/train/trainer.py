@@ -161,9 +161,10 @@ class Trainer:
         self.text_cfg = text_config(loaded.model)
         self.n_params = sum(p.numel() for p in loaded.model.parameters())  # before ZeRO-3 partitions them
         self._initialize(wfi, ds_config)
-        lay = self.setup = self.sp.setup
+        self.setup = self.sp.setup
+        dims = self.setup.dims
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.micro, self.dp = self.run_cfg.micro_batch(dp_size=lay.dims.dp_size), lay.dims.dp_size
+        self.micro, self.dp = self.run_cfg.micro_batch(dp_size=dims.dp_size), dims.dp_size
         self.gas = self.engine.gradient_accumulation_steps()
         self.seq_per_step = self.micro * self.dp * self.gas
         self.eos = loaded.eos_id if args.document_masking else None  # documents end at EOS (train/data.py)
@@ -223,15 +224,15 @@ class Trainer:
 
     def start(self) -> None:
         """Watchdog, wandb, progress bar, the data position; the saved RNG states last of all."""
-        args, lay, data = self.args, self.setup, self.data
+        args, setup, data = self.args, self.setup, self.data
         self.watchdog = start_watchdog(timeout_s=args.watchdog_timeout)  # a dead or stalled rank ends the job, named
         if self.rank == 0 and not args.no_wandb:
             self.wandb_run = init_wandb(
                 output_dir=self.out, section=self.wandb_section, project=args.wandb_project, name=args.wandb_run_name,
                 config={**vars(args), "model_source": self.loaded.source, "params": self.n_params,
-                        "dtype": str(self.dtype), "world_size": self.world, "layout": lay.describe(),
+                        "dtype": str(self.dtype), "world_size": self.world, "layout": setup.describe(),
                         "resumed_from": str(self.resume_tag), "train_sequences": len(data.train),
-                        "eval_sequences": len(data.eval), **lay.log_dict()},
+                        "eval_sequences": len(data.eval), **setup.log_dict()},
             )
         cfg = self.text_cfg
         self.flops = model_flops_per_step(
@@ -381,10 +382,10 @@ class Trainer:
 
     def summary(self, exported: Path | None) -> dict[str, Any]:
         """The run's last line (rank 0), as JSON; closes the wandb run."""
-        args, lay, losses = self.args, self.setup, self.losses
-        dims = lay.dims
+        args, setup, losses = self.args, self.setup, self.losses
+        dims = setup.dims
         measured = statistics.median(self.step_times) if self.step_times else None
-        predicted = (lay.planner_choice or {}).get("step_s")
+        predicted = (setup.planner_choice or {}).get("step_s")
         summary = {
             "steps": self.step, "steps_this_run": len(losses), "first_loss": losses[0] if losses else None,
             "final_loss": losses[-1] if losses else None, "eval_loss": self.eval_loss,
