@@ -12,8 +12,7 @@ __all__ = ["BlockKernel", "check_options", "expand_kv", "reduce_kv_grad", "windo
 
 
 class BlockKernel(Protocol):
-    """What every block-kernel backend implements. Shapes are ``[B, h, S, d]``, the layout of HF attention functions
-    and of torch SDPA:
+    """What every backend implements, in ``[B, h, S, d]`` (the layout of HF attention functions and torch SDPA):
 
     - q ``[B, hq, Sq, d]``, k and v ``[B, hk, Sk, d]`` with ``hq % hk == 0`` (grouped-query attention: kv heads
       are never expanded before communication; a backend expands locally if its kernel needs it)
@@ -23,7 +22,7 @@ class BlockKernel(Protocol):
     - ``causal`` is only asked for with Sq == Sk (a diagonal block, aligned top-left)
     - ``mask`` (optional): a bool tensor broadcastable to ``[B, hq, Sq, Sk]``, True where a query may see a key, on
       top of ``causal`` (sliding windows). A query row that sees no key gets out 0 and lse -inf, and no gradient.
-      Only backends with ``supports_mask`` take one; ``window_mask`` builds a sliding window's from global indices.
+      Only backends with ``supports_mask`` take one (``window_mask`` builds a sliding window's).
     - ``softcap`` (optional, 0 = off): logits are ``softcap * tanh(scale * q.k / softcap)`` before the softmax
       (Gemma-2's ``attn_logit_softcapping``). Only backends with ``supports_softcap`` take one.
     """
