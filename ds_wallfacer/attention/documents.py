@@ -1,21 +1,10 @@
 """Which query/key pairs of a block call are computed when a batch packs several documents per sequence, or a
 layer has a sliding window: pure integer math (no torch). ``SequenceBatch`` carries a batch's documents and chunk
-assignment to the attention.
+assignment to the attention; ``segments`` splits a block call into one ordinary kernel call per document present on
+both sides, and ``window_tiles`` tiles a windowed segment.
 
-A rank's attention buffer is a list of chunks in ascending order (``schedule.team_chunk_order``): chunk ``c``
-covers global tokens ``[c*L, (c+1)*L)``. Documents are contiguous intervals of the global sequence, so the
-tokens of one document inside such a buffer form ONE contiguous buffer range (the chunks between two held
-chunks are absent, never interleaved). A block call (``schedule.BlockCall``) therefore splits into one
-*segment* per document present on both sides, each an ordinary kernel call:
-
-- a causal-diagonal call (query chunks == key chunks) gives causal segments: buffer order is global order;
-- a full call (every key chunk before every query chunk) gives full segments;
-- pairs of different documents are never computed (document-causal attention, like varlen kernels).
-
-Note [Sliding windows in block calls]: a key is visible iff ``0 <= i - j < window`` in global token indices
-(HF's convention: the window counts the query itself). A segment whose closest pair is already ``window`` apart
-is skipped; one whose farthest pair is inside the window needs no mask; the rest are ``windowed`` and the
-attention tiles their queries and applies a mask built from global indices (``kernels.base.window_mask``).
+Design: Note [Documents and windows in block calls] and Note [Sliding windows in block calls] in docs/design.md
+§2.2.
 """
 from __future__ import annotations
 

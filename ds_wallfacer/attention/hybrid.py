@@ -1,14 +1,8 @@
-"""The hybrid: Ulysses degree U inside (consecutive ranks, one node) x WallFacer over R = P / U outside
-(docs/design.md §3; a 2D mesh like USP / Megatron "a2a+p2p", with multi-ring instead of one ring).
+"""The hybrid: Ulysses degree U inside (consecutive ranks, one node) x WallFacer over R = P / U ring ranks outside.
+``sequence_parallel_attention`` returns this rank's attention for any mode: U = 1 is WallFacer alone, R = 1 Ulysses
+alone, neither (P = 1) local attention.
 
-Rank ``i = r * U + u`` of a sequence-parallel group holds pieces ``a*U + u`` and ``b*U + u`` of the 2P pieces
-of a sequence, where (a, b) are ring rank r's two chunks of 2R (zigzag: (r, 2R-1-r)). The Ulysses all-to-all
-over (r, 0..U-1) gathers those pieces into exactly ring rank r's two chunks, in order, with U times fewer heads:
-the input ``WallFacerAttention`` expects over the ring group (r = 0..R-1, same u). The data loader produces
-this layout (``ds_wallfacer.data.loader.sequence_chunk_ids``); U = 1 is WallFacer alone, R = 1 Ulysses alone.
-
-Communication per rank and layer: Ulysses' all-to-all (``volume.ulysses_bytes(shape, degree=U, sp_size=P)``)
-plus WallFacer's over R ranks with U-times fewer heads (``volume.wallfacer_bytes`` on that shape).
+Design: Note [Hybrid sequence order] in docs/design.md §3 (which pieces each rank holds, bytes sent).
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The log-sum-exp merge of a block's (out, lse) into fp32 accumulators (docs/design.md §2.3), in place.
+"""The log-sum-exp merge of a block's (out, lse) into fp32 accumulators, in place (``merge_``): one Triton kernel on
+CUDA, plain PyTorch (``merge_torch_``) elsewhere, with the same semantics.
 
-Ring attention merges once per block-kernel call. In plain PyTorch that is four element-wise kernels over
-[B, h, S, d] (scale the accumulator, cast the block output, scale it, add: the accumulator is read twice and written
-twice, fp32 temporaries are written and read) plus several row-wise ones: memory traffic that P = 1 attention does
-not have. On CUDA with Triton one kernel reads the accumulator and the block output once and writes the
-accumulator once.
-
-Semantics (both paths), per query row: new = logaddexp(acc_lse, lse); with s = new where finite, else 0,
-acc_out <- acc_out * exp(acc_lse - s) + out * exp(lse - s), acc_lse <- new. A row that has seen no key yet
-(acc_lse = -inf) takes the block's row; a block row that sees no key (lse = -inf, out 0) leaves it unchanged;
-a row with neither stays (0, -inf).
+Design: Note [Log-sum-exp merge] in docs/design.md §2.3 (why one kernel; rows that see no key).
 """
 from __future__ import annotations
 

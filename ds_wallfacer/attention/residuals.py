@@ -1,52 +1,12 @@
-"""Attention runs once per step under layer activation checkpointing: what attention's backward needs is kept at a
-checkpointed layer's first forward and handed back, without kernels or communication, when the layer is recomputed
-in backward (the DistFlashAttn idea, arXiv 2310.03294, "rematerialization-aware" checkpointing).
+"""Attention runs once per step under layer activation checkpointing (the DistFlashAttn idea, arXiv 2310.03294).
 
-Without this, checkpointing a decoder layer (DeepSpeed's reentrant checkpoint, torch's reentrant or non-reentrant
-one, with or without MsT) re-runs the whole layer in backward, so every block kernel and every ring / skew /
-all-to-all of attention's forward runs twice per step. What each attention op keeps (per layer call; B batch,
-hq / hk query / kv heads, d head dim, e bytes per element, S_l tokens per rank, C ring count, U Ulysses degree):
+``KeepAttention`` wraps a checkpoint function (``keep_attention_in_layers`` does so for every checkpointed layer of a
+model): attention's first forward keeps what its backward needs, and the layer's recompute in backward gets it back
+without kernels or communication. ``kept_bytes_per_layer`` gives the bytes kept per layer, ``ResidualStats`` what
+is really held.
 
-- WallFacer / ring (``wallfacer._WallFacerFn``): its output and the team log-sum-exp (q, k, v are recomputed by the
-  layer anyway, with identical values): ``B*hq*S_l*(d*e + 4*C)`` bytes, about one layer input (``B*S_l*hq*d*e``);
-  with ``keep_team_q`` also the team's q (``C*B*hq*S_l*d*e``), which its backward then needs.
-- local attention (``ulysses._LocalFn``, P = 1 and Ulysses' inner): output and lse: ``B*h*S*(d*e + 4)``.
-- each Ulysses all-to-all (``ulysses._AllToAll``): what it received. The first brings the head-sharded q, k, v
-  (``B*S_l*d*e*(hq + 2*hk')``, hk' = max(hk, U)), the second the output back in sequence shards
-  (``B*S_l*hq*d*e``): with the inner local attention's output and lse, Ulysses keeps
-  ``B*S_l*d*e*(3*hq + 2*hk') + 4*B*hq*S_l`` bytes per layer, about 3.5 layer inputs for hq = 4 hk. The hybrid keeps
-  the same with WallFacer's team lse (``4*B*hq*C*S_l``) in place of the local lse.
-
-``kept_bytes_per_layer`` computes these; ``ResidualStats`` counts what is really held (tests assert both equal).
-Entries exist from a layer's first forward to its backward: they add to what the forward leaves for the backward
-(the layer inputs), and to a step's peak only where that peak falls while entries are held (the start of backward
-for large models; measured in ``benchmarks/bench_recompute.py --memory``).
-
-Note [Attention once under layer checkpointing]: how a first forward, its recompute and an ordinary forward are
-told apart. Reading torch's state alone cannot do it: DeepSpeed's (and torch's reentrant) first forward runs
-under no_grad like any evaluation forward, torch's non-reentrant one with grad enabled under saved-tensor hooks,
-and both recomputes run inside backward (``torch._C._current_graph_task_id() != -1``) like a model forward
-called from a custom backward would. The checkpoint FUNCTION knows: every implementation calls the checkpointed
-layer function once in forward and again for each recompute. ``KeepAttention`` wraps a checkpoint function
-(``(function, *args, **kwargs) -> outputs``, what HF installs on every ``GradientCheckpointingLayer``) and opens
-one ``CheckpointFrame`` per checkpointed call; the frame runs the layer function inside a context variable, and
-each attention op asks ``residual_slot`` for its slot: none outside a frame (an ordinary forward computes as
-before), a slot to fill in the frame's first run, the entry it filled in every later run (a recompute). Entries
-are found by call order inside the frame (attention objects are shared by all layers, so they cannot hold the
-entry; the frame is per layer call) and must match a key of everything the result depends on: the attention
-object, the shapes, dtypes and devices of its inputs, causality, scale and the call's options (packed documents
-and chunk assignment, window, soft-capping). A mismatch means the recompute differs from the first forward: the op
-computes for real (correct, counted in ``ResidualStats.missed``, logged once) and so does every later op of that
-run, since call order can no longer be trusted. Bounded by construction: a frame lives exactly as long as the
-autograd graph of its checkpointed call (DeepSpeed and torch reference the wrapped function from the graph), so
-one entry per attention op per layer call per micro-step, never across steps, accumulation micro-steps or
-evaluations; a forward under no_grad (nothing will be recomputed) keeps nothing; and an entry is dropped as soon
-as its op's backward has run (or, for torch, whichever of backward and replay comes last). A second backward
-through a retained graph finds nothing and computes again.
-
-The recompute must produce exactly the tensors the first forward saved, with the same metadata (torch's
-non-reentrant checkpoint checks this): each op saves the same tensors in both runs, only where they come from
-differs, and every differentiable op around the attention ops (reshapes, kv replication) runs unchanged.
+Design: Note [Attention once under layer checkpointing] in docs/design.md §5 (how a first forward, its recompute
+and an ordinary forward are told apart; what each op keeps, and for how long).
 """
 from __future__ import annotations
 
@@ -318,9 +278,9 @@ def kept_bytes_per_layer(
     ulysses_degree: int = 1, ring_size: int = 1, ring_count: int = 1, keep_team_q: bool = False,
 ) -> int:
     """Pure: bytes one attention call keeps per rank from a checkpointed layer's first forward to its backward
-    (the module docstring's formulas). ``local_tokens``: S_l, this rank's tokens; ``ring_size``: R, the WallFacer
-    ranks (1: local attention inside); ``keep_team_q``: WallFacer's option, whose team q (C x the local q) is then
-    kept too; log-sum-exps are fp32."""
+    (the formulas of Note [Attention once under layer checkpointing] in docs/design.md §5). ``local_tokens``: S_l,
+    this rank's tokens; ``ring_size``: R, the WallFacer ranks (1: local attention inside); ``keep_team_q``:
+    WallFacer's option, whose team q (C x the local q) is then kept too; log-sum-exps are fp32."""
     b, sl, hq, d, e, u = batch, local_tokens, q_heads, head_dim, elem_bytes, ulysses_degree
     lse_per_row = 4 * (ring_count if ring_size > 1 else 1)  # WallFacer keeps the team's lse: C x its own rows
     inner = b * hq * sl * (d * e + lse_per_row)  # output + lse: hq/U heads over U*S_l tokens

@@ -224,8 +224,9 @@ def _masked_work(gq, gk, window: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def ring_steps(layout: RankLayout, *, sharding: str, causal: bool, window: int, chunk_len: int, assignment=None) -> int:
-    """Pure: ring steps a sliding window needs on the whole sub-ring group (Note [Ring steps under a sliding
-    window]): one more than the last step at which ANY rank still has a visible query/key pair."""
+    """Pure: ring steps a sliding window needs on the whole sub-ring group
+    (Note [Ring steps under a sliding window]): one more than the last step at which ANY rank still has a visible
+    query/key pair."""
     last = 0
     for i in range(layout.sp_size):
         q_chunks, _, k_steps = _ring_chunks(layout, i, sharding=sharding, assignment=assignment)

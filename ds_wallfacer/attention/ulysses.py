@@ -1,21 +1,13 @@
-"""DeepSpeed-Ulysses sequence parallelism (docs/design.md §3) over our counted comm layer.
+"""DeepSpeed-Ulysses sequence parallelism over our counted comm layer.
 
-Dimensions: B batch, hq / hk query / kv heads, d head dim, U Ulysses degree (group size), S_l tokens per
-rank (two pieces of S_l / 2, see ``ds_wallfacer.data.loader.sequence_chunk_ids``), S_u = U * S_l tokens
-after the all-to-all. Tensors are [B, h, S, d] (the HF attention layout).
+``UlyssesAttention`` wraps any attention over the gathered sequence and takes its process group explicitly: one
+all-to-all (q, k and v in one collective) turns sequence shards into head shards, the inner attention runs, a second
+all-to-all turns the output back. ``LocalAttention`` is the attention of a one-rank group.
 
-Like ``deepspeed.sequence.layer.DistributedAttention``, ``UlyssesAttention`` wraps any attention over the
-gathered sequence and takes its process group explicitly: one all-to-all turns sequence shards into head
-shards, the inner attention runs, a second all-to-all turns the output back. DeepSpeed's
-``_SeqAllToAll`` calls ``dist.all_to_all_single`` directly; ours (``all_to_all``) does the same through
-``CommLayer.all_to_all`` so every byte is counted, and packs q, k and v into ONE collective.
+Dimensions: B batch, hq / hk query / kv heads, d head dim, U Ulysses degree (group size), S_l tokens per rank,
+S_u = U * S_l tokens after the all-to-all; tensors are [B, h, S, d].
 
-Grouped-query attention: kv heads are split U ways when U divides hk; when hk divides U they are first
-replicated U / hk times (each rank then receives the one kv head its query heads use), as DeepSpeed's
-``UlyssesSPAttentionHF`` does. The replication's gradient is summed back by autograd.
-
-Sequence order: rank u holds pieces (u, U + u) of its 2U-piece span (its two chunks, each split U ways), so
-the gathered [U, 2, S_l/2] pieces, transposed to [2, U, S_l/2], are the span's two chunks in order.
+Design: Note [Ulysses all-to-all] in docs/design.md §3 (grouped-query heads, sequence order).
 """
 from __future__ import annotations
 

@@ -1,31 +1,11 @@
-"""Exact bytes each rank sends per attention call, as implemented, and the paper's formulas beside them.
+"""Exact bytes each rank sends per attention call, as implemented (``wallfacer_bytes``, ``ulysses_bytes``), and the
+paper's formulas beside them (``paper_ring_bytes``, ``paper_wallfacer_bytes``).
 
-Pure arithmetic: the planner's cost model uses these, and the tests assert them against the bytes the
-comm layer counted. Symbols as in ``wallfacer.py``: n_q = B*hq*S_l*d and n_kv = B*hk*S_l*d elements per
-rank, n_l = B*hq*S_l rows, S_l = N / P, s = input element size; the tensors summed across ranks travel in the
-element sizes of ``SumDtypes`` (a_out, a_dq, a_ring, a_home; the implementation's defaults are
-``DEFAULT_SUM_DTYPES``, wallfacer.py Note [Summed tensors on the wire]).
+Pure arithmetic: the planner's cost model uses these, and the tests assert them against the bytes the comm layer
+counted. ``SumDtypes`` says in which dtype each tensor summed across ranks travels (defaults: ``DEFAULT_SUM_DTYPES``,
+wallfacer.py Note [Summed tensors on the wire]).
 
-Per rank and call (g = G, or the steps a sliding window leaves; kv_dests = C, or C - 1 for local 0;
-home_dests = C, or C - 1 for local 0 when g = 1):
-
-- forward: all-gather (C-1)(n_q s + C n_l 4) (q, then the partial lse); reduce-scatter (C-1) n_q a_out;
-  skew kv_dests 2 n_kv s; ring (g-1) 2C n_kv s
-- backward: all-gather (C-1)(n_q s [q, unless kept from the forward] + n_q s [dO] + n_q s [out] or n_l 4
-  [delta, for kernels with ``backward_delta``]), one collective; reduce-scatter (C-1) n_q a_dq; skew
-  kv_dests 2 n_kv s + home_dests 2 n_kv a_home; ring (g-1) 2C n_kv (s + a_ring)
-- P = 1 (C = 1, local 0, g = 1): nothing; the kernel is called directly
-
-Differences from the paper's formulas (docs/design.md §2), all deliberate:
-- k/v are not all-gathered in the team: a skewed gather sends each rank's k/v shard straight to the C lanes
-  that start with its team (C*2*n_kv*s; (C-1)*2*n_kv*s for local 0), so the paper's two k/v all-gathers
-  are replaced by this one step; the paper's ring term starts counting after it
-- the forward reduce-scatter carries lse-weighted partial outputs (bounded by the output's scale, so they
-  travel in the input dtype by default) after an all-gather of the fp32 partial lse (C*B*hq*S_l*4 per rank)
-- k/v rotate in backward (their gradients travel behind them, in fp32 along the ring by default, and each
-  rank's slice goes home in one final send that also undoes the skew, replacing the team reduce-scatter of
-  dk/dv); q (unless kept), out (or delta) and dO are gathered in the team in one collective, and k/v are
-  re-fetched by the skewed gather instead of being kept
+Design: Note [Bytes as implemented] in docs/design.md §2 (the formulas, and why they differ from the paper's).
 """
 from __future__ import annotations
 

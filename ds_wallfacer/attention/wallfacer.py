@@ -1,26 +1,12 @@
-"""WallFacer multi-ring sequence-parallel attention (docs/design.md §2); C = 1 is plain ring attention.
+"""WallFacer multi-ring sequence-parallel attention; C = 1 is plain ring attention.
 
-Dimensions: B batch, hq / hk query / kv heads, d head dim, P sequence-parallel ranks, C ring count (team
-size), G = P / C^2 ring steps, S_l = N / P tokens per rank (two chunks of L = S_l / 2), S_t = C * S_l
-tokens per team. Tensors are [B, h, S, d] (the HF attention layout).
+``WallFacerAttention`` is called like a kernel on this rank's shards. The kernel calls of every ring step are
+planned in ``schedule.py``, how their results land in the fp32 accumulators in ``accumulate.py``.
 
-Forward, per call:
- 1. all-gather q in the team                                      [B, h, S_l, d] -> [B, h, S_t, d]
- 2. skewed gather: member j of team (g, t) receives the k/v of team (g + j, t) straight from its C
-    members (point-to-point, overlapping step 1), so no team copy of k/v is ever made
- 3. G ring steps: k/v move one hop along the sub-ring (double-buffered, overlapping the block kernel);
-    (out, lse) merged into fp32 accumulators by log-sum-exp (``merge.merge_``)
- 4. all-gather the partial lse in the team, weight the partial outputs, reduce-scatter them (in the input
-    dtype by default: Note [Summed tensors on the wire])
-Backward rotates k/v with their dk/dv accumulators (not q, dO, dq): with grouped-query attention this moves
-hk/hq of the bytes, and it mirrors the forward. After the last step each dk/dv slice goes straight to its
-owner (a skewed reduce-scatter). q, dO and out are gathered in the team in ONE collective (a kernel with
-``backward_delta`` gets the fp32 delta = rowsum(dO * out) instead of out: 4 bytes per row rather than
-d elements), and k/v are re-fetched by the skewed gather, so a layer keeps only its own shards (plus the
-team's fp32 lse) between forward and backward. A one-rank group calls the kernel directly.
+Dimensions: B batch, hq / hk query / kv heads, d head dim, P ranks, C ring count (team size), G = P / C^2 ring
+steps, S_l = N / P tokens per rank (two chunks of L = S_l / 2), S_t = C * S_l per team; tensors are [B, h, S, d].
 
-Planned beside it: the kernel calls of every ring step (``schedule.py``) and how their results land in the fp32
-accumulators (``accumulate.py``).
+Design: docs/design.md §2 (forward, backward, costs; Note [Bytes as implemented]) and the in-code notes below.
 """
 from __future__ import annotations
 

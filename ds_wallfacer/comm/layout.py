@@ -1,18 +1,11 @@
-"""Communication config generator: the WallFacer rank layout (docs/design.md §2), as pure Python.
+"""Communication config generator: the WallFacer rank layout, as pure Python.
 
-Glossary (one sequence-parallel group of P ranks, ring count C, C*C dividing P):
+``RankLayout`` describes one sequence-parallel group of P ranks with ring count C (C*C dividing P): its teams,
+sub-rings and skew partners, and each rank's place in them (``RankPlace``). C = 1 gives one team per rank, one team
+group and one sub-ring of all P ranks: plain ring attention. Nothing here imports ``torch.distributed``;
+``groups.py`` turns a layout into process groups.
 
-- ``index``       position of a rank inside the sequence-parallel group, 0..P-1
-- ``team``        C consecutive indices; ``index = team * C + local``
-- ``local``       a rank's position inside its team, 0..C-1
-- ``team group``  G = P / C^2 adjacent teams; ``team = group * G + pos``
-- ``sub-ring``    the G ranks with the same (group, local): k/v blocks travel along it
-- ``skew``        member ``local = j`` of a team in group g iterates over the keys of group (g + j) mod C;
-                  its first block is the team at the same position there, gathered straight from that
-                  team's C members (a skewed all-gather: no team copy of k/v is made first)
-
-C = 1 gives one team per rank, one team group and one sub-ring of all P ranks: plain ring attention.
-Nothing here imports ``torch.distributed``; ``groups.py`` turns a layout into process groups.
+Words (index, team, local, team group, sub-ring, skew): the glossary in docs/design.md §1; the algorithm: §2.
 """
 from __future__ import annotations
 

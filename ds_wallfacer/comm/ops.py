@@ -1,37 +1,11 @@
 """The one comm layer: every collective and send/recv of the package goes through a ``CommLayer``.
 
-It counts the bytes *this rank sends*, by phase (forward / backward) and kind, so that tests assert exact
-volumes and benchmarks print them beside the cost formulas:
+It counts the bytes this rank sends, by phase (forward / backward) and kind (``KINDS``), and the time it spent
+blocked, and it checks that every tensor is on the group's device. Timeouts come from the process groups
+(``groups.py`` creates them with one), so a dead peer ends a collective with an error instead of a hang.
 
-- ``all_gather``     (n-1) * local bytes, for a group of n (what a ring all-gather sends per rank)
-- ``reduce_scatter`` (n-1) * output bytes
-- ``ring``           k/v (and dk/dv) blocks sent to the next rank of a sub-ring
-- ``skew``           the initial k/v block sent across team groups, and dk/dv sent home in backward
-- ``all_to_all``     (n-1)/n * local bytes (the part that leaves the rank)
-- ``check``          the small metadata all-gather that validates inputs across ranks, and the start-up
-                     self-check's sum of gradient sketches (``all_reduce``: 2(n-1)/n * bytes)
-
-Timeouts come from the process groups (``groups.py`` creates them with one), so a dead peer ends a
-collective with an error instead of a hang.
-
-Note [Measuring overlap]: WallFacer's ring steps start the next k/v exchange, run the block kernel, then wait, so
-the transfer hides behind the compute. Two things make that measurable without changing what is sent:
-
-- ``blocked_s`` holds the host time this rank spent blocked, by (phase, kind): in ``Pending.wait()`` (an
-  exchange's send/recv) and inside the blocking collectives (all-gather, reduce-scatter, all-to-all). Time an
-  exchange spends in flight while the caller computes is not counted: only what is left when the caller waits.
-  (On CUDA, NCCL ``wait`` returns once the compute stream is ordered after the transfer, so the host sees ~0:
-  synchronise the device around a call to time it there.)
-- ``serial = True`` makes ``exchange`` wait for its sends and receives before returning, so nothing overlaps: the
-  same bytes and the same results, with the whole transfer on the critical path. Overlapped minus serial time
-  is what the overlap saves (``benchmarks/bench_overlap.py``).
-
-Note [Device of collective tensors]: an NCCL-only group (what DeepSpeed creates on GPUs) rejects a CPU tensor,
-while gloo on CPU accepts anything, so a CPU-only test suite cannot catch a tensor built without ``device=``.
-Every tensor handed to a collective therefore passes ``CommLayer.check_device``: it must be on the layer's
-``device`` (the rank's accelerator device, set by the integration) and of a type the group's backend accepts
-(``backend_device_types``). A mismatch raises at once, naming the operation, the tensor's device and the
-group's, on CPU as on GPU. Data that starts on the host (a batch signature) is moved with ``place`` first.
+Design: Note [What the comm layer counts] and Note [Measuring overlap] in docs/design.md §7,
+Note [Device of collective tensors] in §6.
 """
 from __future__ import annotations
 
@@ -105,14 +79,14 @@ class CommLayer:
         self.device: torch.device | None = torch.device(device) if device is not None else None
         """The device every collective tensor must be on (None: any device the group's backend accepts)."""
         self.serial = serial
-        """True: ``exchange`` completes before it returns, so no transfer overlaps compute (Note [Measuring
-        overlap]); settable at any time, it changes neither the bytes nor the results."""
+        """True: ``exchange`` completes before it returns, so no transfer overlaps compute
+        (Note [Measuring overlap]); settable at any time, it changes neither the bytes nor the results."""
         self.sent: Counter[tuple[str, str]] = Counter()
         """Bytes sent by this rank, keyed by (phase, kind)."""
         self.calls: Counter[tuple[str, str]] = Counter()
         self.blocked_s: Counter[tuple[str, str]] = Counter()
-        """Seconds this rank was blocked waiting for communication, keyed by (phase, kind) (Note [Measuring
-        overlap]): in ``Pending.wait`` for exchanges, inside the call for the blocking collectives."""
+        """Seconds this rank was blocked waiting for communication, keyed by (phase, kind)
+        (Note [Measuring overlap]): in ``Pending.wait`` for exchanges, inside the call for the blocking collectives."""
         self.checked = 0
         """Tensors whose device was checked (Note [Device of collective tensors])."""
         self._phase = "forward"

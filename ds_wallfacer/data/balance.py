@@ -1,20 +1,10 @@
 """Attention work of packed documents and a chunk assignment that balances it, as pure integer math (no torch).
 
-Why: zigzag sharding (``chunks.py``) balances ONE causal sequence. A packed row holds many documents, and the
-attention kernel skips every cross-document pair, so a token's work is the number of keys of its own document
-it sees: (its position inside its document) + 1, capped at the window with sliding-window attention. Zigzag
-then leaves a rank holding the tail of a long document with far more work than a rank holding many short ones.
-Cutting the row into more, smaller chunks and choosing which rank holds which evens this out.
+``balanced_assignment`` gives each of P ring ranks m of P x m equal chunks, minimising the largest rank's attention
+work (``chunk_work``, ``rank_work``: score entries, summed per document segment in closed form); integers and
+fixed tie-breaks only, so every rank computes the same answer. ``zigzag_assignment`` is the layout it improves on.
 
-- work of a token = min(position in its document + 1, window); of a chunk = the sum over its tokens; of a rank =
-  the sum over its chunks and over the rows of the batch (the rows share one assignment, so the kernel calls
-  of every row line up). This is the attention score entries computed, i.e. FLOPs up to a constant.
-- ``balanced_assignment``: n = P x m equal chunks, each rank exactly m of them, minimising the largest rank work.
-  Greedy (largest chunk first onto the lightest rank with room), then pairwise swaps between the heaviest rank and
-  the others; the zigzag layout refined to the same chunks is a second start when m is even, so the result is
-  never worse than zigzag there. Integers and fixed tie-breaks only: every rank computes the same answer.
-
-Sequences are 128K+ tokens: the work of a chunk is summed per document segment in closed form, never per token.
+Design: Note [Balanced sharding of packed documents] in docs/design.md §2.2 (work, algorithm, measured balance).
 """
 from __future__ import annotations
 

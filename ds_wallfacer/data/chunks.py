@@ -1,15 +1,14 @@
 """Which chunks of a sequence each sequence-parallel rank holds, as pure integer math (no torch).
 
-The sequence is cut into 2P equal chunks; rank ``i`` of P holds two of them (Note [Zigzag sharding],
-docs/design.md §2.2):
+The sequence is cut into 2P equal chunks; rank ``i`` of P holds two of them:
 
 - ``zigzag``     chunks (i, 2P-1-i): with a causal mask every rank does the same attention work
 - ``contiguous`` chunks (2i, 2i+1): the last rank does about twice the average causal work
-- ``balanced``   for packed documents, P x ``chunks_per_rank`` chunks chosen by attention work per batch
-  (``balance.py``); a batch without documents has one causal sequence, for which zigzag is already balanced, so
-  there it is zigzag (and ``chunk_ids`` answers zigzag's chunks)
+- ``balanced``   packed documents: P x ``chunks_per_rank`` chunks chosen by work per batch (``balance.py``);
+  without documents it is zigzag (and ``chunk_ids`` answers zigzag's chunks)
 
 ``seq_len_divisor`` / ``check_divisible`` are the one home of the rule "the sequence length must be divisible by 2P".
+Design: Note [Zigzag sharding], Note [Balanced sharding of packed documents] in docs/design.md §2.2.
 """
 from __future__ import annotations
 

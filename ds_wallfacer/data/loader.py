@@ -127,17 +127,16 @@ def prepare_batch(
     target; default = input_ids) or ``shift_labels`` (already shifted), optional ``attention_mask`` (1 = token,
     0 = right padding). N is padded on the right to a multiple of 2P (``pad=False``: a clear error instead).
     With padding of either kind, also ``token_mask`` [B, N / P] (1 = real token) and ``sequence_length`` [B, N / P]
-    (N before the loader's padding), which the loss module uses for MoE router statistics and length-reading RoPE.
+    (N before the loader's padding), for the loss module's MoE router statistics and length-reading RoPE.
 
-    Packed batches (several documents per row) also carry ``position_ids`` [B, N] restarting at 0 at each
-    document, or ``document_lengths`` (``packing.py``). Then ``position_ids`` are positions inside each
-    document, the label of each document's last token is ``ignore_index``, and ``document_ids`` [B, N_padded]
-    int32 is the FULL document map (every rank gets the same: attention needs every rank's structure).
+    Packed batches (Note [Packed documents] in docs/design.md §2.2) also carry ``position_ids`` [B, N] restarting
+    at 0 at each document, or ``document_lengths``. Then ``position_ids`` are positions inside each document, the
+    label of each document's last token is ``ignore_index``, and ``document_ids`` [B, N_padded] int32 is the FULL
+    document map, the same on every rank.
 
     ``spec.scheme == "balanced"``: a packed batch is cut into R x ``spec.chunks_per_rank`` ring chunks
-    (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work
-    (``balance.balanced_assignment``); a batch without documents is laid out as zigzag. Either way
-    ``chunk_assignment`` [R, chunks per rank] int64 says which ring chunks every ring rank holds, ascending.
+    (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
+    zigzag); ``chunk_assignment`` [R, chunks per rank] int64 says which ring chunks each ring rank holds, ascending.
     """
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")

@@ -1,19 +1,8 @@
-"""Packed batches: several documents per row, read from HF-style position ids or from document lengths.
+"""Packed batches: several documents per row, read from HF-style position ids (restarting at 0 at each document) or
+from document lengths, and turned into what the loader hands on: each token's position inside its document, the
+labels of document ends dropped, and one ``document_ids`` row per sequence (right padding is one more document).
 
-Why: packing short documents into long rows wastes no tokens on padding, but each document must be trained as
-if it were alone. The loader therefore gives every token its position inside its document (RoPE per
-document), drops the label of each document's last token (it would predict the next document's first token),
-and hands the attention one ``document_ids`` row per sequence so no query sees another document's keys.
-
-Two ways to describe the documents of a row (right padding excluded; ``attention_mask`` marks it):
-
-- ``position_ids`` [B, N] restarting at 0 at each document start, 0,1,2,0,1,0,... (the convention of
-  transformers' ``DataCollatorWithFlattening``);
-- ``document_lengths``: per row a list of ints, or a [B, max_docs] tensor padded with 0s, summing to the row
-  length.
-
-Right padding, the batch's and the loader's own, is one more document per row with the next id, so the
-attention treats it like any other document and it never mixes with real tokens.
+Design: Note [Packed documents] in docs/design.md §2.2.
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Which pieces of a full sequence each sequence-parallel rank holds, and the tensor ops that cut and rejoin them.
+"""Which pieces of a full sequence each sequence-parallel rank holds (``sequence_chunk_ids``), and the tensor ops
+that cut and rejoin them (``shard_sequence``, ``unshard_sequence``). Rank ``i = r * U + u`` holds two of 2P pieces,
+or, with an explicit ``assignment`` (balanced sharding, ``balance.py``), its ring chunks, each cut U ways.
 
-A sequence of N tokens is cut into 2P pieces; rank ``i = r * U + u`` (U = Ulysses degree, R = P / U ring ranks)
-holds pieces ``a*U + u`` and ``b*U + u`` where (a, b) are ring rank r's two chunks of 2R under ``scheme``
-(``chunks.chunk_ids``). After the Ulysses all-to-all a ring rank holds its chunks in order
-(``attention/hybrid.py``).
-
-An explicit ``assignment`` (per ring rank its chunk ids of n = R x m; ``balance.py``) generalises the two-chunk
-layout for balanced sharding of packed documents: the sequence is cut into n x U pieces and rank ``r * U + u``
-holds pieces ``c*U + u`` for c in ``assignment[r]``, ascending. Kept apart from the loader so the layout can be
-read on its own (docs/design.md §3).
+Design: Note [Hybrid sequence order] in docs/design.md §3.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """Start-up audit: refuse, before any collective, whatever the package would compute differently from the model.
 
-``audit_model`` walks the model's config and module tree (pure checks: identical on every rank, so every rank
-raises the same error and none waits in a collective) and returns what the loss module must reproduce (the MoE
-router aux loss, the rotary modules that read the sequence length). Each refusal names the setting to change.
+``audit_model`` walks the model's config and module tree (pure checks: identical on every rank) and returns what
+the loss module must reproduce (the MoE router aux loss, the rotary modules that read the sequence length). Each
+refusal names the setting to change.
 
-First, deny by default (``sequence_rules.py``): every module that could mix tokens along the sequence outside the
-attention function, and every attention layer the kernels do not reproduce, is refused by what it is built from.
-Then the settings: attention the sequence-parallel kernels cannot honour (dropout; logit soft-capping or a sliding window
-with a block kernel, named in the config, that cannot apply them), a router aux or z-loss that cannot be reproduced, an MoE aux loss under
-reentrant layer checkpointing (it would lose the router gradient), RoPE types that cannot be given the global
-length, LM-head transforms the Mini-Sequence head does not apply.
+Design: Note [Start-up audit] and Note [Deny by default] in docs/design.md §8 (what is refused).
 """
 from __future__ import annotations
 

@@ -6,15 +6,8 @@
         engine.backward(loss)
         engine.step()
 
-Start-up order: parse the ds_config and resolve the setup ("auto" values by the topology planner when the
-sequence length is known; pure and identical on every rank, so a bad config raises the same error everywhere
-before any collective), audit the model the same way (``audit.py``: what would train differently is refused),
-build every process group once, attach this rank's attention to the model's attention layers, show length-reading
-rotary embeddings the global length, apply Mini-Sequence chunking when configured, let checkpointed layers keep
-attention's results for their recompute (``attention/residuals.py``), run the start-up self-check (``self_check.py``:
-the model as configured, with and without sequence parallelism, on one short sequence), then hand DeepSpeed the
-model wrapped with the loss. DeepSpeed gets no sequence-parallel mpu: see ``loss.py`` for why every ZeRO stage
-then normalises gradients correctly.
+Design: Note [What initialize does, in order] in docs/design.md §8; DeepSpeed gets no sequence-parallel mpu:
+Note [Gradient normalisation across ZeRO stages] (§4).
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """The global token-mean causal-LM loss across sequence-parallel ranks.
 
 Each rank computes (loss_sum, token_count) over its shard's non-ignored ``shift_labels``; both are summed over
-the sequence-parallel group and divided: the same number a non-parallel run prints, on every rank.
+the sequence-parallel group and divided: the same number a non-parallel run prints, on every rank. The local loss
+is pluggable (``LocalLoss``): full logits from the model, or the Mini-Sequence LM head
+(``ds_wallfacer.mst.mini_sequence_causal_lm_loss``). The MoE router's aux loss (``moe.py``) travels in the same
+all-gather; length-reading rotary embeddings (``rope.py``) are shown the global length during the forward.
 
-Note [Gradient normalisation across ZeRO stages] (docs/design.md §4): DeepSpeed is handed no sequence-parallel mpu, so for every ZeRO
-stage it treats all W = D * P ranks as data-parallel replicas and averages gradients over W. The sum over ranks
-is differentiable with an all-reduce backward, so every rank back-propagates P times its share of dL/dtheta;
-DeepSpeed's 1/W then leaves the sum over the P ranks of a group, averaged over the D replicas: exactly the
-non-parallel gradient (mean over replicas, like plain data parallelism).
-
-The local loss is pluggable (``LocalLoss``): full logits from the model, or the Mini-Sequence LM head
-(``ds_wallfacer.mst.mini_sequence_causal_lm_loss``) that never materialises [S, V] logits.
-
-Mixture-of-experts models: the router's auxiliary loss (``moe.py``) is added as the model adds it; its per-token
-statistics travel in the same all-gather as (loss_sum, count). Rotary embeddings that read the sequence length
-(``rope.py``) are shown the global length during the forward.
+Design: docs/design.md §4, Note [Gradient normalisation across ZeRO stages] (why every ZeRO stage is exact).
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """The router's auxiliary load-balancing loss of HF mixture-of-experts causal LMs under sequence parallelism.
 
-transformers (``load_balancing_loss_func``, the same function in Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DBRX,
-GPT-OSS, ...) sums, over all layers and tokens, the top-k expert assignments and the softmax router probabilities,
-divides both by (layers x tokens) and returns ``num_experts * sum_e f_e * p_e``. Each factor is a MEAN OVER TOKENS,
-so with sequence parallelism both must be means over the whole group's tokens: every rank sums its own per-token
-statistics (``RouterAuxLoss.statistics``), the sums and token counts are added over the group by a differentiable
-sum (``loss.py``, one all-gather together with the LM loss), and ``combine`` forms the product of the two global
-means exactly as the model does. The product of global means is not the mean of local products: a per-rank aux
-loss would be wrong by the covariance of routing across shards.
+Each rank sums its own per-token router statistics (``RouterAuxLoss.statistics``); the loss module adds them over
+the sequence-parallel group together with the LM loss, and ``combine`` forms the aux loss from the global means
+exactly as the model does.
 
-Tokens counted: the ones HF counts when the model is called with the batch's ``attention_mask`` (all of them
-without one); padding added by the sequence-parallel loader never exists in the non-parallel run and is excluded.
-The loss module adds ``coef * aux`` to the global token-mean LM loss, like ``loss += router_aux_loss_coef * aux``
-in the model's forward; the same normalisation argument as for the LM loss (``loss.py``) makes every ZeRO stage
-correct.
+Design: Note [Router aux loss across ranks] in docs/design.md §4 (why global means, which tokens count).
 """
 from __future__ import annotations
 

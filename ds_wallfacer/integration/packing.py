@@ -1,15 +1,8 @@
 """Packed batches at the model's forward: the loader's ``document_ids`` / ``chunk_assignment`` turned into what
-attention needs (``attention.documents.SequenceBatch``), checked across the sequence-parallel group.
+attention needs (``attention.documents.SequenceBatch``), handed down as the forward keyword ``wallfacer_batch``
+(``BATCH_KWARG``) and checked across the sequence-parallel group by one small all-gather per step.
 
-The ``SequenceBatch`` reaches every attention layer as the keyword ``wallfacer_batch`` of the model's forward:
-HF models hand unknown forward keywords down to the attention function (``hf.py``), through their own and our
-layer checkpointing, so no state is kept between steps.
-
-Every rank of a sequence-parallel group must agree on the documents and on which chunks each rank holds, and
-its position ids must be the positions inside those documents; a batch built outside the loader can break any
-of these. One small all-gather per step (kind ``check``) compares a signature of both and each rank's local
-position check, so every rank raises the same error at the first step instead of some waiting forever in the
-ring.
+Design: Note [Packed documents] in docs/design.md §2.2.
 """
 from __future__ import annotations
 

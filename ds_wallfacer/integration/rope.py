@@ -1,19 +1,9 @@
-"""Rotary embeddings that read the sequence length, made exact under sequence parallelism.
+"""Rotary embeddings that read the sequence length (``dynamic``, ``longrope``), made exact under sequence
+parallelism: ``GlobalLengthRotary`` shows such a module the whole sequence's length during the loss module's
+forward, where a rank's own position ids would give its shard's. Every other RoPE type is exact with global
+position ids already.
 
-transformers' ``dynamic_rope_update`` (modeling_rope_utils.py) lets two RoPE types choose their frequencies from
-``seq_len = max(position_ids) + 1`` at every forward: ``dynamic`` (NTK: the base grows with seq_len beyond
-``max_position_embeddings``; growth is cached on the module) and ``longrope`` (Phi-3: the long factors once
-seq_len exceeds ``original_max_position_embeddings``). Every other type it ships (default, linear, yarn, llama3,
-proportional) fixes its frequencies from the config at construction: with GLOBAL position ids they are exact
-already. Under sequence parallelism a rank's position ids are its own shard's, so its ``max + 1`` is not the
-sequence length (zigzag: only rank 0 holds the last token).
-
-``GlobalLengthRotary`` replaces the instance ``forward`` of such a module (no class edited): during the loss
-module's forward it appends one position, ``length - 1``, to the position ids handed to the model's own decorated
-forward, so its update sees exactly the non-parallel run's length, and drops that row from cos/sin. The length is
-the batch's own length before the loader's padding (``sequence_length`` in the loader's batch, else local tokens x
-P). Padding positions are clamped below the length: their rotary values only reach padding (causal, after every
-real token, no label). Outside the loss module's forward the model behaves as before.
+Design: Note [Rotary embeddings that read the length] in docs/design.md §2.2.
 """
 from __future__ import annotations
 

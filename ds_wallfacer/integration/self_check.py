@@ -1,21 +1,11 @@
 """Start-up self-check: the model as configured against itself without sequence parallelism.
 
-The deny-by-default rules (``sequence_rules.py``) read what a model is built from; they cannot see a module
-that does something unexpected in code they do not flag, or a patched method. So before any training, every rank
-runs one forward + backward of one short random sequence twice, with the user's model, dtype and settings
-(Mini-Sequence chunking, layer checkpointing, kept attention results, MoE aux loss, length-reading RoPE):
+Before any training every rank runs one forward + backward of one short random sequence twice, with the user's
+model, dtype and settings: on the full sequence with the model's own attention and loss, and sharded through the
+sequence-parallel loss module. The loss and every parameter's gradient must agree within a tolerance set by the
+dtype (``tolerances``), or ``initialize`` refuses, naming the parameters that differ most, on every rank.
 
-1. reference: the full sequence on this rank alone, with the model's own attention implementation (the one it had
-   before ``attach``) and transformers' own loss (``model(input_ids, labels=...)``);
-2. sequence parallel: the same sequence sharded exactly as the loader shards training data, through the loss
-   module DeepSpeed will wrap; each parameter's gradient summed over the sequence-parallel group (as random
-   sketches, Note [Gradient sketches], so the check needs no second copy of the gradients).
-
-The loss and every parameter's gradient must agree within a tolerance set by the dtype (``tolerances``); else
-``initialize`` refuses, naming the parameters that differ most. The verdict is the same on every rank (the errors
-are all-gathered and the maximum taken). Dropout is off during the check; random-number streams, buffers and
-rotary-embedding caches are restored after it, and nothing it did remains (gradients, comm counters). Note [Start-up self-check] in docs/design.md §8
-gives its cost.
+Design: Note [Start-up self-check] (what runs, tolerances, cost) and Note [Gradient sketches] in docs/design.md §8.
 """
 from __future__ import annotations
 

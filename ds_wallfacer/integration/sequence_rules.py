@@ -1,27 +1,12 @@
 """Deny by default: what in a model could mix tokens along the sequence other than the attention we replace.
 
-Under sequence parallelism a rank holds N / P tokens. Only the registered attention function sees the whole
-sequence; every other module sees the rank's shard. So a module is exact under sequence parallelism only if it is
-position-wise (token i's output depends on token i alone: linear layers, embeddings, norms over the hidden
-size, activations, MoE routers and experts), or if it is an attention layer whose whole cross-token computation
-goes through the attention function and is one the kernels reproduce. Note [Deny by default] in
-docs/design.md §8 gives the rule; in short, every module of the model is classified by what it is built from,
-never by the model's name:
+Every module of the model is classified by what it is built from, never by the model's name: a fixed set of
+``torch.nn`` blocks is position-wise (``_POSITIONWISE``); attention layers pass only when the kernels reproduce
+them; every other class outside torch has its source read for calls that move information along the sequence
+(``_SEQUENCE_OPS``). Pure: reads classes, sources and configs; identical on every rank. What passes is still
+checked numerically by the start-up self-check (``self_check.py``).
 
-- ``torch.nn`` building blocks: a fixed set is position-wise (``_POSITIONWISE``); convolutions with a kernel
-  wider than one, recurrent layers, pooling, padding, batch/instance/group norms and any torch module not in the
-  set are refused.
-- attention layers (modules transformers calls with ``is_causal``, ``scaling`` and ``config``): refused when
-  their forward does not dispatch to the attention interface, when they hold parameters of their own (e.g.
-  per-head sink logits that join the softmax), when their forward reads ``torch.arange`` (positions of the
-  local shard), when value and query/key head dims differ, or when the config chunks attention.
-- every other class outside torch (the model's own MLP, norm, router, expert, mixer classes): its source is
-  read, and any operation that can move information along the sequence (``_SEQUENCE_OPS``: cumulative sums,
-  convolutions, shifts, scans, triangular masks, ``arange``) refuses it. Rotary embeddings are audited apart
-  (``rope.py``); the top-level model classes only build positions we pass in (``position_ids``).
-
-What passes these rules is still checked numerically by the start-up self-check (``self_check.py``), which
-refuses anything the rules missed. Pure: reads classes, sources and configs; identical on every rank.
+Design: Note [Deny by default] in docs/design.md §8 (the rules, class by class).
 """
 from __future__ import annotations
 

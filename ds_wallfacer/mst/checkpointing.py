@@ -1,29 +1,13 @@
-"""Decoder-layer activation checkpointing for MsT: DeepSpeed's, torch's, or none.
+"""Decoder-layer activation checkpointing for MsT: DeepSpeed's, torch's, or none (``enable_layer_checkpointing``).
 
-With checkpointing only each decoder layer's input is kept between forward and backward (docs/design.md §5).
 "deepspeed" uses ``deepspeed.checkpointing.checkpoint`` configured from the ds_config ``"activation_checkpointing"``
-section (partition_activations, cpu_checkpointing = CPU offload of the saved layer inputs,
-contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary, profile). DeepSpeed keeps that
-configuration in its own module state; it is applied on the first checkpointed call, when ``deepspeed.comm`` is up
-(after ``deepspeed.initialize`` or ``deepspeed.init_distributed``). "torch" uses non-reentrant
-``torch.utils.checkpoint``.
+section; "torch" uses non-reentrant ``torch.utils.checkpoint``. Either keeps only each decoder layer's input between
+forward and backward. The layer recompute does not run the mini-sequence MLP's forward again where its value is not
+needed, and with ``keep_attention`` (the default) attention's results are handed back rather than recomputed
+(``attention.residuals.KeepAttention``).
 
-Recompute of the mini-sequence MLP (mlp.py docstring has the counts): the layer recompute must rebuild the MLP's
-autograd node but never needs its output's VALUE when nothing after the MLP in the layer saves a tensor for backward
-(Llama, Qwen2, Mistral: ``residual + mlp(...)``, an add that saves nothing). torch's checkpoint stops its recompute at
-the last saved tensor by itself. DeepSpeed's recompute runs the whole layer and back-propagates its outputs, so
-``_DeepSpeedCheckpoint`` runs the recompute with ``RecomputeState.active`` set, which makes each MLP return a
-placeholder; then it checks the graph built after the first placeholder: if any node there saved a tensor (it may
-hold a value computed from the placeholder), the layer is recomputed again with real outputs and that MLP is marked
-to compute its output in later recomputes (``MlpRecomputeFlag.needs_value``): for such layers (Gemma) the first
-step recomputes the layer twice. Checkpointing only the attention block instead, leaving the MLP to MsT, would also
-keep each layer's MLP input (and the norm's input) for backward: 2-3x the saved activations of whole-layer
-checkpointing.
-
-Recompute of attention: with ``keep_attention`` (the default) the checkpoint function is wrapped in
-``attention.residuals.KeepAttention``, so attention's first forward keeps its output and log-sum-exp and the layer
-recompute returns them: attention's kernels and collectives run once per step, not twice (``residuals.py`` has the
-rule that tells a first forward from its recompute, and the cost per layer).
+Design: Note [Mini-sequence MLP under layer checkpointing] and Note [Attention once under layer checkpointing] in
+docs/design.md §5.
 """
 from __future__ import annotations
 
@@ -37,7 +21,8 @@ __all__ = ["MlpRecomputeFlag", "RecomputeState", "disable_layer_checkpointing", 
 
 
 class MlpRecomputeFlag:
-    """Per wrapped MLP: whether its output value is needed in a layer recompute (learned, see the module docstring)."""
+    """Per wrapped MLP: whether its output value is needed in a layer recompute (learned:
+    Note [Mini-sequence MLP under layer checkpointing] in docs/design.md §5)."""
 
     def __init__(self) -> None:
         self.needs_value = False

@@ -1,19 +1,12 @@
-"""Mini-sequence LM head + cross-entropy (MsT, docs/design.md §5).
+"""Mini-sequence LM head + cross-entropy (MsT).
 
-Per mini-sequence of ``chunk_tokens`` tokens: fp32 logits = lm_head(h_c) (then the model's own scaling: Cohere's
-``logit_scale``, Granite's ``logits_scaling``, Gemma-style final soft-capping; ``HeadTransform``),
-cross-entropy SUM, and its gradient w.r.t. the logits, formed in the logits' own buffer (Note [Lean LM head]); the
-chunk's gradients w.r.t. h and the head's weight/bias are formed right away and the logits are dropped. So full
-[T, V] logits never exist, one [c, V] buffer is alive at a time, and the logits are computed ONCE per step (no
-recompute). The autograd function returns these gradients from ``backward`` scaled (in place) by the incoming
-gradient: the head weight gets exactly one ordinary gradient (the MsT reference code's 2x bug came from also writing
-``.grad`` by hand); ZeRO 1/2/3 and gradient accumulation work unchanged.
+Per mini-sequence of ``chunk_tokens`` tokens: fp32 logits (then the model's own scaling, ``HeadTransform``), the
+cross-entropy SUM and its gradients, after which the logits are dropped: full [T, V] logits never exist and the
+logits are computed once per step. ``mini_sequence_causal_lm_loss`` gives (loss_sum, token_count) over labels that
+are ALREADY SHIFTED (sequence-parallel ranks sum both before dividing); ``mini_sequence_lm_loss`` a single process's
+token mean.
 
-Normalisation: the function returns (loss_sum, token_count) over labels != ignore_index. A single process divides
-(see ``mini_sequence_lm_loss``). With sequence parallelism every rank holds a shard of the tokens: all-reduce
-loss_sum with a differentiable all-reduce and count with a plain one, and divide — the global token mean, equal on
-every rank, whatever the split. Labels are ALREADY SHIFTED: labels[..., i] is the target of position i (the data
-loader shifts before sequence sharding, so no label crosses a shard boundary).
+Design: docs/design.md §5 (LM head + cross-entropy), Note [Lean LM head] below.
 """
 from __future__ import annotations
 
@@ -261,7 +254,7 @@ def mini_sequence_causal_lm_loss(
 
     ``labels`` [..., S] are ALREADY SHIFTED. ``chunk_tokens`` None uses the size set by ``apply_mini_sequence``
     (else the "auto" rule with a 256 MiB fp32-logits budget). Token mean = loss_sum / token_count; across
-    sequence-parallel ranks all-reduce both first (module docstring).
+    sequence-parallel ranks all-reduce both first (docs/design.md §4).
     """
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):

@@ -1,27 +1,10 @@
-"""Mini-sequence MLP (MsT, docs/design.md §5).
+"""Mini-sequence MLP (MsT): ``mini_sequence_mlp`` runs the model's own MLP over mini-sequences of ``chunk_tokens``
+tokens under no_grad and saves only its input; backward recomputes each mini-sequence with grad, and the autograd
+function RETURNS the parameter gradients, so ZeRO 1/2/3 and gradient accumulation see one ordinary gradient per
+parameter per backward.
 
-Forward: the model's own MLP runs over mini-sequences of ``chunk_tokens`` tokens under no_grad; only the input is
-saved. Backward: each mini-sequence is recomputed with grad and differentiated with ``torch.autograd.grad``; the
-parameter gradients are summed over mini-sequences and RETURNED by the autograd function (the parameters are its
-inputs), so every parameter gets exactly one ordinary gradient per backward: ZeRO 1/2/3 reduction hooks and
-gradient accumulation see nothing unusual (no hand-written ``.grad``, no DeepSpeed ``ds_grad_is_ready`` flags).
-
-ZeRO-3: the wrapped MLP module is marked a DeepSpeed "z3 leaf" module, so its pre-forward and pre-backward hooks
-gather all of its parameters once for all mini-sequences (instead of one all-gather per mini-sequence and
-sub-module, as with TiledMLP). This must happen before ``deepspeed.initialize`` registers the hooks.
-
-Recompute count per step (nothing is recomputed more often than needed): the MLP forward runs TWICE per
-mini-sequence, with or without decoder-layer checkpointing; HF + checkpointing also runs it twice.
-- no checkpointing: forward (no_grad), then once more with grad in backward.
-- checkpointing: the layer's forward (no_grad) and the MLP's own backward. The layer's recompute does not run it:
-  ``MiniSequenceMLPFunction`` saves x and returns its output buffer before any mini-sequence runs, and the buffer is
-  filled afterwards, outside the autograd function. torch's non-reentrant checkpoint stops its recompute at the last
-  saved tensor ("early stop"), which in a Llama-style layer (``residual + mlp(norm(h))``) is x, so the fill never
-  happens there. DeepSpeed's (reentrant) recompute runs the whole layer; there the MLP returns zeros wired to its
-  backward (``placeholder=True``, set by checkpointing.py), checked afterwards: nothing after the MLP may have saved
-  a tensor for backward, else the layer is recomputed again with the real output (checkpointing.py).
-- layers that need the MLP output's value in backward (e.g. Gemma's post-feed-forward norm saves it): three times,
-  as before; the value is then recomputed for real. Never more.
+Design: docs/design.md §5; how often the MLP runs, with and without layer checkpointing:
+Note [Mini-sequence MLP under layer checkpointing]; Note [Lean MLP backward] below.
 """
 from __future__ import annotations
 
@@ -81,7 +64,8 @@ class MiniSequenceMLPFunction(torch.autograd.Function):
     """Saves x only and returns y's buffer UNCOMPUTED (zeros if ``placeholder``); ``mini_sequence_mlp`` fills it.
 
     Backward recomputes y = run(x) in mini-sequences with grad; parameter gradients are returned, not accumulated.
-    Filling outside the function puts the save of x before the MLP's work (see the module docstring).
+    Filling outside the function puts the save of x before the MLP's work
+    (Note [Mini-sequence MLP under layer checkpointing] in docs/design.md §5).
     """
 
     @staticmethod
@@ -194,7 +178,7 @@ def mini_sequence_mlp(
         return out
     out = MiniSequenceMLPFunction.apply(run, x, chunk_tokens, placeholder, *params)
     if not placeholder:
-        # after apply, so after x is saved: torch's early-stopping recompute never gets here (module docstring)
+        # after apply, so after x is saved: torch's early-stopping recompute never gets here (docs/design.md §5)
         _fill(out, run, x, chunk_tokens)
     return out
 

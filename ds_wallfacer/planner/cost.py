@@ -1,19 +1,9 @@
-"""Cost model: bytes, communication and compute time per layer and per training step.
+"""Cost model: bytes, communication and compute time per layer and per training step of a candidate (``estimate``).
 
-Byte volumes are NOT derived here: they are ``attention.volume``'s exact counts of what the implementation
-sends (``wallfacer_bytes``, ``ulysses_bytes``), taken for the rank that sends most (a team member with
-local != 0 also sends the skew). Times come from the links ``placement.analyse_links`` finds for the candidate's
-rank placement. Per layer and rank, with S = N / P local tokens and F = peak FLOP/s x MFU:
+Byte volumes are ``attention.volume``'s exact counts of what the implementation sends; times come from the links
+``placement.analyse_links`` finds for the candidate's rank placement.
 
-- projections + MLP: 2 S x (layer matmul params) / F forward, twice that backward
-- causal block attention, balanced by zigzag sharding: 2 B hq d N^2 / P / F forward, 2.5x that backward
-- ring: G steps; with overlap (double buffering, as implemented) (G-1) max(a, hop) + a, else G a + (G-1) hop,
-  where a is one step's attention compute
-- team all-gathers / reduce-scatters, skew / home sends and Ulysses all-to-alls are not overlapped
-- activation checkpointing reruns the layer forward (attention and its communication too, unless
-  ``Workload.recompute_attention`` is off); MsT reruns the MLP forward once more
-Per step: all layers, the LM head (6 B S H V / F), ZeRO traffic (2x the bf16 parameters per rank, 3x with
-stage 3), exposed only beyond the backward compute when overlapped.
+Design: Note [Cost model] in docs/design.md §10 (the time formulas, what overlaps).
 """
 from __future__ import annotations
 

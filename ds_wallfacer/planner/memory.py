@@ -1,20 +1,7 @@
-"""Memory model: peak bytes per rank of one training step (docs/design.md §2, §5).
+"""Memory model: peak bytes per rank of one training step (``memory_breakdown``): model states, checkpointed
+activations, and the larger of one decoder layer's working set and the LM head's.
 
-Peak = model states + checkpointed activations + the larger of (one decoder layer's working set during its
-recomputation and backward) and (the LM head + loss working set). Per rank, S = N / P local tokens, s the
-element size, psi the parameter count, W the world size (ZeRO shards over every rank; SP ranks are DP ranks):
-
-- weights s*psi (stage 3: s*psi/W plus two gathered layers); gradients s*psi (stage >= 2: s*psi/W); optimizer
-  16 psi / W with ZeRO >= 1 (fp32 master, Adam m and v, fp32 gradient partition), 16 psi with stage 0, 0 offloaded
-- checkpoints: layers x B S H s (only each layer's input, MsT + checkpointing); without checkpointing every
-  layer keeps its activations (the MLP intermediates only without MsT)
-- attention working set: WallFacer's team copies of q, k, v (3 (C-1) B N H / P s with multi-head attention,
-  docs/design.md §2), double-buffered k/v blocks, fp32 accumulators and the reduce-scatter / ring / home buffers
-  in the dtypes of ``attention.volume.DEFAULT_SUM_DTYPES``; with grouped heads and 2-byte inputs, the k/v of one
-  block expanded to the query heads and the kernel's per-head dk/dv (wallfacer.py Note [Gradients of grouped
-  heads]); Ulysses' all-to-all buffers
-- MLP: 7 I s per token (gate, up, activation, product and their gradients), over one mini-sequence with MsT
-- LM head: fp32 logits, softmax and gradient (3 x 4 V bytes per token), over one mini-sequence with MsT
+Design: Note [Memory model] in docs/design.md §10 (each term's formula).
 """
 from __future__ import annotations
 

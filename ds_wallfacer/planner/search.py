@@ -1,15 +1,10 @@
 """The planner: enumerate valid configurations, reject what does not fit memory, rank the rest.
 
-``plan`` returns every row (ranked, rejected ones last with their reason); ``resolve`` is the start-up entry
-point for ``"auto"`` values in the ``"wallfacer"`` config section: it respects the user's fixed values and
-chooses the rest. Ranking is by predicted training throughput (tokens/s over the world), i.e. the step time per
-sequence: a smaller SP group leaves data-parallel replicas that process other sequences in the same step.
+``plan`` returns every row (ranked, rejected ones last with their reason); ``resolve`` is the start-up entry point
+for ``"auto"`` values in the ``"wallfacer"`` config section: it respects the user's fixed values and chooses the
+rest.
 
-Note [Multi-ring only where it pays]: with grouped-query attention a multi-ring split (C > 1) can send MORE bytes
-than plain ring attention over the same ranks (it gathers q, dO and out, hq/hk times larger than k/v; e.g.
-Llama-3-8B heads at P = 4, C = 2: 1.39x ring, ``attention.volume``). Such a split is chosen only when the model
-predicts a step faster than that ring's by more than the model's resolution (1%, ``_RESOLUTION``); otherwise the
-ring twin (same P, U, MsT and checkpointing, C = 1) moves to the top, and the reasons say which and why.
+Design: Note [Ranking by throughput] and Note [Multi-ring only where it pays] in docs/design.md §10.
 """
 from __future__ import annotations
 

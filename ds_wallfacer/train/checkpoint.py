@@ -1,19 +1,10 @@
 """Checkpoints that resume exactly, and are never picked half-written.
 
-``save`` writes DeepSpeed's checkpoint into ``<dir>/step_<n>`` with a client state holding the data position,
-the step counters and every rank's RNG states (python, numpy, torch CPU, CUDA), then, once every rank has
-finished writing, a completion marker inside the tag (``wallfacer_complete.json``) and only then the ``latest``
-pointer (same name and format as DeepSpeed's, so DeepSpeed's tools read it). Both small files are written to a
-temporary name and renamed, so a crash leaves either the old or the new one. DeepSpeed is asked not to write its
-own ``latest`` (it would name a tag before we know every rank is done). ``find_resume`` trusts a tag only when its
-marker is there: a tag dir without one (an interrupted save), whatever ``latest`` says, is skipped.
+``save`` writes DeepSpeed's checkpoint into ``<dir>/step_<n>`` with the data position, the step counters and every
+rank's RNG states, and marks the tag complete once every rank has written it; ``find_resume`` picks only complete
+tags; ``universal_copy`` converts a tag for another number of ranks.
 
-Resuming with another sequence-parallel split of the same world (P = 4 -> P = 2 x D = 2) needs no conversion:
-DeepSpeed is handed every rank as a data-parallel replica (see ``integration/loss.py``), so ZeRO partitions the
-same parameters over the same W ranks whatever the split, and the DeepSpeed files load as they are. On another
-number of ranks, ZeRO's partitions differ: the tag is converted once to DeepSpeed's universal checkpoint
-(``universal_copy``) and loaded with ``"checkpoint": {"load_universal": true}``. The data position is kept in
-sequences, which another split of the same global batch consumes identically.
+Design: Note [Checkpoints that resume exactly] in docs/design.md §9 (the marker and ``latest``, other splits).
 """
 from __future__ import annotations
 

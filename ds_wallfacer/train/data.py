@@ -5,16 +5,7 @@ Sources: ``.txt`` (one document per file), ``.jsonl`` / ``.parquet`` (one docume
 fetched from a hub. Documents are joined with the EOS token into one stream and cut into ``seq_len`` sequences
 (the tail shorter than a sequence is dropped); the last ``eval_fraction`` of the sequences is held out.
 
-Cache: ``<cache_dir>/<key>.npy`` where the key hashes the tokenizer's identity, every source file's path, size and
-mtime, ``seq_len``, the text field and the EOS id, so an edited file or another tokenizer never reads a stale
-cache. Every rank builds it deterministically when missing (written to a unique temporary name, then renamed):
-no collective is needed before the engine exists, so bad data raises the same error on every rank with no rank
-left waiting at a barrier; later runs, and ranks that find the file already renamed, read it directly.
-
-Order: epoch ``e`` visits the training sequences in a permutation seeded by (seed, e), independent of the
-parallel layout. Global micro-batch ``j`` holds sequences ``perm[j*B:(j+1)*B]`` (B = micro batch) and goes to
-data-parallel replica ``j % D``; a position in the epoch is a count of sequences consumed, so a run resumed with
-another split of the same global batch continues on the same sequences.
+Design: Note [Token cache and data order] in docs/design.md §9 (the cache key, who builds it, the epoch order).
 """
 from __future__ import annotations
 

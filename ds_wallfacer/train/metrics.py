@@ -1,19 +1,12 @@
 """What a run reports: throughput, model FLOP/s and MFU, peak memory, bytes sent, and the wandb run.
 
-Model FLOPs per optimizer step (the usual training estimate, forward + backward = 3 x forward):
+Model FLOPs per optimizer step (forward + backward, recomputation not counted):
 
     6 * params * tokens  +  6 * layers * q_heads * head_dim * seq_len^2 * sequences
 
-The first term counts every matrix multiply with a weight (2 FLOPs per multiply-add, per parameter and token,
-x 3); the second the two attention matmuls (QK^T and PV: 2 * 2 * S^2 * hq * d per sequence and layer), halved
-by the causal mask, x 3. Recomputation (activation checkpointing, MsT) is not counted: this is model FLOP/s,
-not hardware FLOP/s. MFU = model FLOP/s / (world size x the accelerator's dense peak for the training dtype),
-logged only when the peak is known (``PEAK_TFLOPS``).
+MFU = model FLOP/s / (world size x the accelerator's dense peak for the training dtype, ``PEAK_TFLOPS``).
 
-wandb: rank 0 only, offline unless WANDB_MODE says otherwise, files under ``--output_dir``. A ds_config
-``"wandb"`` section is taken off what DeepSpeed sees (its monitor would call ``wandb.init`` itself, write outside
-the output dir, and log with its own step counter, so wandb drops ours as "step less than current step"); its
-``project``, ``group`` and ``team`` (entity) are used for our run instead.
+Design: Note [Model FLOPs and MFU] in docs/design.md §7; Note [wandb beside DeepSpeed] in §9.
 """
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ SEQ_PER_RANK = 16
 
 
 class DeltaKernel(ReferenceKernel):
-    """The reference kernel plus a backward from delta = rowsum(dO * out) (wallfacer.py Note [Backward without
-    out]), so the team gathers delta instead of out; its plain backward is never called with P > 1."""
+    """The reference kernel plus a backward from delta = rowsum(dO * out)
+    (wallfacer.py Note [Backward without out]), so the team gathers delta instead of out; its plain backward is
+    never called with P > 1."""
 
     name = "reference_delta"
 

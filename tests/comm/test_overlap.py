@@ -1,6 +1,6 @@
 """Forced-serial communication (``CommLayer.serial``) changes neither results nor bytes, and the blocked-time
 accounting (``CommLayer.blocked_s``) records every kind that was sent (Note [Measuring overlap] in
-``comm/ops.py``). ``benchmarks/bench_overlap.py`` relies on both: it compares the times of the two modes as the same
+docs/design.md §7). ``benchmarks/bench_overlap.py`` relies on both: it compares the times of the two modes as the same
 computation. No assertion here is about time."""
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""The block-attention kernel contract shared by every backend.
-
-Shapes (``[B, h, S, d]``, the layout of HF attention functions and of torch SDPA):
-
-- q ``[B, hq, Sq, d]``, k and v ``[B, hk, Sk, d]`` with ``hq % hk == 0`` (grouped-query attention: kv heads
-  are never expanded before communication; a backend expands locally if its kernel needs it)
-- ``forward`` -> (out ``[B, hq, Sq, d]`` in q's dtype, lse ``[B, hq, Sq]`` float32, contiguous)
-- ``backward(dout, q, k, v, out, lse)`` with the *final* out and lse of the full attention (ring attention
-  calls it block by block) -> dq, dk, dv in q's dtype or float32
-- ``causal`` is only asked for with Sq == Sk (a diagonal block, aligned top-left)
-- ``mask`` (optional): a bool tensor broadcastable to ``[B, hq, Sq, Sk]``, True where a query may see a key, on
-  top of ``causal`` (sliding windows). A query row that sees no key gets out 0 and lse -inf, and no gradient.
-  Only backends with ``supports_mask`` take one; ``window_mask`` builds a sliding window's from global indices.
-- ``softcap`` (optional, 0 = off): logits are ``softcap * tanh(scale * q.k / softcap)`` before the softmax
-  (Gemma-2's ``attn_logit_softcapping``). Only backends with ``supports_softcap`` take one.
+"""The block-attention kernel contract shared by every backend (``BlockKernel``), and the helpers backends share:
+kv-head expansion and its gradient (``expand_kv``, ``reduce_kv_grad``), sliding-window masks (``window_mask``), and
+the check that a kernel takes the options it is given (``check_options``).
 """
 from __future__ import annotations
 
@@ -24,6 +12,21 @@ __all__ = ["BlockKernel", "check_options", "expand_kv", "reduce_kv_grad", "windo
 
 
 class BlockKernel(Protocol):
+    """What every backend implements, in ``[B, h, S, d]`` (the layout of HF attention functions and torch SDPA):
+
+    - q ``[B, hq, Sq, d]``, k and v ``[B, hk, Sk, d]`` with ``hq % hk == 0`` (grouped-query attention: kv heads
+      are never expanded before communication; a backend expands locally if its kernel needs it)
+    - ``forward`` -> (out ``[B, hq, Sq, d]`` in q's dtype, lse ``[B, hq, Sq]`` float32, contiguous)
+    - ``backward(dout, q, k, v, out, lse)`` with the *final* out and lse of the full attention (ring attention
+      calls it block by block) -> dq, dk, dv in q's dtype or float32
+    - ``causal`` is only asked for with Sq == Sk (a diagonal block, aligned top-left)
+    - ``mask`` (optional): a bool tensor broadcastable to ``[B, hq, Sq, Sk]``, True where a query may see a key, on
+      top of ``causal`` (sliding windows). A query row that sees no key gets out 0 and lse -inf, and no gradient.
+      Only backends with ``supports_mask`` take one (``window_mask`` builds a sliding window's).
+    - ``softcap`` (optional, 0 = off): logits are ``softcap * tanh(scale * q.k / softcap)`` before the softmax
+      (Gemma-2's ``attn_logit_softcapping``). Only backends with ``supports_softcap`` take one.
+    """
+
     name: str
     supports_mask: bool
     """Takes a ``mask`` (sliding windows)."""

@@ -1,24 +1,9 @@
 """cuDNN's fused attention through PyTorch's op ``aten._scaled_dot_product_cudnn_attention`` (and its
 ``_backward``), called at the op level to get (out, lse) and a backward from a given out and lse; CUDA, fp16/bf16.
+Grouped-query attention: kv heads are expanded locally; a bool keep-mask becomes the op's additive bias.
 
-Grouped-query attention: kv heads are expanded locally (after communication), as ``cuda_sdpa`` does. Masks: the
-op takes an additive ``attn_bias`` in forward and backward, so a bool keep-mask becomes a bias. Quirks of the op
-that live here only:
-
-- a dropped position gets a large finite bias (-65504, what PyTorch's own SDPA front end uses for cuDNN) rather
-  than -inf, so a row that sees no key stays finite inside cuDNN; such rows are then set to out 0, lse -inf
-  (the contract), and given lse 0 in the backward, where exp(bias - 0) = 0 drops them;
-- the bias rows are allocated 16-element aligned (sliced back to Sk), as PyTorch's front end aligns masks;
-- the lse comes back as [B, h, S, 1] or [B, h, S] depending on the release, and the backward takes exactly what
-  the forward returned: the rank is read from this build's meta kernel and confirmed by the first real call;
-- q, k, v, out and dout go in contiguous (a block of a team-wide tensor is a strided view; one layout for all
-  five keeps the op's layout-matching paths and cached cuDNN graphs simple);
-- the backward's ``max_q`` / ``max_k`` are the true lengths (recent releases size the cuDNN graph with them);
-  the dropout seed and offset are unused placeholders;
-- whether the op runs on a device, and its bias path, are probed once per process and (device, dtype, head
-  dim) by a tiny forward + backward checked against the reference kernel: a build or device where the op is
-  missing, or computes something else, is declined (``supports`` False; a failing bias path turns the kernel
-  object's ``supports_mask`` off) rather than trusted.
+The op's quirks (finite bias, lse rank, alignment, the probe that declines a build or device):
+Note [cuDNN attention op] in docs/design.md §6.
 """
 from __future__ import annotations
 
@@ -32,7 +17,7 @@ __all__ = ["CudnnKernel", "cudnn_attention_available"]
 
 _aten = torch.ops.aten
 _DROPPED = -65504.0
-"""Additive bias of a position a query may not see (finite: see the module docstring)."""
+"""Additive bias of a position a query may not see (finite: Note [cuDNN attention op] in docs/design.md §6)."""
 _lse_rank: int | None = None
 """Rank of the lse this build's forward op returns (3 or 4), once known."""
 

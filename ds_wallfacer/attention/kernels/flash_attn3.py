@@ -1,17 +1,9 @@
 """FlashAttention-3 (the flash-attn repository's ``hopper/`` build, module ``flash_attn_interface``), when
-installed; Hopper (sm90) only, fp16/bf16.
+installed; Hopper (sm90) only, fp16/bf16. Its layout is [B, S, h, d]; grouped-query attention and logit
+soft-capping (forward and backward) are native.
 
-Its layout is [B, S, h, d]; grouped-query attention and logit soft-capping (forward and backward) are native.
-Quirks of its private ``_flash_attn_forward/_backward`` that live here only:
-
-- early 2025 releases declare the varlen / paging / rotary / fp8 tensors without defaults (``Signature.call``
-  passes None for them) and take ``window_size=(left, right)``; later ones take ``window_size_left`` /
-  ``window_size_right``, and the backward's ``causal`` became ``is_causal``;
-- later releases wrap both in ``torch.library.custom_op`` (``(*args, **kwargs)`` to ``inspect``);
-- the forward returns (out, lse, ...) ; the backward writes into the dq, dk, dv it is given (what it returns
-  changed: dq, dk, dv, softmax_d, then softmax_d alone);
-- the mid-2024 beta (``_flash_attn_forward(q, k, v, softmax_scale, causal)``, returning q, k, v before the
-  lse) is not supported: ``supports`` says no rather than guess its layout.
+The quirks of its private ``_flash_attn_forward/_backward`` across releases: Note [FlashAttention-3 interface] in
+docs/design.md §6.
 """
 from __future__ import annotations
 

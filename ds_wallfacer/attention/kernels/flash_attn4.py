@@ -1,17 +1,9 @@
 """flash-attn-4 (CuTe DSL kernels, module ``flash_attn.cute``), when installed; Hopper and Blackwell (sm90+),
-fp16/bf16.
+fp16/bf16. Its layout is [B, S, h, d]; grouped-query attention and logit soft-capping (forward and backward) are
+native. Kernels are compiled just in time on first use of each configuration, so the first call of each is slow.
 
-Its layout is [B, S, h, d]; grouped-query attention and logit soft-capping (forward and backward) are native.
-Kernels are compiled just in time on first use of each configuration (dtype, head dim, causal, soft-capping),
-so the first call of each is slow; benchmarks warm up. Quirks of its private ``_flash_attn_fwd/_bwd`` that live
-here only:
-
-- the forward returns the lse only when asked (``return_lse=True``) or when an input requires grad; releases
-  without ``return_lse`` are not supported (``supports`` says no);
-- the forward takes ``softcap=None`` for "off" (early releases treat 0.0 as a cap of zero), the backward 0.0;
-- the forward returns (out, lse) or (out, lse, p, row_max); the backward (dq, dk, dv) or, with a learnable
-  sink, (dq, dk, dv, dsink);
-- head dims: 8..256 (multiples of 8) on sm90; up to 128, or 256, on sm100+.
+The quirks of its private ``_flash_attn_fwd/_bwd`` and its head dims: Note [flash-attn-4 interface] in
+docs/design.md §6.
 """
 from __future__ import annotations
 
