@@ -1,4 +1,4 @@
-"""Checkpoints and resume through the real ``deepspeed`` launcher on 4 CPU ranks.
+"""Checkpoints and resume: the trainer on 4 CPU ranks (forked from the test process: ``helpers.train_on_ranks``).
 
 One uninterrupted run A (P = 4, WallFacer C = 2, MsT, ZeRO-2, 6 steps over 3 epochs, a checkpoint every step,
 a ds_config with DeepSpeed's own "wandb" section) of a tiny Llama saved with ``save_pretrained`` beside a
@@ -20,9 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.helpers import DEEPSPEED, jsonl_docs, launch, losses, make_model_dir, summary, wandb_history
-
-pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="the deepspeed launcher is not installed")
+from tests.train.helpers import jsonl_docs, losses, make_model_dir, summary, train_on_ranks, wandb_history
 
 STEPS = 6
 
@@ -52,7 +50,7 @@ def run_a(tmp_path_factory: pytest.TempPathFactory) -> dict:
               "--eval_every", "2", "--seed", "3", "--cache_dir", str(tmp / "cache")]
     cfg_a = _config(tmp / "p4.json", sp=4, ring_count=2, micro=2, wandb=True)
     (tmp / "cwd").mkdir()
-    res = launch(4, tmp / "cwd", "--deepspeed_config", str(cfg_a), "--output_dir", str(tmp / "a"),
+    res = train_on_ranks(4, tmp / "cwd", "--deepspeed_config", str(cfg_a), "--output_dir", str(tmp / "a"),
                  "--save_every", "1", *common)
     s = summary(res)
     assert s["train_sequences"] in (4, 5) and s["eval_sequences"] == 1, s
@@ -69,7 +67,7 @@ def test_resume_auto_is_bitwise_and_skips_an_incomplete_save(run_a: dict) -> Non
     (c / "checkpoints" / "step_4").mkdir()
     shutil.copy(a / "checkpoints" / "step_4" / "mp_rank_00_model_states.pt", c / "checkpoints" / "step_4")
     (c / "checkpoints" / "latest").write_text("step_4")
-    res = launch(4, tmp / "cwd", "--deepspeed_config", str(run_a["cfg"]), "--output_dir", str(c),
+    res = train_on_ranks(4, tmp / "cwd", "--deepspeed_config", str(run_a["cfg"]), "--output_dir", str(c),
                  "--resume", "auto", "--no_wandb", *run_a["common"])
     s = summary(res)
     assert s["resumed_from"].endswith("step_3") and s["steps_this_run"] == STEPS - 3, s
@@ -85,7 +83,7 @@ def test_resume_auto_is_bitwise_and_skips_an_incomplete_save(run_a: dict) -> Non
 def test_resume_with_another_sequence_parallel_split(run_a: dict) -> None:
     tmp, a = run_a["tmp"], run_a["tmp"] / "a"
     cfg_d = _config(tmp / "p2d2.json", sp=2, ring_count=1, micro=1)
-    res = launch(4, tmp / "cwd", "--deepspeed_config", str(cfg_d), "--output_dir", str(tmp / "d"),
+    res = train_on_ranks(4, tmp / "cwd", "--deepspeed_config", str(cfg_d), "--output_dir", str(tmp / "d"),
                  "--resume", str(a / "checkpoints" / "step_3"), "--no_wandb", "--no_export", "--no_save",
                  *run_a["common"])
     s = summary(res)
@@ -99,7 +97,7 @@ def test_resume_with_another_sequence_parallel_split(run_a: dict) -> None:
 def test_resume_on_another_number_of_ranks_through_a_universal_checkpoint(run_a: dict) -> None:
     tmp, a = run_a["tmp"], run_a["tmp"] / "a"
     cfg_e = _config(tmp / "p1.json", sp=1, ring_count=1, micro=2)
-    res = launch(1, tmp / "cwd", "--deepspeed_config", str(cfg_e), "--output_dir", str(tmp / "e"),
+    res = train_on_ranks(1, tmp / "cwd", "--deepspeed_config", str(cfg_e), "--output_dir", str(tmp / "e"),
                  "--resume", str(a / "checkpoints" / "step_3"), "--no_wandb", "--no_export", "--no_save",
                  *run_a["common"])
     s = summary(res)
