@@ -59,20 +59,37 @@ def _cases(world):
         yield dict(c=c, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag", keep_q=True)
 
 
-def _run_cases(rank, world, cases):
+def _references(world, cases):
+    """Per case: the full inputs, the float64 reference and the same kernel's error on the full sequence in one
+    process (for the low-precision bound). Computed once here, not once per rank."""
+    from ds_wallfacer.attention.kernels import get_kernel
+    from tests.attention.reference import full_inputs, reference_attention
+
+    refs = []
+    for i, case in enumerate(cases):
+        q, k, v, do = full_inputs(batch=2, q_heads=case["hq"], kv_heads=case["hk"], seq_len=SEQ_PER_RANK * world,
+                                  head_dim=case["d"], dtype=case["dtype"], seed=i)
+        truth = reference_attention(q, k, v, do, causal=case["causal"])
+        kern = get_kernel("cpu_flash", q)
+        scale = case["d"] ** -0.5
+        o1, lse1 = kern.forward(q, k, v, causal=case["causal"], scale=scale)
+        g1 = kern.backward(do, q, k, v, o1, lse1, causal=case["causal"], scale=scale)
+        single = [(a.double() - b).abs().max().item() for a, b in zip([o1, *g1], truth)]
+        refs.append(((q, k, v, do), truth, single))
+    return refs
+
+
+def _run_cases(rank, world, cases, refs):
     from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
     from ds_wallfacer.attention.volume import SumDtypes
-    from ds_wallfacer.attention.kernels import get_kernel
-    from tests.attention.reference import full_inputs, reference_attention, shard_errors
+    from tests.attention.reference import shard_errors
     from ds_wallfacer.comm import RankLayout, build_groups
     from ds_wallfacer.data import shard
 
     groups = {c: build_groups([RankLayout(tuple(range(world)), c)]) for c in {case["c"] for case in cases}}
     results = []
-    for case in cases:
+    for case, ((q, k, v, do), truth, single) in zip(cases, refs):
         n = SEQ_PER_RANK * world
-        q, k, v, do = full_inputs(batch=2, q_heads=case["hq"], kv_heads=case["hk"], seq_len=n, head_dim=case["d"],
-                                  dtype=case["dtype"], seed=len(results))
         sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=case["sharding"])  # noqa: E731
         kernel = DeltaKernel() if case.get("kernel") == "delta" else "cpu_flash"
         attn = WallFacerAttention(groups[case["c"]], kernel=kernel, sharding=case["sharding"])
@@ -82,14 +99,7 @@ def _run_cases(rank, world, cases):
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
         out = attn(ql, kl, vl, causal=case["causal"])
         out.backward(sh(do))
-        truth = reference_attention(q, k, v, do, causal=case["causal"])
         errs = shard_errors([out, ql.grad, kl.grad, vl.grad], list(truth), sh)
-        # The same kernel in one process on the full sequence, for the low-precision bound.
-        kern = get_kernel("cpu_flash", q)
-        scale = case["d"] ** -0.5
-        o1, lse1 = kern.forward(q, k, v, causal=case["causal"], scale=scale)
-        g1 = kern.backward(do, q, k, v, o1, lse1, causal=case["causal"], scale=scale)
-        single = [(a.double() - b).abs().max().item() for a, b in zip([o1, *g1], truth)]
         shape = AttnShape(2, n, case["hq"], case["hk"], case["d"], elem_bytes=q.element_size())
         want = wallfacer_bytes(shape, sp_size=world, ring_count=case["c"], local=groups[case["c"]].place.local,
                                sums=attn.sum_dtypes, gather_out=case.get("kernel") != "delta",
@@ -123,7 +133,7 @@ def _check(results_by_rank, world):
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_wallfacer_matches_single_process(world):
     cases = list(_cases(world))
-    _check(run_distributed(_run_cases, world, cases, timeout_s=600), world)
+    _check(run_distributed(_run_cases, world, cases, _references(world, cases), timeout_s=600), world)
 
 
 def test_wallfacer_p16_c4():
@@ -134,7 +144,7 @@ def test_wallfacer_p16_c4():
              dict(c=2, causal=True, hq=4, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag"),
              dict(c=4, causal=True, hq=8, hk=2, d=64, dtype=torch.bfloat16, sharding="zigzag"),
              dict(c=4, **llama), dict(c=1, **llama)]
-    results = run_distributed(_run_cases, 16, cases, timeout_s=600)
+    results = run_distributed(_run_cases, 16, cases, _references(16, cases), timeout_s=600)
     _check(results, 16)
     sent = [[sum(sum(kinds.values()) for kinds in r[i]["bytes"].values()) for r in results] for i in (3, 4)]
     assert max(sent[0]) <= max(sent[1]), f"multi-ring {max(sent[0])} > ring {max(sent[1])} bytes per rank"
