@@ -53,7 +53,29 @@ def _modes(world: int):
         yield "hybrid", 2, 2 if world == 8 else 1
 
 
-def _run(rank: int, world: int) -> list[dict]:
+def _references(world: int) -> list[tuple]:
+    """Per case: (window, softcap, packed, balanced), the document lengths, the full inputs and the float64
+    reference. Computed once here, not once per rank and mode."""
+    from tests.attention.reference import document_mask, full_inputs, reference_attention
+
+    n = SEQ_PER_RANK * world
+    refs = []
+    for i, (window, softcap, packed, balanced) in enumerate([
+        (None, 0.0, True, False), (5, 0.0, True, False), (n // 3, 0.0, False, False), (None, 30.0, True, False),
+        (3 * SEQ_PER_RANK // 2, 20.0, True, False), (None, 0.0, True, True), (7, 0.0, True, True),
+    ]):
+        lengths = _docs_for(n, i) if packed else [[n], [n]]
+        q, k, v, do = full_inputs(batch=2, q_heads=8, kv_heads=2, seq_len=n, head_dim=16, dtype=torch.float32, seed=i)
+        want = reference_attention(q, k, v, do, causal=True, scale=SCALE, softcap=softcap,
+                                   keep=document_mask(lengths, window=window))
+        refs.append(((window, softcap, packed, balanced), lengths, (q, k, v, do), want))
+    return refs
+
+
+SCALE = 2.5 / 4  # large logits, so the cap matters
+
+
+def _run(rank: int, world: int, refs: list[tuple]) -> list[dict]:
     from ds_wallfacer.attention.documents import SequenceBatch
     from ds_wallfacer.comm import CommLayer
     from ds_wallfacer.comm.dims import ParallelDims
@@ -61,7 +83,6 @@ def _run(rank: int, world: int) -> list[dict]:
     from ds_wallfacer.data.loader import shard_sequence
     from ds_wallfacer.integration import build_sequence_parallel
     from ds_wallfacer.integration.parallel import attention_for
-    from tests.attention.reference import document_mask, full_inputs, reference_attention
 
     n = SEQ_PER_RANK * world
     out = []
@@ -71,21 +92,13 @@ def _run(rank: int, world: int) -> list[dict]:
         lay = ParallelSetup(dims, kernel="reference")
         groups = build_sequence_parallel(lay)
         attn = attention_for(groups, comm=CommLayer())
-        for i, (window, softcap, packed, balanced) in enumerate([
-            (None, 0.0, True, False), (5, 0.0, True, False), (n // 3, 0.0, False, False), (None, 30.0, True, False),
-            (3 * SEQ_PER_RANK // 2, 20.0, True, False), (None, 0.0, True, True), (7, 0.0, True, True),
-        ]):
-            lengths = _docs_for(n, i) if packed else [[n], [n]]
+        for (window, softcap, packed, balanced), lengths, (q, k, v, do), want in refs:
             assignment = None
             if balanced:  # the loader's cost-aware layout: 4 chunks per ring rank, assigned by document work
                 from ds_wallfacer.data.balance import balanced_assignment
 
                 assignment = balanced_assignment(lengths, sp_size=world // u, chunks_per_rank=4)
-            q, k, v, do = full_inputs(batch=2, q_heads=8, kv_heads=2, seq_len=n, head_dim=16, dtype=torch.float32,
-                                      seed=i)
-            scale = 2.5 / 4  # large logits, so the cap matters
-            want = reference_attention(q, k, v, do, causal=True, scale=scale, softcap=softcap,
-                                       keep=document_mask(lengths, window=window))
+            scale = SCALE
             sh = lambda x: shard_sequence(x, dim=2, index=groups.shard_index, sp_size=world,  # noqa: E731
                                           ulysses_degree=u, scheme="zigzag", assignment=assignment)
             starts = tuple(tuple(int(s) for s in torch.tensor([0] + r[:-1]).cumsum(0)) for r in lengths)
@@ -107,7 +120,7 @@ def _run(rank: int, world: int) -> list[dict]:
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_documents_windows_softcap_match_single_process(world: int) -> None:
-    results = run_distributed(_run, world, timeout_s=600)
+    results = run_distributed(_run, world, _references(world), timeout_s=600)
     for rank, res in enumerate(results):
         for r in res:
             # fp32 against float64; logits at 2.5x the usual scale (so soft-capping bites), gradients up to ~10
