@@ -113,6 +113,35 @@ def _documents(batch: Mapping[str, Any], mask: torch.Tensor | None, shape: torch
     return docs
 
 
+def _checked_ids(batch: Mapping[str, Any]) -> torch.Tensor:
+    """``input_ids`` [B, N] as int64, after checking the batch's keys and the shapes beside it."""
+    if "input_ids" not in batch:
+        raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
+    known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"}
+    unknown = sorted(set(batch) - known)
+    if unknown:
+        raise ValueError(f"batch keys {unknown} are not supported by the sequence-parallel loader; known: {sorted(known)}")
+    ids = _as_2d(batch["input_ids"], "input_ids").long()
+    if "labels" in batch and "shift_labels" in batch:
+        raise ValueError("give labels (unshifted) or shift_labels (already shifted), not both")
+    for key in ("labels", "shift_labels", "attention_mask"):
+        if key in batch and _as_2d(batch[key], key).shape != ids.shape:
+            raise ValueError(f"{key} shape {tuple(_as_2d(batch[key], key).shape)} != input_ids shape {tuple(ids.shape)}")
+    return ids
+
+
+def _shift_labels(batch: Mapping[str, Any], ids: torch.Tensor, mask: torch.Tensor | None, *,
+                  ignore_index: int) -> torch.Tensor:
+    """[B, N] targets: position i predicts token i + 1 (``labels`` or ``input_ids``, padding ignored); the last
+    position has none. ``shift_labels`` given: as they are."""
+    if "shift_labels" in batch:
+        return _as_2d(batch["shift_labels"], "shift_labels").long().clone()
+    labels = _as_2d(batch["labels"], "labels").long().clone() if "labels" in batch else ids.clone()
+    if mask is not None:
+        labels = labels.masked_fill(mask == 0, ignore_index)
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
 def prepare_batch(
     batch: Mapping[str, Any],
     spec: ShardSpec,
@@ -138,28 +167,10 @@ def prepare_batch(
     (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
     zigzag); ``chunk_assignment`` [R, chunks per rank] int64 says which ring chunks each ring rank holds, ascending.
     """
-    if "input_ids" not in batch:
-        raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
-    known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"}
-    unknown = sorted(set(batch) - known)
-    if unknown:
-        raise ValueError(f"batch keys {unknown} are not supported by the sequence-parallel loader; known: {sorted(known)}")
-    ids = _as_2d(batch["input_ids"], "input_ids").long()
-    if "labels" in batch and "shift_labels" in batch:
-        raise ValueError("give labels (unshifted) or shift_labels (already shifted), not both")
-    for key in ("labels", "shift_labels", "attention_mask"):
-        if key in batch and _as_2d(batch[key], key).shape != ids.shape:
-            raise ValueError(f"{key} shape {tuple(_as_2d(batch[key], key).shape)} != input_ids shape {tuple(ids.shape)}")
+    ids = _checked_ids(batch)
     mask = _right_padding_mask(batch)
     docs = _documents(batch, mask, ids.shape)
-    if "shift_labels" in batch:
-        shift = _as_2d(batch["shift_labels"], "shift_labels").long().clone()
-    else:
-        labels = _as_2d(batch["labels"], "labels").long().clone() if "labels" in batch else ids.clone()
-        if mask is not None:
-            labels = labels.masked_fill(mask == 0, ignore_index)
-        # [B, N] -> [B, N]: position i predicts token i + 1; the last position has no target
-        shift = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    shift = _shift_labels(batch, ids, mask, ignore_index=ignore_index)
     n = n_in = ids.shape[1]
     # tokens the model attends to (HF counts only these in e.g. an MoE router's aux loss); 0 = padding
     keep = mask.long() if mask is not None else None
