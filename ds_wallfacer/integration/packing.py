@@ -21,7 +21,6 @@ from .hf import BATCH_KWARG
 __all__ = ["BATCH_KWARG", "PackedBatches", "document_starts"]
 
 
-
 def document_starts(document_ids: torch.Tensor) -> tuple[tuple[int, ...], ...]:
     """[B, N] document index per token -> per row, the start index of every document."""
     ids = document_ids.reshape(document_ids.shape[0], -1)
@@ -48,9 +47,13 @@ class PackedBatches:
     def batch(
         self, position_ids: torch.Tensor, document_ids: torch.Tensor | None, chunk_assignment: torch.Tensor | None
     ) -> SequenceBatch:
+        # what every rank of the group must agree on, signed first; then this rank's own position check
+        signed = [_signature(x) if x is not None else torch.zeros(3, dtype=torch.int64)
+                  for x in (document_ids, chunk_assignment)]
         assignment = None
         if chunk_assignment is not None:
-            assignment = tuple(tuple(int(c) for c in row) for row in chunk_assignment.reshape(chunk_assignment.shape[0], -1).tolist())
+            rows_of = chunk_assignment.reshape(chunk_assignment.shape[0], -1).tolist()
+            assignment = tuple(tuple(int(c) for c in row) for row in rows_of)
         docs, ok = None, True
         if document_ids is not None:
             docs = BatchDocuments(starts=document_starts(document_ids), seq_len=document_ids.shape[-1])
@@ -58,11 +61,7 @@ class PackedBatches:
                                   sp_size=self.spec.sp_size, ulysses_degree=self.spec.ulysses_degree,
                                   scheme=self.spec.scheme, assignment=assignment)
             ok = want.shape == position_ids.shape and bool((want == position_ids.cpu()).all())
-        sig = torch.cat([
-            _signature(document_ids) if document_ids is not None else torch.zeros(3, dtype=torch.int64),
-            _signature(chunk_assignment) if chunk_assignment is not None else torch.zeros(3, dtype=torch.int64),
-            torch.tensor([int(ok)]),
-        ])
+        sig = torch.cat([*signed, torch.tensor([int(ok)])])
         with self.comm.phase("data"):
             rows = self.comm.all_gather(self.comm.place(sig.cpu()), self.group, kind="check").cpu()
         if not bool((rows[:, :6] == rows[0, :6]).all()):
