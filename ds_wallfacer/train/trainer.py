@@ -203,7 +203,7 @@ class Trainer:
         ``start``, last). Note [Verified checkpoints]: with ``auto`` each tag skipped gets a line; a path that
         fails is refused."""
         tag, skipped = None, []
-        if self.resume_candidates:
+        if self.args.resume is not None:  # on every rank, even one whose disk lists no tag: rank 0's list counts
             tag, skipped = ckpt.choose_resume(self.resume_candidates, universal=self.universal, group=dist.group.WORLD)
         if tag is None and skipped and self.args.resume != "auto":
             raise StartupError(f"--resume {self.args.resume!r} fails verification: {skipped[0]}")
