@@ -1,36 +1,47 @@
-"""Checkpoints that resume exactly, and are never picked half-written.
+"""Checkpoints that resume exactly, are never picked half-written, and are checked before they are loaded.
 
-``save`` writes DeepSpeed's checkpoint into ``<dir>/step_<n>`` with the data position, the step counters and every
-rank's RNG states, and marks the tag complete once every rank has written it; ``find_resume`` picks only complete
-tags; ``universal_copy`` converts a tag for another number of ranks.
+``save`` checks for room, writes DeepSpeed's checkpoint into ``<dir>/step_<n>`` with the data position, the step
+counters and every rank's RNG states, and marks the tag complete, with every rank's file list, once every rank has
+written it; ``resume_candidates`` lists the complete tags to try, ``choose_resume`` takes the first that every rank
+verifies; ``prune`` keeps the newest few; ``universal_copy`` converts a tag for another number of ranks.
 
-Design: Note [Checkpoints that resume exactly] in docs/design.md §9 (the marker and ``latest``, other splits).
+Design: Notes [Checkpoints that resume exactly] and [Verified checkpoints] in docs/design.md §9.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import shutil
+import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import manifest
 from .cli import StartupError
 
 __all__ = [
-    "MARKER", "POINTER", "find_resume", "load", "resolve_resume", "rng_for_rank", "rng_state", "save",
-    "saved_world_size", "set_rng_state", "universal_copy",
+    "MARKER", "POINTER", "SaveRefused", "check_space", "choose_resume", "find_resume", "load", "prune",
+    "resolve_resume", "resume_candidates", "rng_for_rank", "rng_state", "save", "saved_world_size", "set_rng_state",
+    "universal_copy", "verifiable",
 ]
 
 MARKER = "wallfacer_complete.json"
 POINTER = "latest"
 _CLIENT_KEY = "wallfacer_train"
 _TAG = re.compile(r"^step_(\d+)$")
+
+
+class SaveRefused(StartupError):
+    """A checkpoint refused before anything was written (too little free space): one line and exit status 2 on
+    every rank, as a start-up refusal (``loop.main``)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -52,7 +63,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # unique on a shared disk
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -60,29 +71,164 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine: Any, ckpt_dir: str | Path, *, step: int, state: dict[str, Any]) -> Path:
-    """Collective: every rank calls it at the same step. Returns the tag directory."""
+def _node_leader() -> bool:
+    """Whether this rank writes its node's copy of the small shared files (marker, ``latest``) and deletes its
+    node's old tags: local rank 0 (rank 0 without a launcher). Note [Verified checkpoints]: per-node disks."""
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) <= 0 if local is not None else dist.get_rank() == 0
+
+
+class _Recorder:
+    """DeepSpeed's checkpoint engine for the length of one save, noting every path written through it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.paths: list[Path] = []
+
+    def save(self, state_dict: Any, path: str) -> Any:
+        result = self.inner.save(state_dict, path)
+        self.paths.append(Path(path))
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def _recording(engine: Any) -> Iterator[list[Path]]:
+    """The files this rank writes through ``engine.checkpoint_engine`` (all of DeepSpeed's own checkpoint files)
+    inside the block; an engine without one records nothing (rank 0 then lists the tag, see ``save``)."""
+    inner = getattr(engine, "checkpoint_engine", None)
+    if inner is None:
+        yield []
+        return
+    recorder = _Recorder(inner)
+    engine.checkpoint_engine = recorder
+    try:
+        yield recorder.paths
+    finally:
+        engine.checkpoint_engine = inner
+
+
+def check_space(ckpt_dir: Path, *, tag: str, estimate: tuple[int, str], group: Any) -> None:
+    """Collective: raise ``SaveRefused`` on every rank when any rank's file system has less free space where
+    ``tag`` goes than ``estimate`` (bytes, how they were estimated: ``manifest.estimate_bytes``)."""
+    need, how = estimate
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, (manifest.free_bytes(ckpt_dir), socket.gethostname()), group=group)
+    short = [(rank, free, host) for rank, (free, host) in enumerate(seen) if free < need]
+    if short:
+        rank, free, host = short[0]
+        raise SaveRefused(
+            f"no room for checkpoint {tag} in {ckpt_dir} (rank {rank}, {host}): it needs about "
+            f"{manifest.format_bytes(need)} ({how}), {manifest.format_bytes(free)} free: free space or point "
+            "--output_dir elsewhere, then --resume auto"
+        )
+
+
+def save(engine: Any, ckpt_dir: str | Path, *, step: int, state: dict[str, Any], estimate: tuple[int, str],
+         group: Any) -> Path:
+    """Collective: every rank calls it at the same step. Refuses (``SaveRefused``) before writing anything when a
+    rank has too little room for ``estimate``. Returns the tag directory."""
     ckpt_dir = Path(ckpt_dir)
     tag = f"step_{step}"
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
+    tag_dir = ckpt_dir / tag
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    check_space(ckpt_dir, tag=tag, estimate=estimate, group=group)
+    if _node_leader():
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        (ckpt_dir / tag / MARKER).unlink(missing_ok=True)  # re-saving a tag: incomplete until rewritten
+        (tag_dir / MARKER).unlink(missing_ok=True)  # re-saving a tag: incomplete until rewritten
     rngs: list[Any] = [None] * world
-    dist.all_gather_object(rngs, rng_state())  # also orders the unlink before any rank writes
+    dist.all_gather_object(rngs, rng_state(), group=group)  # also orders the unlink before any rank writes
     client = {_CLIENT_KEY: {**state, "step": step, "world_size": world, "rng": rngs}}
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
-    dist.barrier()  # every rank's files are written
+    with _recording(engine) as written:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
+    root = tag_dir.resolve()
+    mine = [manifest.entry(tag_dir, p, rank=rank) for p in written if root in p.resolve().parents]
+    lists: list[Any] = [None] * world
+    dist.all_gather_object(lists, mine, group=group)  # every rank's files are written
+    marker: list[Any] = [None]
     if rank == 0:
-        _write_atomic(ckpt_dir / tag / MARKER, json.dumps({"step": step, "tag": tag, "world_size": world,
-                                                           "time": time.time()}))
+        files = [e for listed in lists for e in listed]
+        claimed = {e["path"] for e in files}
+        # files DeepSpeed wrote past its checkpoint engine (NVMe offload copies): rank 0 answers for what it sees
+        files += [manifest.entry(tag_dir, p, rank=0) for p in manifest.files_under(tag_dir, skip=(MARKER,))
+                  if p.resolve().relative_to(root).as_posix() not in claimed]
+        marker[0] = {"step": step, "tag": tag, "world_size": world, "time": time.time(),
+                     "checksum": manifest.CHECKSUM, "files": files}
+    dist.broadcast_object_list(marker, src=0, group=group)
+    if _node_leader():  # every node its own copy: node-local disks see their own files and this list
+        _write_atomic(tag_dir / MARKER, json.dumps(marker[0]))
         _write_atomic(ckpt_dir / POINTER, tag)
-    dist.barrier()
-    return ckpt_dir / tag
+    dist.barrier(group=group)
+    return tag_dir
 
 
 def _complete(tag_dir: Path) -> bool:
     return (tag_dir / MARKER).is_file()
+
+
+def _marker(tag_dir: Path) -> dict[str, Any]:
+    return json.loads((tag_dir / MARKER).read_text())
+
+
+def verifiable(tag_dir: Path) -> bool:
+    """Whether the tag's marker lists its files (written by a trainer that verifies; pure)."""
+    return "files" in _marker(tag_dir)
+
+
+def _problem(tag_dir: Path, *, universal: bool, rank: int, world: int) -> str | None:
+    """Why this rank cannot resume from ``tag_dir``, or None: a file of the ranks it answers for (saved rank k is
+    checked by rank k mod world: each rank its own files when the world is the same) that differs from the
+    marker, or a tag that needs another load path than the one the engine was built for."""
+    if not _complete(tag_dir):
+        return f"no {MARKER} on rank {rank}'s file system"
+    try:  # a verdict, never an exception: the other ranks are waiting for this one's in a collective
+        meta = _marker(tag_dir)
+        if (int(meta["world_size"]) != world) != universal:
+            return (f"written by {meta['world_size']} ranks, which needs another load path than the newest "
+                    f"tag's: resume it with --resume {tag_dir}")
+        if "files" not in meta:
+            return None  # written before markers listed files: complete, unverifiable
+        return manifest.problem(tag_dir, (e for e in meta["files"] if int(e["rank"]) % world == rank))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable on rank {rank} ({type(e).__name__}: {e})"
+
+
+def choose_resume(candidates: Sequence[Path], *, universal: bool, group: Any) -> tuple[Path | None, list[str]]:
+    """Collective: the first of rank 0's ``candidates`` that every rank verifies (None: none does), and for each
+    one skipped ``"<tag>: <why>"``; the same answer on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    names: list[Any] = [[str(c) for c in candidates]]
+    dist.broadcast_object_list(names, src=0, group=group)  # node-local disks may list different tags
+    skipped: list[str] = []
+    for tag_dir in map(Path, names[0]):
+        verdicts: list[Any] = [None] * world
+        dist.all_gather_object(verdicts, _problem(tag_dir, universal=universal, rank=rank, world=world), group=group)
+        why = next((v for v in verdicts if v is not None), None)
+        if why is None:
+            return tag_dir, skipped
+        skipped.append(f"{tag_dir.name}: {why}")
+    return None, skipped
+
+
+def prune(ckpt_dir: Path, *, keep: int, protect: Sequence[Path], group: Any) -> list[str]:
+    """Collective: delete all but the newest ``keep`` complete tags (and their universal copies), never one in
+    ``protect``. Rank 0 chooses; each node's local rank 0 deletes on its disk (marker first, so a tag half deleted
+    is never taken for complete). Returns the tags deleted."""
+    chosen: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        tags = sorted((int(m.group(1)), d.name) for d in ckpt_dir.iterdir()
+                      if (m := _TAG.match(d.name)) and _complete(d))
+        kept = {name for _, name in tags[-keep:]} | {p.name for p in protect}
+        chosen[0] = [name for _, name in tags if name not in kept]
+    dist.broadcast_object_list(chosen, src=0, group=group)
+    if _node_leader():
+        for name in chosen[0]:
+            for d in (ckpt_dir / name, ckpt_dir / f"{name}_universal"):
+                (d / MARKER).unlink(missing_ok=True)
+                shutil.rmtree(d, ignore_errors=True)  # another node's leader may delete a shared disk's files too
+    return chosen[0]
 
 
 def find_resume(ckpt_dir: str | Path) -> Path | None:
@@ -99,20 +245,36 @@ def find_resume(ckpt_dir: str | Path) -> Path | None:
     return max(tags)[1] if tags else None
 
 
-def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """``--resume`` -> the tag directory to load (None: start fresh). Pure, so every rank agrees."""
+def resume_candidates(resume: str | None, output_dir: str | Path) -> list[Path]:
+    """``--resume`` -> the complete tags to try, in order (empty: start fresh). ``auto``: ``find_resume``'s choice,
+    then the older complete tags, newest first; a path: its tag only. Pure: no process group exists yet, so
+    nothing is verified here (``choose_resume``)."""
     if resume is None:
-        return None
+        return []
     if resume == "auto":
-        return find_resume(Path(output_dir) / "checkpoints")
+        ckpt_dir = Path(output_dir) / "checkpoints"
+        first = find_resume(ckpt_dir)
+        if first is None:
+            return []
+        step = int(_TAG.match(first.name).group(1)) if _TAG.match(first.name) else None
+        older = sorted(((int(m.group(1)), d) for d in ckpt_dir.iterdir()
+                        if (m := _TAG.match(d.name)) and _complete(d) and d != first
+                        and (step is None or int(m.group(1)) < step)), reverse=True)
+        return [first, *(d for _, d in older)]
     path = Path(resume)
     if _complete(path):
-        return path
+        return [path]
     found = find_resume(path)
     if found is None:
         raise StartupError(f"--resume {resume!r} is not a complete checkpoint (no {MARKER}: an interrupted save, or "
                            "not written by this trainer): give a tag directory with the marker, or \"auto\"")
-    return found
+    return [found]
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
+    """``--resume`` -> the first tag ``resume_candidates`` lists (None: start fresh). Pure."""
+    candidates = resume_candidates(resume, output_dir)
+    return candidates[0] if candidates else None
 
 
 def saved_world_size(tag_dir: Path) -> int:
@@ -135,7 +297,8 @@ def universal_copy(tag_dir: Path) -> Path:
             input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1, num_merge_workers=1,
             keep_temp_folder=False, strict=True, inject_missing_state=True,
         ))
-        _write_atomic(out / MARKER, (tag_dir / MARKER).read_text())
+        meta = {k: v for k, v in _marker(tag_dir).items() if k != "files"}  # other files: not verifiable
+        _write_atomic(out / MARKER, json.dumps({**meta, "converted_from": tag_dir.name}))
     dist.barrier()
     return out
 

@@ -64,9 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--output_dir", default="runs", help="checkpoints, wandb run, metrics.jsonl, export")
     g.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--resume", default=None,
-                   help='"auto" = the latest complete checkpoint in OUTPUT_DIR/checkpoints (none: start fresh), '
-                        "or a checkpoint tag directory")
+                   help='"auto" = the latest complete checkpoint in OUTPUT_DIR/checkpoints whose files match its '
+                        "marker (older ones in turn; none: start fresh), or a checkpoint tag directory (refused if "
+                        "its files do not match)")
     g.add_argument("--no_save", action="store_true", help="write no checkpoint at the end")
+    g.add_argument("--save_total_limit", type=int, default=0,
+                   help="after each save keep only the newest N complete checkpoints, never the one just written "
+                        "(0: keep all)")
     g.add_argument("--export_dir", default=None,
                    help="export the final model as an HF checkpoint here (default: OUTPUT_DIR/hf_model)")
     g.add_argument("--no_export", action="store_true", help="do not export the model at the end")
@@ -92,7 +96,7 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("seq_len", "steps"):
         if getattr(args, name) < 1:
             raise StartupError(f"--{name} = {getattr(args, name)} must be at least 1")
-    for name in ("eval_every", "save_every", "warmup_steps", "watchdog_timeout"):
+    for name in ("eval_every", "save_every", "save_total_limit", "warmup_steps", "watchdog_timeout"):
         if getattr(args, name) < 0:
             raise StartupError(f"--{name} = {getattr(args, name)} must be >= 0")
     if not 0.0 <= args.eval_fraction < 1.0:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..hf_config import text_config
 from . import checkpoint as ckpt
+from . import manifest
 from .cli import StartupError
 from .data import eval_batches, load_token_data, train_batches
 from .export import export_hf
@@ -95,6 +96,7 @@ class Trainer:
     # set by build(): the config, model, data and engine, and the sizes that follow from them
     wandb_section: dict[str, Any]
     run_cfg: Any
+    resume_candidates: list[Path]
     resume_tag: Path | None
     universal: bool
     dtype: torch.dtype
@@ -150,7 +152,8 @@ class Trainer:
             self.run_cfg = parse_ds_config(ds_config)
         except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
             raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
-        self.resume_tag = self.last_ckpt = ckpt.resolve_resume(args.resume, self.out)
+        self.resume_candidates = ckpt.resume_candidates(args.resume, self.out)  # verified in resume()
+        self.resume_tag = self.resume_candidates[0] if self.resume_candidates else None
         self.dtype = dtype_of(self.run_cfg.deepspeed)
         self.loaded = loaded = load_model(args.model, seq_len=args.seq_len, dtype=self.dtype, seed=args.seed)
         self.data = load_token_data(
@@ -196,11 +199,24 @@ class Trainer:
             raise StartupError(str(e)) from None
 
     def resume(self) -> None:
-        """Load the checkpoint ``build`` chose (its RNG states only in ``start``, last)."""
-        tag = self.resume_tag
-        if self.rank == 0 and self.args.resume == "auto" and tag is None:
-            print(f"ds_wallfacer.train: no complete checkpoint in {self.out / 'checkpoints'}: starting fresh",
-                  flush=True)
+        """Load the first checkpoint of those ``build`` listed that every rank verifies (its RNG states only in
+        ``start``, last). Note [Verified checkpoints]: with ``auto`` each tag skipped gets a line; a path that
+        fails is refused."""
+        tag, skipped = None, []
+        if self.args.resume is not None:  # on every rank, even one whose disk lists no tag: rank 0's list counts
+            tag, skipped = ckpt.choose_resume(self.resume_candidates, universal=self.universal, group=dist.group.WORLD)
+        if tag is None and skipped and self.args.resume != "auto":
+            raise StartupError(f"--resume {self.args.resume!r} fails verification: {skipped[0]}")
+        self.resume_tag = self.last_ckpt = tag
+        if self.rank == 0:
+            for line in skipped:
+                print(f"ds_wallfacer.train: skipped checkpoint {line}", flush=True)
+            if self.args.resume == "auto" and tag is None:
+                print(f"ds_wallfacer.train: no complete checkpoint in {self.out / 'checkpoints'}"
+                      f"{' that verifies' if skipped else ''}: starting fresh", flush=True)
+            if tag is not None and not ckpt.verifiable(tag):
+                print(f"ds_wallfacer.train: note: {tag} lists no files (written by an earlier version): resumed "
+                      "without verifying them", flush=True)
         if tag is None:
             return
         self.saved = ckpt.load(self.engine, tag, universal=self.universal)
@@ -322,11 +338,21 @@ class Trainer:
         return float(s[0] / s[1])
 
     def save(self) -> None:
-        """A checkpoint of this step, with the data position."""
+        """A checkpoint of this step, with the data position, if every rank has room for it (else ``SaveRefused``
+        before anything is written); then only the newest ``--save_total_limit`` tags are kept."""
         position = {"micro_batches_in_epoch": self.state["sequences_in_epoch"] // (self.micro * self.dp),
                     "global_batch": self.seq_per_step}
-        self.last_ckpt = ckpt.save(self.engine, self.out / "checkpoints", step=self.step,
-                                   state={**self.state, **position})
+        ckpt_dir = self.out / "checkpoints"
+        estimate = manifest.estimate_bytes(self.last_ckpt, params=self.n_params, param_bytes=self.dtype.itemsize)
+        try:
+            self.last_ckpt = ckpt.save(self.engine, ckpt_dir, step=self.step, state={**self.state, **position},
+                                       estimate=estimate, group=dist.group.WORLD)
+        except ckpt.SaveRefused:
+            if self.watchdog is not None:  # every rank leaves with the same line: no peer is at fault
+                self.watchdog.stop()
+            raise
+        if self.args.save_total_limit:  # the tag just written is the newest verified one: never deleted
+            ckpt.prune(ckpt_dir, keep=self.args.save_total_limit, protect=[self.last_ckpt], group=dist.group.WORLD)
 
     def log(self, values: dict[str, Any]) -> None:
         """Rank 0: a line of ``metrics.jsonl``, wandb, and the step's line (through the progress bar if any)."""

@@ -32,28 +32,29 @@ def launch(num: int, cwd: Path, *args: str, timeout: int = 300) -> subprocess.Co
     return subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _trainer_rank(rank: int, world: int, cwd: Path, argv: tuple[str, ...]) -> tuple[int, str]:
+def _trainer_rank(rank: int, world: int, cwd: Path, argv: tuple[str, ...]) -> tuple[int, str, str]:
     import contextlib
     import io
 
     from ds_wallfacer.train.loop import main
 
     os.chdir(cwd)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(["--no_progress", *argv])
-    return status, out.getvalue()
+    return status, out.getvalue(), err.getvalue()
 
 
 def train_on_ranks(num: int, cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """The trainer's ``main`` on ``num`` gloo ranks forked from this process (``tests.dist_utils``): what the
     launcher's ranks run, without the launcher and the imports of a fresh interpreter per rank (for tests that
-    compare what runs train, not how they start). Rank 0's exit status and output, as ``launch`` returns them."""
+    compare what runs train, not how they start). The first non-zero exit status of a rank, and rank 0's output
+    (what ``sys.stdout`` and ``sys.stderr`` got), as ``launch`` returns them."""
     from tests.dist_utils import run_distributed
 
     ranks = run_distributed(_trainer_rank, num, cwd, args, timeout_s=timeout)
-    status = next((s for s, _ in ranks if s), 0)
-    return subprocess.CompletedProcess(args=list(args), returncode=status, stdout=ranks[0][1], stderr="")
+    status = next((s for s, _, _ in ranks if s), 0)
+    return subprocess.CompletedProcess(args=list(args), returncode=status, stdout=ranks[0][1], stderr=ranks[0][2])
 
 
 def summary(res: subprocess.CompletedProcess) -> dict[str, Any]:
