@@ -47,9 +47,11 @@ class PackedBatches:
     def batch(
         self, position_ids: torch.Tensor, document_ids: torch.Tensor | None, chunk_assignment: torch.Tensor | None
     ) -> SequenceBatch:
-        # what every rank of the group must agree on, signed first; then this rank's own position check
-        signed = [_signature(x) if x is not None else torch.zeros(3, dtype=torch.int64)
-                  for x in (document_ids, chunk_assignment)]
+        # what every rank of the group must agree on, signed first (on the host, like the rest of ``sig``: the
+        # comm layer places it on the group's device); then this rank's own position check
+        doc_host = document_ids.cpu() if document_ids is not None else None
+        signed = [_signature(x.cpu()) if x is not None else torch.zeros(3, dtype=torch.int64)
+                  for x in (doc_host, chunk_assignment)]
         assignment = None
         if chunk_assignment is not None:
             rows_of = chunk_assignment.reshape(chunk_assignment.shape[0], -1).tolist()
@@ -57,7 +59,7 @@ class PackedBatches:
         docs, ok = None, True
         if document_ids is not None:
             docs = BatchDocuments(starts=document_starts(document_ids), seq_len=document_ids.shape[-1])
-            want = shard_sequence(document_positions(document_ids.cpu()), dim=1, index=self.spec.index,
+            want = shard_sequence(document_positions(doc_host), dim=1, index=self.spec.index,
                                   sp_size=self.spec.sp_size, ulysses_degree=self.spec.ulysses_degree,
                                   scheme=self.spec.scheme, assignment=assignment)
             ok = want.shape == position_ids.shape and bool((want == position_ids.cpu()).all())
