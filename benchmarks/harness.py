@@ -235,10 +235,12 @@ def init_launched(*, timeout_s: float = 600.0) -> Any:
         except ImportError:  # torchrun works too
             dist.init_process_group(backend, timeout=timeout)
         else:
+            from ds_wallfacer.integration.deepspeed import release_shm_buffer, sweep_stale_shm_segments
+
+            if not cuda:
+                sweep_stale_shm_segments()  # what killed jobs left
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
             if not cuda:  # every rank has mapped every peer's /dev/shm segment: unlink them now
-                from ds_wallfacer.integration.deepspeed import release_shm_buffer
-
                 dist.barrier()
                 release_shm_buffer()
     return torch.device("cuda") if cuda else torch.device("cpu")

@@ -198,6 +198,55 @@ def release_shm_buffer() -> None:
         seg.unlink(missing_ok=True)
 
 
+_STALE_SEGMENT_S = 60.0
+_SEGMENT_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def sweep_stale_shm_segments() -> list[str]:
+    """Note [DeepSpeed's CPU shared-memory buffers]: a rank killed before every rank has mapped the segments (so
+    before ``release_shm_buffer``) leaves its job's in /dev/shm. Local rank 0 calls this before initialising: this
+    user's segments that no process maps and that are older than a minute (so not a job starting right now)
+    belong to no live job and are unlinked. Returns their names."""
+    if os.environ.get("LOCAL_RANK", "0") not in ("0", "-1"):
+        return []
+    now = time.time()
+    old = []
+    for seg in Path("/dev/shm").glob(f"{_SEGMENT_PREFIX}{os.getuid()}_*"):
+        try:
+            if now - seg.stat().st_mtime > _STALE_SEGMENT_S:
+                old.append(seg)
+        except OSError:
+            continue
+    if not old:
+        return []
+    mapped = _mapped_segments()
+    stale = [seg for seg in old if seg.name not in mapped]
+    for seg in stale:
+        seg.unlink(missing_ok=True)
+    if stale:
+        log.info("ds_wallfacer: removed %d stale /dev/shm segment(s) of killed jobs: %s", len(stale),
+                 ", ".join(seg.name for seg in stale))
+    return [seg.name for seg in stale]
+
+
+def _mapped_segments() -> set[str]:
+    """Names of the /dev/shm segments of DeepSpeed's all-reduce that some process of this user maps now."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or another user's
+            continue
+        if _SEGMENT_PREFIX not in text:
+            continue
+        for line in text.splitlines():
+            parts = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (if any)
+            path = parts[5] if len(parts) == 6 else ""
+            if f"/dev/shm/{_SEGMENT_PREFIX}" in path:
+                names.add(Path(path.removesuffix(" (deleted)")).name)
+    return names
+
+
 def _init_distributed(timeout: datetime.timedelta) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -205,6 +254,7 @@ def _init_distributed(timeout: datetime.timedelta) -> None:
     cpu = get_accelerator().device_name() == "cpu"
     if cpu:
         _clear_stale_build_lock()
+        sweep_stale_shm_segments()
     from deepspeed.utils import groups as ds_groups
 
     if not dist.is_initialized():

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decay after warm-up, to --min_lr_ratio x peak at --steps (no ds_config scheduler)")
     g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / peak")
     g.add_argument("--seed", type=int, default=0, help="initial weights, data order and every RNG")
+    g.add_argument("--nonfinite_limit", type=int, default=3,
+                   help="a step whose loss or gradient norm is NaN/inf on any rank is skipped (no update) and logged; "
+                        "this many in a row stop the job with exit status 4 (1: stop at the first; 0: never stop)")
 
     g = p.add_argument_group("checkpoints and export")
     g.add_argument("--output_dir", default="runs", help="checkpoints, wandb run, metrics.jsonl, export")
@@ -71,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--save_total_limit", type=int, default=0,
                    help="after each save keep only the newest N complete checkpoints, never the one just written "
                         "(0: keep all)")
+    g.add_argument("--on_preempt", choices=("save", "exit"), default="save",
+                   help="on SIGTERM or SIGUSR1 (or the launcher gone): save = every rank finishes its step, saves a "
+                        "checkpoint and exits with status 75 (continue with --resume auto); exit = end at once")
+    g.add_argument("--preempt_grace_s", type=float, default=120.0,
+                   help="seconds from the stop request to a complete checkpoint, else the rank ends without it (0: no "
+                        "limit); keep it under what the scheduler allows (SLURM's KillWait; deepspeed's launch.py "
+                        "kills a rank 30 s after passing a SIGTERM on)")
     g.add_argument("--export_dir", default=None,
                    help="export the final model as an HF checkpoint here (default: OUTPUT_DIR/hf_model)")
     g.add_argument("--no_export", action="store_true", help="do not export the model at the end")
@@ -96,7 +106,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("seq_len", "steps"):
         if getattr(args, name) < 1:
             raise StartupError(f"--{name} = {getattr(args, name)} must be at least 1")
-    for name in ("eval_every", "save_every", "save_total_limit", "warmup_steps", "watchdog_timeout"):
+    for name in ("eval_every", "save_every", "save_total_limit", "warmup_steps", "watchdog_timeout", "preempt_grace_s",
+                 "nonfinite_limit"):
         if getattr(args, name) < 0:
             raise StartupError(f"--{name} = {getattr(args, name)} must be >= 0")
     if not 0.0 <= args.eval_fraction < 1.0:

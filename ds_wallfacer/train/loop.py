@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from .cli import StartupError, parse_args
+from .nonfinite import NONFINITE_EXIT_CODE, NonFiniteStop
 from .trainer import Trainer
 
 __all__ = ["main", "run"]
@@ -27,13 +28,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: Any) -> int:
-    """Train (or only export, ``--export_only``) as ``args`` say; 0 when done. Refusals raise ``StartupError``."""
+    """Train (or only export, ``--export_only``) as ``args`` say; 0 when done, ``PREEMPTED_EXIT_CODE`` after a
+    preemption's save, ``NONFINITE_EXIT_CODE`` after non-finite steps. Refusals raise ``StartupError``."""
     trainer = Trainer(args)
     trainer.build()
     trainer.resume()
     if args.export_only:
         return trainer.export_only()
     trainer.start()
-    trainer.train()
+    try:
+        trainer.train()
+    except NonFiniteStop as e:  # every rank found it at the same step: one line from rank 0
+        trainer.close()
+        if trainer.rank == 0:
+            print(f"ds_wallfacer.train: error: {e}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT_CODE
+    if trainer.stopped:
+        return trainer.stop()
     trainer.finish()
     return 0

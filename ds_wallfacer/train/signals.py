@@ -1,5 +1,6 @@
-"""SIGINT and SIGTERM delivered to a callback even while the main thread is blocked in a collective, so that a
-rank ends with one line instead of a traceback per thread: Note [Signals reach a blocked rank] in docs/design.md.
+"""SIGINT, SIGTERM and SIGUSR1 delivered to a callback even while the main thread is blocked in a collective, so
+that a rank ends with one line instead of a traceback per thread: Note [Signals reach a blocked rank] in
+docs/design.md.
 """
 from __future__ import annotations
 
@@ -12,19 +13,19 @@ from typing import Any, Callable
 
 __all__ = ["CTRL_C_GRACE_S", "SIGNAL_EXIT", "SignalRelay"]
 
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR1: 138}
 """Exit status of a rank ended by each signal (the shell's 128 + signal number)."""
 CTRL_C_GRACE_S = 0.5
 """Ctrl-C reaches every process of the job at once and the launcher answers it with SIGTERM: a SIGINT that
 arrives within this grace after a SIGTERM wins, so the rank's line says what the user did."""
-_SIGINT, _SIGTERM = int(signal.SIGINT), int(signal.SIGTERM)
+_SIGINT, _SIGTERM, _SIGUSR1 = int(signal.SIGINT), int(signal.SIGTERM), int(signal.SIGUSR1)
 _STOP = b"\0"
 """Written to the wakeup pipe by ``restore``: the reader thread closes the pipe and returns."""
 
 
 class SignalRelay:
-    """Hands SIGINT and SIGTERM of this process to ``on_signal(signum)`` from a thread of its own (a blocked main
-    thread never runs a Python handler), and from the main thread's handler if that runs first. ``install`` from
+    """Hands SIGINT, SIGTERM and SIGUSR1 of this process to ``on_signal(signum)`` from a thread of its own (a blocked
+    main thread never runs a Python handler), and from the main thread's handler if that runs first. ``install`` from
     the main thread; ``restore`` puts back the previous handlers and wakeup fd."""
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
@@ -68,7 +69,7 @@ class SignalRelay:
                     os.write(self._old_wakeup, forward)
                 except OSError:
                     pass
-            for signum in (_SIGINT, _SIGTERM):
+            for signum in (_SIGINT, _SIGTERM, _SIGUSR1):
                 if signum in data:
                     self._on_signal(signum)
             if _STOP in data:

@@ -1,12 +1,13 @@
 """The trainer as steps: ``Trainer.build`` (every start-up refusal), ``resume``, ``train`` (``train_step``,
-``evaluate``, ``save``), ``finish`` (export, summary). Why in that order: Note [Trainer start-up order] in
-docs/design.md.
+``evaluate``, ``save``), ``finish`` (export, summary), or ``stop`` after a preemption's save. Why in that order:
+Note [Trainer start-up order] in docs/design.md.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -24,7 +25,10 @@ from .data import eval_batches, load_token_data, train_batches
 from .export import export_hf
 from .metrics import comm_bytes, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops, split_wandb_section
 from .model import dtype_of, load_model
-from .watchdog import start_watchdog
+from .nonfinite import NonFiniteStop, UpdateGate, check_step
+from .preempt import PREEMPTED_EXIT_CODE, Preemption, stop_reason
+from .signals import SIGNAL_EXIT, SignalRelay
+from .watchdog import say_as_rank, start_watchdog
 
 __all__ = ["Trainer", "lr_factor"]
 
@@ -78,14 +82,18 @@ def _scheduler(args: Any) -> Callable[[torch.optim.Optimizer], torch.optim.lr_sc
     return scheduler
 
 
-def _replica_mean(values: torch.Tensor, *, dims: Any, comm: Any) -> torch.Tensor:
-    """[k] on every rank (equal within a sequence-parallel group) -> their mean over the data-parallel replicas,
-    in float64 (one value per replica, so D = 1 returns the value exactly). Through the comm layer, which checks
-    the tensor is on the group's device."""
+def _gather_rows(values: torch.Tensor, *, comm: Any) -> torch.Tensor:
+    """[k] on every rank -> [W, k] on the host, every rank's row. Through the comm layer, which checks the tensor
+    is on the group's device."""
     with comm.phase("metrics"):
-        rows = comm.all_gather(values, dist.group.WORLD)  # [W, k]
+        return comm.all_gather(values, dist.group.WORLD).cpu()
+
+
+def _replica_mean(rows: torch.Tensor, *, dims: Any) -> torch.Tensor:
+    """[W, k] rows equal within a sequence-parallel group -> their mean over the data-parallel replicas, in float64
+    (one value per replica, so D = 1 returns the value exactly)."""
     firsts = [rows[dims.sp_ranks(d)[0]] for d in range(dims.dp_size)]
-    return torch.stack(firsts).double().mean(0).cpu()
+    return torch.stack(firsts).double().mean(0)
 
 
 class Trainer:
@@ -117,6 +125,8 @@ class Trainer:
     # set by start()
     flops: float
     peak: float | None
+    preemption: Preemption | None
+    gate: UpdateGate | None
 
     def __init__(self, args: Any) -> None:
         self.args = args
@@ -137,6 +147,13 @@ class Trainer:
         self.bar: Any = None
         self.batches: Iterator[Batch] = iter(())
         self.wall_s = 0.0
+        self.relay: SignalRelay | None = None
+        self.stopped: str | None = None
+        """Why the job stopped early to save (a preemption), once every rank has seen the request."""
+        self.check: Any = None
+        """The last step's ``nonfinite.StepCheck``."""
+        self.nonfinite_run = 0
+        self.skipped_steps = 0
 
     # -- start-up: every refusal, on every rank, before any training -----------------------------------------
     def build(self) -> None:
@@ -241,7 +258,16 @@ class Trainer:
     def start(self) -> None:
         """Watchdog, wandb, progress bar, the data position; the saved RNG states last of all."""
         args, setup, data = self.args, self.setup, self.data
-        self.watchdog = start_watchdog(timeout_s=args.watchdog_timeout)  # a dead or stalled rank ends the job, named
+        self.preemption = None
+        if args.on_preempt == "save":
+            self.preemption = Preemption(grace_s=args.preempt_grace_s, end=self._end_rank, say=self._say)
+        # a dead or stalled rank ends the job, named; signals go to the preemption unless a peer is gone
+        self.watchdog = start_watchdog(timeout_s=args.watchdog_timeout, preemption=self.preemption)
+        if self.watchdog is None and self.preemption is not None:  # one rank, or no watchdog: signals all the same
+            self.relay = SignalRelay(self._on_signal)
+            self.relay.install()
+        opt = UpdateGate.needed(self.engine)
+        self.gate = None if opt is None else UpdateGate(opt, comm=self.sp.comm, device=self.engine.device)
         if self.rank == 0 and not args.no_wandb:
             self.wandb_run = init_wandb(
                 output_dir=self.out, section=self.wandb_section, project=args.wandb_project, name=args.wandb_run_name,
@@ -270,18 +296,25 @@ class Trainer:
 
     # -- training -------------------------------------------------------------------------------------------
     def train(self) -> None:
-        """Steps until ``--steps``, evaluating, logging and checkpointing as the options say."""
+        """Steps until ``--steps`` or a stop request, evaluating, logging and checkpointing as the options say;
+        ``NonFiniteStop`` after ``--nonfinite_limit`` non-finite steps in a row."""
         args = self.args
         t_start = time.perf_counter()
         while self.step < args.steps:
             values = self.train_step()
             final = self.step == args.steps
-            if self.data.eval.size and (final or (args.eval_every and self.step % args.eval_every == 0)):
+            due_eval = final or (args.eval_every and self.step % args.eval_every == 0)
+            if self.data.eval.size and due_eval and not self.stopped:
                 self.eval_loss = values["eval_loss"] = self.evaluate()
             self.log(values)
+            self._nonfinite_policy()
             due = bool(args.save_every) and self.step % args.save_every == 0 or (final and not args.no_save)
-            if due and (self.last_ckpt is None or self.last_ckpt.name != f"step_{self.step}"):
+            if (due or self.stopped) and (self.last_ckpt is None or self.last_ckpt.name != f"step_{self.step}"):
                 self.save()
+            if self.stopped:
+                break
+        if self.preemption is not None and self.last_ckpt is not None and self.last_ckpt.name == f"step_{self.step}":
+            self.preemption.saved()  # the work is safe: a signal from now on ends the rank at once
         self.wall_s = time.perf_counter() - t_start
 
     def train_step(self) -> dict[str, Any]:
@@ -290,25 +323,34 @@ class Trainer:
         lr = float(engine.get_lr()[0])
         sp.comm.reset()
         t0 = time.perf_counter()
-        acc = torch.zeros(2, device=engine.device)  # loss, MoE router aux loss
-        for _ in range(self.gas):
+        acc = torch.zeros(3, device=engine.device)  # loss, MoE router aux loss, stop request
+        for i in range(self.gas):
             loss = engine(**self._to_device(self._next_batch()))
             engine.backward(loss)
-            engine.step()  # DeepSpeed updates at the accumulation boundary
             acc[0] += loss.detach().float()
             if sp.aux_loss is not None:
                 acc[1] += sp.aux_loss.float()
+            if self.gate is not None and i == self.gas - 1:
+                self.gate.loss_finite = bool(torch.isfinite(acc[0]))
+            engine.step()  # DeepSpeed updates at the accumulation boundary
             self.state["sequences_in_epoch"] += self.micro * self.dp
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
         self.state["tokens_seen"] += self.seq_per_step * seq_len
-        means = _replica_mean(acc / self.gas, dims=self.setup.dims, comm=sp.comm)
+        if self.preemption is not None:
+            acc[2] = self.preemption.flag()
+        rows = _gather_rows(acc, comm=sp.comm)  # one collective: the losses and any rank's stop request
+        means = _replica_mean(rows[:, :2] / self.gas, dims=self.setup.dims)
+        if bool(rows[:, 2].any()):
+            self.stopped = stop_reason(rows[:, 2].tolist())
         loss_v = float(means[0])
         self.losses.append(loss_v)
         self.step_times.append(dt)
         gn = engine.get_global_grad_norm()
+        self.check = check_step((rows[:, 0] / self.gas).tolist(), None if gn is None else float(gn),
+                                applied=engine.was_step_applied(), fp16=self.dtype == torch.float16)
         values: dict[str, Any] = {
             "step": self.step, "loss": loss_v, "lr": lr, "step_time_s": dt,
             "tokens_per_s": self.seq_per_step * seq_len / dt, "model_tflops": self.flops / dt / 1e12,
@@ -316,11 +358,35 @@ class Trainer:
         }
         if gn is not None:
             values["grad_norm"] = float(gn)
+        if not self.check.finite:
+            values["skipped"] = self.check.describe()
         if sp.aux_loss is not None:  # included in the loss, times router_aux_loss_coef
             values["aux_loss"] = float(means[1])
         if self.peak is not None:
             values["mfu"] = values["model_tflops"] / (self.peak * self.world)
         return values
+
+    def _nonfinite_policy(self) -> None:
+        """Count the step if it was not finite (its update skipped); stop after ``--nonfinite_limit`` in a row, or
+        at once if an update with a non-finite figure was applied (nothing that skips stood in front of it)."""
+        check, limit = self.check, self.args.nonfinite_limit
+        if check.finite:
+            self.nonfinite_run = 0
+            return
+        self.nonfinite_run += 1
+        self.skipped_steps += not check.applied
+        first = self.step - self.nonfinite_run + 1
+        steps = f"step {self.step}" if first == self.step else f"steps {first}-{self.step}"
+        end = self.state["sequences_in_epoch"]
+        where = (f"{steps}: {check.describe()} (data: epoch {self.state['epoch']}, sequences "
+                 f"{end - self.nonfinite_run * self.seq_per_step}-{end - 1} of the epoch)")
+        last = f"the last checkpoint is {self.last_ckpt}" if self.last_ckpt else "no checkpoint was saved"
+        if check.applied:
+            raise NonFiniteStop(f"{where}: the update was applied (DeepSpeed's overflow check is off, e.g. bf16 "
+                                f"check_grad_overflow: false), so the weights are no longer finite: stopping; {last}")
+        if limit and self.nonfinite_run >= limit:
+            raise NonFiniteStop(f"{where}: {self.nonfinite_run} non-finite step(s) in a row, each skipped "
+                                f"(--nonfinite_limit {limit}): stopping; {last}")
 
     def evaluate(self) -> float:
         """Token-mean loss over the held-out sequences (every rank takes part)."""
@@ -334,7 +400,7 @@ class Trainer:
                 total[0] += engine(**self._to_device(batch)).double() * count
                 total[1] += count
         engine.train()
-        s = _replica_mean(total, dims=self.setup.dims, comm=self.sp.comm)
+        s = _replica_mean(_gather_rows(total, comm=self.sp.comm), dims=self.setup.dims)
         return float(s[0] / s[1])
 
     def save(self) -> None:
@@ -366,6 +432,8 @@ class Trainer:
         line = f"step {self.step} loss {loss_v:.4f} lr {lr:.2e} {values['tokens_per_s']:.0f} tok/s {dt:.2f}s"
         if "eval_loss" in values:
             line += f" eval_loss {self.eval_loss:.4f}"
+        if "skipped" in values:
+            line += f" skipped: {values['skipped']}"
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{values['tokens_per_s']:.0f}",
                                  mem=f"{values['peak_memory_bytes'] / 2**30:.2f}GiB")
@@ -391,19 +459,56 @@ class Trainer:
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.engine.device) for k, v in batch.items()}
 
+    # -- signals (Note [Save on preemption]) ---------------------------------------------------------------
+    def _say(self, line: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.say(line)
+        else:
+            say_as_rank(line)
+
+    def _end_rank(self, what: str, code: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.end(what, code)  # returns only if another thread is already ending the rank
+            return
+        say_as_rank(f"{what}; ending this rank (exit code {code})")
+        os._exit(code)
+
+    def _on_signal(self, signum: int) -> None:
+        """A signal with no watchdog (one rank): SIGINT ends the rank, others go to the preemption."""
+        sig = signal.Signals(signum)
+        if sig == signal.SIGINT or self.preemption is None:
+            self._end_rank("interrupted (SIGINT)" if sig == signal.SIGINT else f"stopped by {sig.name}",
+                           SIGNAL_EXIT[sig])
+        else:
+            self.preemption.request_signal(signum)
+
     # -- the end --------------------------------------------------------------------------------------------
-    def finish(self) -> None:
+    def finish(self, *, export: bool = True) -> None:
         """Export, the summary line (rank 0), and the watchdog and engine stopped."""
         if self.bar is not None:
             self.bar.close()
         exported = None
-        if not self.args.no_export:
+        if export and not self.args.no_export:
             exported = export_hf(self.sp.model, self.loaded.tokenizer, self.export_dir,
                                  zero_stage=self.run_cfg.zero_stage)
         if self.rank == 0:
             print(json.dumps(self.summary(exported)), flush=True)
+        self.close()
+
+    def stop(self) -> int:
+        """After a stop request's checkpoint: one line (rank 0), the summary, no export; ``PREEMPTED_EXIT_CODE``."""
+        if self.rank == 0:
+            print(f"ds_wallfacer.train: stopped after step {self.step} ({self.stopped}): saved {self.last_ckpt}; "
+                  f"continue with --resume auto (exit status {PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+        self.finish(export=False)
+        return PREEMPTED_EXIT_CODE
+
+    def close(self) -> None:
+        """The watchdog, signal handlers and engine stopped (also after ``NonFiniteStop``)."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.relay is not None:
+            self.relay.restore()
         self.engine.destroy()
 
     def summary(self, exported: Path | None) -> dict[str, Any]:
@@ -423,7 +528,8 @@ class Trainer:
             "world_size": self.world, "seq_len": args.seq_len, "params": self.n_params,
             "dtype": str(self.dtype).replace("torch.", ""), "global_batch": self.seq_per_step,
             "train_sequences": len(self.data.train), "eval_sequences": len(self.data.eval),
-            "mini_sequence": self.sp.mini_sequence is not None,
+            "mini_sequence": self.sp.mini_sequence is not None, "skipped_steps": self.skipped_steps,
+            "stopped": self.stopped,
             "resumed_from": str(self.resume_tag) if self.resume_tag else None,
             "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
             "export_dir": str(exported) if exported else None, "metrics": str(self.log_file), "wandb_dir": None,

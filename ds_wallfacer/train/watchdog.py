@@ -93,11 +93,14 @@ class Watchdog:
     torch.distributed is initialised; ``stop()`` at the end of training (also ``with Watchdog(...):``)."""
 
     def __init__(self, *, timeout_s: float = 30.0, interval_s: float = 2.0, max_watched: int = 64,
-                 handle_signals: bool = True) -> None:
+                 handle_signals: bool = True, preemption: Any = None) -> None:
         if not timeout_s > 0 or not 0 < interval_s < timeout_s:
             raise ValueError(f"watchdog timeout_s = {timeout_s} and interval_s = {interval_s}: both must be positive"
                              " and the interval shorter than the timeout")
         self.timeout_s, self.interval_s, self.handle_signals = float(timeout_s), float(interval_s), handle_signals
+        self.preemption = preemption
+        """A ``preempt.Preemption``, or None: SIGTERM, SIGUSR1 and a launcher gone then ask it to save and stop,
+        unless a peer on this host is gone (then the launcher is ending the job: nothing to save with)."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # each rank watches up to max_watched successors (all peers in jobs of up to max_watched + 1 ranks), so the
         # store answers O(world * max_watched) reads per interval, not O(world^2); posted verdicts reach everyone
@@ -246,7 +249,11 @@ class Watchdog:
             return f"{self._posted['what']} (detected by rank {self._posted['by']})", [], False
         for pid, started, name in self._launchers:  # orphaned: nothing would end this rank when the job ends
             if not _alive(pid, started):
-                return f"{name} (pid {pid}) is gone", [], False
+                if self.preemption is None:
+                    return f"{name} (pid {pid}) is gone", [], False
+                self._launchers = []  # asked once; the preemption's grace bounds the rest
+                self.preemption.request_launcher_gone(f"{name} (pid {pid}) is gone")
+                break
         done = {r for r, v in self._state.items() if v == _DONE}
         failed = [r for r, v in self._state.items() if v == _FAILED]
         if failed:
@@ -288,6 +295,14 @@ class Watchdog:
         return ", ".join(self._infos[r].describe() if r in self._infos else f"rank {r}" for r in sorted(ranks))
 
     # -- ending the rank ---------------------------------------------------------------------------
+    def say(self, line: str) -> None:
+        """A line of this rank's watchdog on stderr."""
+        _say(f"ds_wallfacer watchdog on {self.me.describe()}: {line}")
+
+    def end(self, what: str, code: int) -> None:
+        """End this rank now, with a line saying ``what`` (no peer is at fault: nothing is posted)."""
+        self._end(what, [], False, code=code)
+
     def _end(self, what: str, kill: list[RankInfo], post: bool, *, code: int = FAULT_EXIT_CODE) -> None:
         with self._lock:
             if self._ended:
@@ -333,27 +348,36 @@ class Watchdog:
     # -- signals (from signals.SignalRelay) ----------------------------------------------------------
     def _on_signal(self, signum: int) -> None:
         """End this rank for a signal, with a line that names a peer on this host whose exit made the launcher send
-        SIGTERM."""
+        SIGTERM; with no such peer, a SIGTERM or SIGUSR1 goes to the preemption, if any."""
+        name = signal.Signals(signum).name
         if signum == signal.SIGINT:
             what = "interrupted (SIGINT)"
         else:
             done = {r for r, v in self._state.items() if v == _DONE}
             gone = [r for r in self._pid_checked if r not in done and r in self._infos
                     and self._infos[r].host == self.me.host and not _process_alive(self._infos[r])]
-            what = (f"stopped by SIGTERM after {self._names(gone)} exited" if gone
-                    else "stopped by SIGTERM (the launcher ends every rank when one fails or is interrupted)")
+            if not gone and self.preemption is not None:
+                self.preemption.request_signal(signum)
+                return
+            what = (f"stopped by {name} after {self._names(gone)} exited" if gone
+                    else f"stopped by {name} (the launcher ends every rank when one fails or is interrupted)")
             if gone and not self._store_lost:  # ranks on other hosts cannot see the process: tell them
                 verdict = {"what": f"{self._names(gone)} exited during training (its process is gone)", "by": self.rank}
                 self._quick(lambda: self._store.set("fault", json.dumps(verdict)))
         self._end(what, [], False, code=SIGNAL_EXIT[signal.Signals(signum)])
 
 
-def start_watchdog(*, timeout_s: float, interval_s: float | None = None) -> Watchdog | None:
+def start_watchdog(*, timeout_s: float, interval_s: float | None = None, preemption: Any = None) -> Watchdog | None:
     """A started ``Watchdog`` on this rank, or None when ``timeout_s`` is 0 (off) or the world has one rank."""
     if timeout_s == 0 or dist.get_world_size() == 1:
         return None
     interval = interval_s if interval_s is not None else min(2.0, timeout_s / 4)
-    return Watchdog(timeout_s=timeout_s, interval_s=interval).start()
+    return Watchdog(timeout_s=timeout_s, interval_s=interval, preemption=preemption).start()
+
+
+def say_as_rank(line: str) -> None:
+    """A line of this rank on stderr, as the watchdog's lines start (for a rank that has no watchdog)."""
+    _say(f"ds_wallfacer on rank {dist.get_rank()}: {line}")
 
 
 def _connect(timeout_s: float) -> Any:
