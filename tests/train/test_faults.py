@@ -99,3 +99,35 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path, target: str) -> N
     tracebacks = _tracebacks(out)
     assert len(tracebacks) <= 1 and all("deepspeed/launcher/runner.py" in tb for tb in tracebacks), tracebacks
     assert left == [], f"processes of the job outlived it: {left}"
+
+
+def test_sigterm_to_the_runner_saves_a_checkpoint_and_every_rank_exits_75(tmp_path: Path) -> None:
+    """What a scheduler's preemption does to a job started with ``deepspeed``: SIGTERM to the runner, which dies
+    without passing it on. Each rank sees its runner gone, the ranks finish the step together, save, and exit with
+    status 75 (launch.py reports it); the checkpoint verifies; nothing of the job is left."""
+    import json
+
+    from ds_wallfacer.train import checkpoint as ckpt
+    from ds_wallfacer.train import manifest
+
+    with _train(tmp_path) as job:
+        job.wait_for(r"^step 2 loss")
+        t0 = time.monotonic()
+        job.signal_pid(job.proc.pid, signal.SIGTERM)
+        job.wait(timeout=30)  # the runner dies at once; its launch.py and the ranks go on
+        left = job.wait_gone(deadline=t0 + FAULT_BOUND_S)
+        elapsed = time.monotonic() - t0
+    out = job.output()
+    print(f"SIGTERM to the runner: checkpoint saved and ranks gone {elapsed:.1f} s after the signal")
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"ds_wallfacer watchdog on rank {rank} ")]
+        assert len(lines) == 1 and "the deepspeed runner of this job" in lines[0], out[-3000:]
+        assert "saving a checkpoint" in lines[0], lines[0]
+    assert "exits with return code = 75" in out, out[-3000:]
+    stopped = re.findall(r"^ds_wallfacer\.train: stopped after step (\d+) \(launcher gone on ranks 0, 1\)", out, re.M)
+    assert len(stopped) == 1, out[-3000:]
+    tag = ckpt.resolve_resume("auto", tmp_path / "job_out")
+    assert tag is not None and tag.name == f"step_{stopped[0]}", out[-3000:]
+    assert manifest.problem(tag, json.loads((tag / ckpt.MARKER).read_text())["files"]) is None
+    assert _tracebacks(out) == [], out[-3000:]
+    assert left == [], f"processes of the job outlived it: {left}"
