@@ -42,7 +42,7 @@ def tiny_attention_model(family: str) -> torch.nn.Module:
 CASES = [
     ("gpt_oss", {"mode": "wallfacer", "ring_count": 1}, 1, False),
     ("gpt_oss", {"mode": "hybrid", "ulysses_degree": 2}, 2, True),
-    ("gpt_oss", {"mode": "wallfacer", "ring_count": 2}, 1, True),
+    ("gpt_oss", {"mode": "wallfacer", "ring_count": 2}, 3, True),
     ("deepseek_v3", {"mode": "wallfacer", "ring_count": 1}, 1, True),
     ("deepseek_v3", {"mode": "hybrid", "ulysses_degree": 2}, 3, False),
 ]
