@@ -1,14 +1,10 @@
 """Attention sinks (gpt-oss): one learned logit per query head that joins every row's softmax normaliser and
-carries no value. Applied once, to the merged result of all blocks, ring steps and team members.
+carries no value. Applied once, to the merged result of all blocks, ring steps and team members: with (out, lse) a
+row's attention over all its keys, lse' = logaddexp(lse, s_h) and out' = out * exp(lse - lse'); the block backward
+with (out', lse') is the backward with the sink, and d s_h = -sum over the rows of head h of exp(s_h - lse') *
+rowsum(dO * out'), each rank summing over the rows it owns.
 
-Note [Attention sinks]: with s_h the sink of head h and (out, lse) the attention of a query row over all its keys,
-the row with the sink is lse' = logaddexp(lse, s_h) and out' = out * exp(lse - lse') (the sink's column of the
-softmax is dropped, so it adds to the normaliser alone). The block backward with (out', lse') in place of
-(out, lse) is exactly the backward with the sink: p = exp(score - lse') are the probabilities with the sink, and
-delta = rowsum(dO * out') is the full row sum since the sink's value is zero. The sink's own gradient is
-d s_h = -sum over rows of head h of exp(s_h - lse') * rowsum(dO * out'). Each rank sums it over the rows it owns
-(its tokens; under Ulysses its heads of the gathered sequence), a partial sum like every parameter gradient of a
-rank's shard, which DeepSpeed's gradient reduction adds up (docs/design.md §4).
+Design: Note [Attention sinks] in docs/design.md §2 (why once, why exact, who sums the sink's gradient).
 """
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def _local_forward(q, k, v, kernel, causal: bool, scale: float, calls, window, s
 class _LocalFn(torch.autograd.Function):
     """Attention over the whole sequence on this rank. Inside a checkpointed layer the first forward keeps
     (out, lse) and the recompute returns them without running the kernel (``residuals.py``). With ``sinks``, out
-    and lse include them (``sinks.py`` Note [Attention sinks])."""
+    and lse include them (Note [Attention sinks], docs/design.md §2)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel, causal: bool, scale: float, calls, window, softcap: float):

@@ -290,7 +290,7 @@ def _all_gather_packed(comm: CommLayer, xs: list[torch.Tensor], group) -> list[t
 
 def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, scale: float, opts: _Options):
     """(out [B, hq, S_l, dv], the team lse [B, hq, S_t], and the team's q with ``keep_team_q``); with ``sinks`` both
-    already include them (Note [Attention sinks] in ``sinks.py``: folded into the team lse once, after all blocks)."""
+    already include them (folded into the team lse once, after all blocks: Note [Attention sinks], design.md §2)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
@@ -435,7 +435,7 @@ def _backward(
     q_team: torch.Tensor | None = None,
 ):
     """dq, dk, dv; ``q_team``: the team's q kept from the forward (``keep_team_q``), else gathered again. out and
-    lse_team include the sinks, if any (Note [Attention sinks]: then this is the backward with them)."""
+    lse_team include the sinks, if any: then this is the backward with them (Note [Attention sinks], design.md §2)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
@@ -517,7 +517,7 @@ class _WallFacerFn(torch.autograd.Function):
         with torch.no_grad(), attn.comm.phase("backward"):
             dq, dk, dv = _backward(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts,
                                    *kept)
-            # the sink's gradient over this rank's own rows (Note [Attention sinks])
+            # the sink's gradient over this rank's own rows (Note [Attention sinks], docs/design.md §2)
             dsinks = None if sinks is None else sink_grad(dout, out, _own_rows(attn, ctx.sched, lse_team), sinks)
         if ctx.slot is not None:
             ctx.slot.done()

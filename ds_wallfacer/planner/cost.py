@@ -43,8 +43,8 @@ def attention_shapes(model: ModelSpec, cand: Candidate, workload: Workload) -> t
     if cand.ring_size == 1:
         return full, None
     u = cand.ulysses_degree
-    return full, AttnShape(workload.batch, workload.seq_len, model.heads // u, hk // u, model.head_dim, workload.elem_bytes,
-                           value_dim=model.value_head_dim)
+    return full, AttnShape(workload.batch, workload.seq_len, model.heads // u, hk // u, model.head_dim,
+                           workload.elem_bytes, value_dim=model.value_head_dim)
 
 
 def layer_bytes(
