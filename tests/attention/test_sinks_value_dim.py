@@ -105,3 +105,23 @@ def test_local_attention_with_sinks_and_value_dim(kernel, d, dv, window):
     out.backward(do)
     errs = _max_errors([out, ql.grad, kl.grad, vl.grad, s.grad], truth)
     assert max(errs) <= TOL, errs
+
+
+def _one_rank_group(rank: int, world: int) -> list[list[float]]:
+    from ds_wallfacer.attention import WallFacerAttention
+    from ds_wallfacer.comm import RankLayout, build_groups
+
+    attn = WallFacerAttention(build_groups([RankLayout((0,), 1)]), kernel="cpu_flash")
+    errs = []
+    for window in (None, 6):  # one kernel call; window tiles merged in the accumulators
+        (q, k, v, do, sinks), truth = _reference(("wallfacer", 1, 1, 16, 8, True, window), seed=3)
+        ql, kl, vl, s = (x.clone().requires_grad_() for x in (q, k, v, sinks))
+        out = attn(ql, kl, vl, causal=True, window=window, sinks=s)
+        out.backward(do)
+        errs.append(_max_errors([out, ql.grad, kl.grad, vl.grad, s.grad], truth))
+    return errs
+
+
+def test_wallfacer_on_a_one_rank_group():
+    for errs in run_distributed(_one_rank_group, 1, timeout_s=120)[0]:
+        assert max(errs) <= TOL, errs
