@@ -128,11 +128,12 @@ def _local_calls(q: torch.Tensor, causal: bool, batch: SequenceBatch | None, win
 
 
 @torch.no_grad()
-def _local_forward(q, k, v, kernel, causal: bool, scale: float, calls, window, softcap: float):
+def _local_forward(q, k, v, sinks, kernel, causal: bool, scale: float, calls, window, softcap: float):
     """(out, lse) over the whole sequence: one kernel call, or fp32-merged calls per document segment / window tile
-    (rows that see nothing stay at lse -inf)."""
+    (rows that see nothing stay at lse -inf); with ``sinks``, added to the merged rows before they are rounded."""
     if calls is None:
-        return kernel.forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
+        return (out, lse) if sinks is None else add_sink(out, lse, sinks)
     acc = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for c in calls:
@@ -140,6 +141,8 @@ def _local_forward(q, k, v, kernel, causal: bool, scale: float, calls, window, s
         o, l = kernel.forward(q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], causal=c.causal,
                               scale=scale, mask=mask, softcap=softcap)
         merge_(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
+    if sinks is not None:
+        acc, lse = add_sink(acc, lse, sinks)
     return acc.to(q.dtype), lse
 
 
@@ -156,9 +159,7 @@ class _LocalFn(torch.autograd.Function):
         if slot is not None and slot.replaying:
             out, lse = slot.take()
         else:
-            out, lse = _local_forward(q, k, v, kernel, causal, scale, calls, window, softcap)
-            if has_sinks:
-                out, lse = add_sink(out, lse, sinks)
+            out, lse = _local_forward(q, k, v, sinks, kernel, causal, scale, calls, window, softcap)
             if slot is not None:
                 slot.keep(out, lse)
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if has_sinks else []))
