@@ -24,6 +24,7 @@ from .checks import check_inputs_agree, local_error
 from .documents import SequenceBatch
 from .kernels import BlockKernel, get_kernel
 from .kernels.base import expand_kv, window_mask
+from .kernels.value_dim import with_value_dim
 from .merge import merge_
 from .schedule import KernelCall, RingSchedule
 from .sinks import add_sink, sink_grad, sink_lse
@@ -90,8 +91,8 @@ class WallFacerAttention:
                      value_dim: bool = False) -> BlockKernel:
         """The block kernel for q's device and dtype and what the layer needs (a window mask, soft-capping, a v
         head dim unlike q's), chosen once per combination."""
-        if not isinstance(self.kernel, str):
-            return self.kernel
+        if not isinstance(self.kernel, str):  # padded locally if it needs one head dim (``kernels/value_dim.py``)
+            return with_value_dim(self.kernel) if value_dim else self.kernel
         key = (q.device.type, q.dtype, mask, softcap, value_dim)
         if key not in self._kernels:
             self._kernels[key] = get_kernel(self.kernel, q, mask=mask, softcap=softcap, value_dim=value_dim)
