@@ -13,14 +13,14 @@ from ..comm import CommLayer
 __all__ = ["DTYPES", "check_inputs_agree", "local_error"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_NAMES = ("batch", "q heads", "kv heads", "local seq len", "head dim", "dtype", "causal")
+_NAMES = ("batch", "q heads", "kv heads", "local seq len", "head dim", "value head dim", "dtype", "causal")
 
 
 def local_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-    if k.shape != v.shape:
-        return f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}"
+    if k.shape[:3] != v.shape[:3]:  # v's head dim may differ (multi-head latent attention)
+        return f"k and v differ in batch, heads or sequence: {tuple(k.shape)} vs {tuple(v.shape)}"
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         return f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch, sequence or head_dim"
     if q.shape[1] % k.shape[1] != 0:
@@ -44,7 +44,8 @@ def check_inputs_agree(
     meta = (
         (0,) * len(_NAMES)
         if error
-        else (q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], DTYPES.index(q.dtype), int(causal))
+        else (q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], v.shape[3], DTYPES.index(q.dtype),
+              int(causal))
     )
     key = (meta, error)
     if key in checked:

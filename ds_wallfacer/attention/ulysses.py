@@ -4,8 +4,8 @@
 all-to-all (q, k and v in one collective) turns sequence shards into head shards, the inner attention runs, a second
 all-to-all turns the output back. ``LocalAttention`` is the attention of a one-rank group.
 
-Dimensions: B batch, hq / hk query / kv heads, d head dim, U Ulysses degree (group size), S_l tokens per rank,
-S_u = U * S_l tokens after the all-to-all; tensors are [B, h, S, d].
+Dimensions: B batch, hq / hk query / kv heads, d head dim (v and the output may have their own, dv), U Ulysses
+degree (group size), S_l tokens per rank, S_u = U * S_l tokens after the all-to-all; tensors are [B, h, S, d].
 
 Design: Note [Ulysses all-to-all] in docs/design.md §3 (grouped-query heads, sequence order).
 """
@@ -25,6 +25,7 @@ from .kernels.base import window_mask
 from .merge import merge_
 from .residuals import residual_slot, tensor_key
 from .schedule import BlockCall, kernel_calls
+from .sinks import add_sink, sink_grad
 
 __all__ = ["InnerAttention", "LocalAttention", "UlyssesAttention", "all_to_all", "heads_to_seq", "seq_to_heads"]
 
@@ -33,6 +34,7 @@ class InnerAttention(Protocol):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
         batch: SequenceBatch | None = None, window: int | None = None, softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -126,43 +128,50 @@ def _local_calls(q: torch.Tensor, causal: bool, batch: SequenceBatch | None, win
 
 
 @torch.no_grad()
-def _local_forward(q, k, v, kernel, causal: bool, scale: float, calls, window, softcap: float):
+def _local_forward(q, k, v, sinks, kernel, causal: bool, scale: float, calls, window, softcap: float):
     """(out, lse) over the whole sequence: one kernel call, or fp32-merged calls per document segment / window tile
-    (rows that see nothing stay at lse -inf)."""
+    (rows that see nothing stay at lse -inf); with ``sinks``, added to the merged rows before they are rounded."""
     if calls is None:
-        return kernel.forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
-    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
+        return (out, lse) if sinks is None else add_sink(out, lse, sinks)
+    acc = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for c in calls:
         mask = None if c.mask is None else window_mask(c.mask, window, q.device)
         o, l = kernel.forward(q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], causal=c.causal,
                               scale=scale, mask=mask, softcap=softcap)
         merge_(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
+    if sinks is not None:
+        acc, lse = add_sink(acc, lse, sinks)
     return acc.to(q.dtype), lse
 
 
 class _LocalFn(torch.autograd.Function):
     """Attention over the whole sequence on this rank. Inside a checkpointed layer the first forward keeps
-    (out, lse) and the recompute returns them without running the kernel (``residuals.py``)."""
+    (out, lse) and the recompute returns them without running the kernel (``residuals.py``). With ``sinks``, out
+    and lse include them (Note [Attention sinks], docs/design.md §2)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, causal: bool, scale: float, calls, window, softcap: float):
-        ctx.slot = slot = residual_slot("local", kernel, tensor_key(q, k, v), causal, scale, calls, window, softcap)
+    def forward(ctx, q, k, v, sinks, kernel, causal: bool, scale: float, calls, window, softcap: float):
+        ctx.has_sinks = has_sinks = sinks is not None
+        key = tensor_key(q, k, v, *([sinks] if has_sinks else []))
+        ctx.slot = slot = residual_slot("local", kernel, key, causal, scale, calls, window, softcap)
         if slot is not None and slot.replaying:
             out, lse = slot.take()
         else:
-            out, lse = _local_forward(q, k, v, kernel, causal, scale, calls, window, softcap)
+            out, lse = _local_forward(q, k, v, sinks, kernel, causal, scale, calls, window, softcap)
             if slot is not None:
                 slot.keep(out, lse)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([sinks] if has_sinks else []))
         ctx.kernel, ctx.causal, ctx.scale, ctx.calls = kernel, causal, scale, calls
         ctx.window, ctx.softcap = window, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         dout = dout.to(q.dtype).contiguous()
+        dsinks = sink_grad(dout, out, lse, sinks[0]) if sinks else None
         with torch.no_grad():
             if ctx.calls is None:
                 dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
@@ -183,7 +192,7 @@ class _LocalFn(torch.autograd.Function):
                     dv[c.rows, :, c.ks] += gv
         if ctx.slot is not None:
             ctx.slot.done()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
 
 
 @dataclass(eq=False)
@@ -198,14 +207,17 @@ class LocalAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
         batch: SequenceBatch | None = None, window: int | None = None, softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         softcap = float(softcap or 0.0)
-        key = (q.device.type, q.dtype, window is not None, bool(softcap))
+        value_dim = v.shape[-1] != q.shape[-1]
+        key = (q.device.type, q.dtype, window is not None, bool(softcap), value_dim)
         if key not in self._kernels:
-            self._kernels[key] = get_kernel(self.kernel, q, mask=window is not None, softcap=bool(softcap))
+            self._kernels[key] = get_kernel(self.kernel, q, mask=window is not None, softcap=bool(softcap),
+                                            value_dim=value_dim)
         calls = _local_calls(q, causal, batch, window)
-        return _LocalFn.apply(q, k, v, self._kernels[key], causal, scale, calls, window, softcap)
+        return _LocalFn.apply(q, k, v, sinks, self._kernels[key], causal, scale, calls, window, softcap)
 
 
 @dataclass(eq=False)
@@ -232,13 +244,18 @@ class UlyssesAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
         batch: SequenceBatch | None = None, window: int | None = None, softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``sinks`` [hq]: each rank applies those of the heads it holds after the all-to-all (``sinks.py``)."""
         u = self.degree
         if self.check_inputs:
             self._check(q, k, v, causal)
         opts = dict(causal=causal, scale=scale, batch=batch, window=window, softcap=softcap)
         if u == 1:
-            return self.inner(q, k, v, **opts)
+            return self.inner(q, k, v, **opts, sinks=sinks)
+        if sinks is not None:  # [hq] -> this rank's head group [hq/U] (seq_to_heads sends head group i to rank i)
+            per = q.shape[1] // u
+            opts["sinks"] = sinks.narrow(0, dist.get_rank(self.group) * per, per)
         m = len(batch.assignment[0]) if batch is not None and batch.assignment is not None else 2  # pieces per rank
         k, v = _replicate_kv(k, u), _replicate_kv(v, u)
         qh, kh, vh = seq_to_heads([q, k, v], group=self.group, comm=self.comm, degree=u, pieces=m)

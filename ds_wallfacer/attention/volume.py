@@ -31,12 +31,22 @@ class AttnShape:
     head_dim: int
     elem_bytes: int = 2
     """Element size of q, k, v (bf16 = 2)."""
+    value_dim: int | None = None
+    """Head dim of v and of the output (None: ``head_dim``; multi-head latent attention's is smaller)."""
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
 
     def per_rank(self, sp_size: int) -> tuple[int, int, int]:
-        """(n_q, n_kv, n_lse): elements of q, of k (or v) and of q's lse on one rank."""
+        """(n_q, n_kv, n_lse): elements of q, of k and v together, and of q's lse on one rank."""
         s_l = self.seq_len // sp_size
-        return (self.batch * self.q_heads * s_l * self.head_dim, self.batch * self.kv_heads * s_l * self.head_dim,
-                self.batch * self.q_heads * s_l)
+        return (self.batch * self.q_heads * s_l * self.head_dim,
+                self.batch * self.kv_heads * s_l * (self.head_dim + self.v_dim), self.batch * self.q_heads * s_l)
+
+    def per_rank_out(self, sp_size: int) -> int:
+        """n_o: elements of the output (and of dO) on one rank."""
+        return self.batch * self.q_heads * (self.seq_len // sp_size) * self.v_dim
 
 
 @dataclass(frozen=True)
@@ -89,20 +99,21 @@ def wallfacer_bytes(
     s = shape.elem_bytes
     a_out, a_dq, a_ring, a_home = sums.nbytes(s)
     n_q, n_kv, n_l = shape.per_rank(p)
+    n_o = shape.per_rank_out(p)
     kv_dests = c - (1 if local == 0 else 0)  # the skewed gather sends the own k/v shard to each lane
     home_dests = c - (1 if local == 0 and g == 1 else 0)  # dk/dv slices returned to the block's team
     fwd = {
         "all_gather": (c - 1) * (n_q * s + c * n_l * 4),
-        "reduce_scatter": (c - 1) * n_q * a_out,
-        "skew": kv_dests * 2 * n_kv * s,
-        "ring": (g - 1) * 2 * c * n_kv * s,
+        "reduce_scatter": (c - 1) * n_o * a_out,
+        "skew": kv_dests * n_kv * s,
+        "ring": (g - 1) * c * n_kv * s,
     }
-    gathered = (0 if q_kept else n_q * s) + n_q * s + (n_q * s if gather_out else n_l * 4)
+    gathered = (0 if q_kept else n_q * s) + n_o * s + (n_o * s if gather_out else n_l * 4)
     bwd = {
         "all_gather": (c - 1) * gathered,
         "reduce_scatter": (c - 1) * n_q * a_dq,
-        "skew": kv_dests * 2 * n_kv * s + home_dests * 2 * n_kv * a_home,
-        "ring": (g - 1) * 2 * c * n_kv * (s + a_ring),
+        "skew": kv_dests * n_kv * s + home_dests * n_kv * a_home,
+        "ring": (g - 1) * c * n_kv * (s + a_ring),
     }
     return {"forward": fwd, "backward": bwd}
 
@@ -114,17 +125,18 @@ def ulysses_bytes(shape: AttnShape, *, degree: int, sp_size: int | None = None) 
     replicated U / hk times before the all-to-all (``ulysses.py``), so k and v travel with U heads."""
     u = degree
     n_q, n_kv, _ = shape.per_rank(sp_size or u)
+    n_o = shape.per_rank_out(sp_size or u)
     if shape.kv_heads % u:
         n_kv = n_kv // shape.kv_heads * u
     s = shape.elem_bytes
-    fwd = (u - 1) * ((2 * n_q + 2 * n_kv) * s) // u
+    fwd = (u - 1) * ((n_q + n_kv + n_o) * s) // u
     return {"forward": {"all_to_all": fwd}, "backward": {"all_to_all": fwd}}
 
 
 def paper_ring_bytes(shape: AttnShape, *, sp_size: int) -> int:
     """Paper: ring attention forward, (P-1) * 2BNH/P bytes per rank (k and v each hop)."""
     n_q, n_kv, _ = shape.per_rank(sp_size)
-    return (sp_size - 1) * 2 * n_kv * shape.elem_bytes
+    return (sp_size - 1) * n_kv * shape.elem_bytes
 
 
 def paper_wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int) -> dict[str, int]:
@@ -132,4 +144,4 @@ def paper_wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int) ->
     p, c = sp_size, ring_count
     n_q, n_kv, _ = shape.per_rank(p)
     s = shape.elem_bytes
-    return {"collective": 4 * (c - 1) * n_q * s, "ring": (p // (c * c) - 1) * 2 * c * n_kv * s}
+    return {"collective": 4 * (c - 1) * n_q * s, "ring": (p // (c * c) - 1) * c * n_kv * s}

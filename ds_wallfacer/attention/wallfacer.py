@@ -3,8 +3,10 @@
 ``WallFacerAttention`` is called like a kernel on this rank's shards. The kernel calls of every ring step are
 planned in ``schedule.py``, how their results land in the fp32 accumulators in ``accumulate.py``.
 
-Dimensions: B batch, hq / hk query / kv heads, d head dim, P ranks, C ring count (team size), G = P / C^2 ring
-steps, S_l = N / P tokens per rank (two chunks of L = S_l / 2), S_t = C * S_l per team; tensors are [B, h, S, d].
+Dimensions: B batch, hq / hk query / kv heads, d head dim of q and k, dv of v and the output (d except under
+multi-head latent attention), P ranks, C ring count (team size), G = P / C^2 ring steps, S_l = N / P tokens per rank
+(two chunks of L = S_l / 2), S_t = C * S_l per team; tensors are [B, h, S, d]. k and v travel together as one
+tensor [B, hk, S, d + dv] (k's columns, then v's): one message per exchange, each at its own size.
 
 Design: docs/design.md §2 (forward, backward, costs; Note [Bytes as implemented]) and the in-code notes below.
 """
@@ -22,8 +24,10 @@ from .checks import check_inputs_agree, local_error
 from .documents import SequenceBatch
 from .kernels import BlockKernel, get_kernel
 from .kernels.base import expand_kv, window_mask
+from .kernels.value_dim import with_value_dim
 from .merge import merge_
 from .schedule import KernelCall, RingSchedule
+from .sinks import add_sink, sink_grad, sink_lse
 from .volume import DEFAULT_SUM_DTYPES, SumDtypes
 
 __all__ = ["WallFacerAttention", "wallfacer_attention"]
@@ -83,14 +87,15 @@ class WallFacerAttention:
         """G = R / C^2: ring steps per call (the sub-ring length)."""
         return self.groups.layout.group_size
 
-    def block_kernel(self, q: torch.Tensor, *, mask: bool = False, softcap: bool = False) -> BlockKernel:
-        """The block kernel for q's device and dtype and what the layer needs (a window mask, soft-capping),
-        chosen once per combination."""
-        if not isinstance(self.kernel, str):
-            return self.kernel
-        key = (q.device.type, q.dtype, mask, softcap)
+    def block_kernel(self, q: torch.Tensor, *, mask: bool = False, softcap: bool = False,
+                     value_dim: bool = False) -> BlockKernel:
+        """The block kernel for q's device and dtype and what the layer needs (a window mask, soft-capping, a v
+        head dim unlike q's), chosen once per combination."""
+        if not isinstance(self.kernel, str):  # padded locally if it needs one head dim (``kernels/value_dim.py``)
+            return with_value_dim(self.kernel) if value_dim else self.kernel
+        key = (q.device.type, q.dtype, mask, softcap, value_dim)
         if key not in self._kernels:
-            self._kernels[key] = get_kernel(self.kernel, q, mask=mask, softcap=softcap)
+            self._kernels[key] = get_kernel(self.kernel, q, mask=mask, softcap=softcap, value_dim=value_dim)
         return self._kernels[key]
 
     def __post_init__(self) -> None:
@@ -100,14 +105,17 @@ class WallFacerAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None,
         batch: "SequenceBatch | None" = None, window: int | None = None, softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``batch``: the documents and chunk assignment of a packed batch (None: one document per row, the
-        layout's sharding); ``window``: the layer's sliding window (None: full); ``softcap``: logit soft-capping."""
+        layout's sharding); ``window``: the layer's sliding window (None: full); ``softcap``: logit soft-capping;
+        ``sinks``: one sink logit per query head [hq] (``sinks.py``), or None. q, k [B, h, S_l, d]; v [B, hk, S_l,
+        dv] -> out [B, hq, S_l, dv]."""
         if self.check_inputs:
             self._check(q, k, v, causal)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         opts = _Options(batch=batch, window=window, softcap=float(softcap or 0.0))
-        return _WallFacerFn.apply(q, k, v, self, causal, scale, opts)
+        return _WallFacerFn.apply(q, k, v, sinks, self, causal, scale, opts)
 
     # -- validation ------------------------------------------------------------------------------
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
@@ -245,7 +253,7 @@ def _gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
     """Skewed all-gather: start receiving the C shards of this rank's first k/v team straight from its
     members, and sending this rank's own shard to the C ranks (one per lane) whose first team is ours."""
     place = attn.groups.place
-    own = torch.stack([k, v])  # [2, B, hk, S_l, d]
+    own = torch.cat([k, v], dim=-1)  # [B, hk, S_l, d + dv]
     bufs = torch.empty((len(place.kv_sources), *own.shape), dtype=own.dtype, device=own.device)
     pending = attn.comm.exchange(
         [(own, dst) for dst in place.kv_dests], list(zip(bufs, place.kv_sources)), kind="skew", group=attn.groups.sp_group
@@ -254,10 +262,19 @@ def _gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
 
 
 def _team_kv(bufs: torch.Tensor, perm: list[int]) -> torch.Tensor:
-    """[C, 2, B, hk, S_l, d] member shards -> [2, B, hk, S_t, d] in team order (one copy: k and v as 2B rows)."""
-    c, two, b = bufs.shape[:3]
-    x = _to_team(bufs.reshape(c, two * b, *bufs.shape[3:]), perm)  # [2B, hk, S_t, d]
-    return x.reshape(two, b, *x.shape[1:])
+    """[C, B, hk, S_l, d + dv] member shards -> [B, hk, S_t, d + dv] in team order (one copy)."""
+    return _to_team(bufs, perm)
+
+
+def _split_kv(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., d + dv] -> the k [..., d] and v [..., dv] views."""
+    return kv[..., :d], kv[..., d:]
+
+
+def _own_rows(attn, sched: RingSchedule, x: torch.Tensor) -> torch.Tensor:
+    """This rank's rows [B, h, S_l] of a team-order row tensor [B, h, S_t] (the team lse)."""
+    c = attn.groups.layout.ring_count
+    return _from_team(x.unsqueeze(-1), sched.perm, c)[attn.groups.place.local].squeeze(-1)
 
 
 def _all_gather_packed(comm: CommLayer, xs: list[torch.Tensor], group) -> list[torch.Tensor]:
@@ -272,28 +289,32 @@ def _all_gather_packed(comm: CommLayer, xs: list[torch.Tensor], group) -> list[t
     return out
 
 
-def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, scale: float, opts: _Options):
+def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, scale: float, opts: _Options):
+    """(out [B, hq, S_l, dv], the team lse [B, hq, S_t], and the team's q with ``keep_team_q``); with ``sinks`` both
+    already include them (folded into the team lse once, after all blocks: Note [Attention sinks], design.md §2)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
+    dv = v.shape[-1]
     wire = attn.wire_dtypes(q.dtype)
 
     if p == 1:  # one rank: no collective; the kernel itself when one call covers everything
         call = sched.only_call(sl, b)
         if call is not None:
             attn.work["forward"] += call.work
-            return kernel.forward(q, k, v, causal=call.causal, scale=scale, softcap=opts.softcap)
+            out, lse = kernel.forward(q, k, v, causal=call.causal, scale=scale, softcap=opts.softcap)
+            return (out, lse) if sinks is None else add_sink(out, lse, sinks)
         q_t = _to_team(q.unsqueeze(0), sched.perm)
-        cur = _team_kv(torch.stack([k, v]).unsqueeze(0), sched.perm)
+        cur = _team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
     else:
         # 1-2. skewed gather of k/v (point-to-point, in flight); team all-gather of q [B, h, S_l, d] -> [B, h, S_t, d]
         kv_pending, bufs = _gather_kv(attn, k, v)
         q_t = _to_team(comm.all_gather(q, grp.team_group), sched.perm)
         kv_pending.wait()
-        cur = _team_kv(bufs, sched.kv_perm)  # [2, B, hk, S_t, d]
+        cur = _team_kv(bufs, sched.kv_perm)  # [B, hk, S_t, d + dv]
     # 3. ring steps, double-buffered; results land in fp32 accumulators (accumulate.py Note [No zero fills])
     plan = fill_plan(call_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
-    acc_out = fresh_accumulator((b, hq, c * sl, d), q.device, plan)
+    acc_out = fresh_accumulator((b, hq, c * sl, dv), q.device, plan)
     acc_lse = fresh_accumulator((b, hq, c * sl), q.device, plan, fill=float("-inf"))
     i = 0
     for s, calls in enumerate(sched.steps):
@@ -301,9 +322,10 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, scale: flo
         if s + 1 < len(sched.steps):
             nxt = torch.empty_like(cur)
             pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
+        k_t, v_t = _split_kv(cur, d)
         for call in calls:
             out, lse = kernel.forward(
-                _block(q_t, call, call.qs), _block(cur[0], call, call.ks), _block(cur[1], call, call.ks),
+                _block(q_t, call, call.qs), _block(k_t, call, call.ks), _block(v_t, call, call.ks),
                 causal=call.causal, scale=scale, mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
             )
             if plan is None:
@@ -315,10 +337,16 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, scale: flo
         if pending is not None:
             cur = pending.wait()[0]
     if c == 1:  # a team of one: the accumulator is the output (and q_t is q)
+        if sinks is not None:
+            new = sink_lse(acc_lse, sinks)
+            acc_out.mul_(torch.exp(acc_lse - new).unsqueeze(-1))
+            acc_lse = new
         return _from_team(acc_out, sched.perm, 1)[0].to(q.dtype), acc_lse
-    # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, d] -> [C, B, hq, S_l, d] -> own [B, hq, S_l, d]
+    # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, dv] -> [C, B, hq, S_l, dv] -> own [B, hq, S_l, dv]
     lse_all = comm.all_gather(acc_lse, grp.team_group)  # [C, B, hq, S_t]
     lse_team = torch.logsumexp(lse_all, dim=0)
+    if sinks is not None:  # the sink joins each row's normaliser once; the weights below then rescale by it
+        lse_team = sink_lse(lse_team, sinks)
     finite = torch.where(torch.isinf(lse_team), torch.zeros_like(lse_team), lse_team)  # rows that see no key
     part = acc_out.mul_(torch.exp(acc_lse - finite).unsqueeze(-1)).to(wire["out"])  # each <= the output's scale
     out = comm.reduce_scatter(_from_team(part, sched.perm, c), grp.team_group).to(q.dtype)
@@ -338,12 +366,12 @@ class _TeamRows:
 
 
 def _backward_inputs(attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse_team, q_team):
-    """(the team's rows, the first k/v block [2, B, hk, S_t, d] of the ring) for the backward ring steps."""
+    """(the team's rows, the first k/v block [B, hk, S_t, d + dv] of the ring) for the backward ring steps."""
     delta_path = callable(getattr(kernel, "backward_delta", None))
     if attn.groups.layout.sp_size == 1:
         q_t, do_t = (_to_team(x.unsqueeze(0), sched.perm) for x in (q, dout))
         o_t = _to_team(out.unsqueeze(0), sched.perm)
-        cur = _team_kv(torch.stack([k, v]).unsqueeze(0), sched.perm)
+        cur = _team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
         return _TeamRows(q_t, do_t, o_t, lse_team, delta_path=False), cur
     # 1-2. skewed gather of k/v again; ONE team all-gather of q (unless kept), dO (the adjoint of the forward
     # reduce-scatter) and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
@@ -359,14 +387,17 @@ def _backward_inputs(attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k,
 
 def _step_grads(attn, kernel: BlockKernel, expand: bool, team: _TeamRows, cur, calls, dq_acc, dq_fills, scale: float,
                 opts: _Options) -> torch.Tensor:
-    """The fp32 dk/dv [2, B, hk, S_t, d] of the held k/v block ``cur`` from one ring step's ``calls``; each call's
-    dq lands in ``dq_acc`` by its entry of ``dq_fills`` (the step's part of the dq fill plan; None: added)."""
-    kv_plan = fill_plan(call_spans(calls, "ks"), team.q.shape[0], cur.shape[3])
-    dkv = fresh_accumulator(cur.shape, team.q.device, kv_plan, dim=3)  # [2, B, hk, S_t, d]
+    """The fp32 dk/dv [B, hk, S_t, d + dv] of the held k/v block ``cur`` from one ring step's ``calls``; each
+    call's dq lands in ``dq_acc`` by its entry of ``dq_fills`` (the step's part of the dq fill plan; None: added)."""
+    d = team.q.shape[-1]
+    kv_plan = fill_plan(call_spans(calls, "ks"), team.q.shape[0], cur.shape[2])
+    dkv = fresh_accumulator(cur.shape, team.q.device, kv_plan)  # [B, hk, S_t, d + dv]
+    k_t, v_t = _split_kv(cur, d)
+    dk_acc, dv_acc = _split_kv(dkv, d)
     for j, call in enumerate(calls):
         qs, ks, rows = call.qs, call.ks, call.rows
         dq, dk, dv = _block_grads(
-            kernel, expand, team.do[rows, :, qs], team.q[rows, :, qs], cur[0][rows, :, ks], cur[1][rows, :, ks],
+            kernel, expand, team.do[rows, :, qs], team.q[rows, :, qs], k_t[rows, :, ks], v_t[rows, :, ks],
             None if team.delta_path else team.o[rows, :, qs], team.lse[rows, :, qs],
             delta=team.o[rows, :, qs] if team.delta_path else None, causal=call.causal, scale=scale,
             mask=_mask_of(call, opts, team.q.device), softcap=opts.softcap,
@@ -376,11 +407,11 @@ def _step_grads(attn, kernel: BlockKernel, expand: bool, team: _TeamRows, cur, c
         else:
             land(dq_acc, dq, qs.start, dq_fills[j])
         if kv_plan is None:
-            dkv[0][rows, :, ks] += dk
-            dkv[1][rows, :, ks] += dv
+            dk_acc[rows, :, ks] += dk
+            dv_acc[rows, :, ks] += dv
         else:
-            land(dkv[0], dk, ks.start, kv_plan[0][j])
-            land(dkv[1], dv, ks.start, kv_plan[0][j])
+            land(dk_acc, dk, ks.start, kv_plan[0][j])
+            land(dv_acc, dv, ks.start, kv_plan[0][j])
         attn.work["backward"] += call.work
     return dkv
 
@@ -394,8 +425,8 @@ def _pass_dkv(attn, sched: RingSchedule, dkv: torch.Tensor, wire: dict[str, torc
         recv = torch.empty_like(send)
         return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
     send = dkv.to(wire["dkv_home"])
-    slices = torch.stack([_from_team(send[0], sched.home_perm, c), _from_team(send[1], sched.home_perm, c)], dim=1)
-    homes = torch.empty_like(slices)  # [C, 2, B, hk, S_l, d]
+    slices = _from_team(send, sched.home_perm, c)
+    homes = torch.empty(slices.shape, dtype=slices.dtype, device=slices.device)  # [C, B, hk, S_l, d + dv]
     return attn.comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])), kind="skew",
                               group=grp.sp_group)
 
@@ -404,12 +435,12 @@ def _backward(
     attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options,
     q_team: torch.Tensor | None = None,
 ):
-    """dq, dk, dv; ``q_team``: the team's q kept from the forward (``keep_team_q``), else gathered again."""
+    """dq, dk, dv; ``q_team``: the team's q kept from the forward (``keep_team_q``), else gathered again. out and
+    lse_team include the sinks, if any: then this is the backward with them (Note [Attention sinks], design.md §2)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p = grp.layout.ring_count, grp.layout.sp_size
     b, hq, sl, d = q.shape
     wire = attn.wire_dtypes(q.dtype)
-    dout = dout.to(q.dtype)
     call = sched.only_call(sl, b) if p == 1 else None
     if call is not None:  # one rank: exactly the kernel on the whole sequence
         attn.work["backward"] += call.work
@@ -433,7 +464,7 @@ def _backward(
         dkv = _step_grads(attn, kernel, expand, team, cur, calls, dq_acc, dq_fills, scale, opts)
         i += len(calls)
         if p == 1:  # one step, nothing to send or receive
-            dk_own, dv_own = (_from_team(x, sched.perm, 1)[0] for x in dkv)
+            dk_own, dv_own = _split_kv(_from_team(dkv, sched.perm, 1)[0], d)
             return _from_team(dq_acc, sched.perm, 1)[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
         if dkv_pending is not None:
             dkv += dkv_pending.wait()[0]
@@ -441,12 +472,13 @@ def _backward(
         if kv_pending is not None:
             cur = kv_pending.wait()[0]
     # 4. sum the lanes' dk/dv of this rank's shard in fp32; reduce-scatter dq in the team (adjoint of the all-gather)
-    dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0, dtype=torch.float32)  # [2, B, hk, S_l, d]
+    dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0, dtype=torch.float32)  # [B, hk, S_l, d + dv]
     if c == 1:
         dq = _from_team(dq_acc, sched.perm, 1)[0]
     else:
         dq = comm.reduce_scatter(_from_team(dq_acc.to(wire["dq"]), sched.perm, c), grp.team_group)
-    return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
+    dk_own, dv_own = _split_kv(dkv_own, d)
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
 class _WallFacerFn(torch.autograd.Function):
@@ -455,29 +487,39 @@ class _WallFacerFn(torch.autograd.Function):
     collective, nothing counted twice; q, k, v come from the layer's recompute either way (the same values)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn: WallFacerAttention, causal: bool, scale: float, opts: _Options):
+    def forward(ctx, q, k, v, sinks, attn: WallFacerAttention, causal: bool, scale: float, opts: _Options):
         from .residuals import residual_slot, tensor_key
 
-        kernel = attn.block_kernel(q, mask=opts.window is not None, softcap=bool(opts.softcap))
+        kernel = attn.block_kernel(q, mask=opts.window is not None, softcap=bool(opts.softcap),
+                                   value_dim=v.shape[-1] != q.shape[-1])
         sched = _schedule(attn, q, causal, opts)
-        slot = residual_slot("wallfacer", attn, tensor_key(q, k, v), causal, scale, opts)
+        has_sinks = sinks is not None
+        slot = residual_slot("wallfacer", attn, tensor_key(q, k, v, *([sinks] if has_sinks else [])), causal, scale,
+                             opts)
         if slot is not None and slot.replaying:
             out, lse_team, *kept = slot.take()
         else:
             with torch.no_grad(), attn.comm.phase("forward"):
-                out, lse_team, *kept = _forward(attn, kernel, sched, q, k, v, scale, opts)
+                out, lse_team, *kept = _forward(attn, kernel, sched, q, k, v, sinks, scale, opts)
             if slot is not None:
                 slot.keep(out, lse_team, *kept)
-        ctx.save_for_backward(q, k, v, out, lse_team, *kept)  # kept: the team's q (``keep_team_q``)
+        # kept: the team's q (``keep_team_q``)
+        ctx.save_for_backward(q, k, v, out, lse_team, *([sinks] if has_sinks else []), *kept)
         ctx.attn, ctx.kernel, ctx.sched, ctx.scale, ctx.opts, ctx.slot = attn, kernel, sched, scale, opts, slot
+        ctx.has_sinks = has_sinks
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse_team, *kept = ctx.saved_tensors
-        with torch.no_grad(), ctx.attn.comm.phase("backward"):
-            dq, dk, dv = _backward(ctx.attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts,
+        q, k, v, out, lse_team, *rest = ctx.saved_tensors
+        sinks, kept = (rest[0], rest[1:]) if ctx.has_sinks else (None, rest)
+        attn = ctx.attn
+        dout = dout.to(q.dtype)
+        with torch.no_grad(), attn.comm.phase("backward"):
+            dq, dk, dv = _backward(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts,
                                    *kept)
+            # the sink's gradient over this rank's own rows (Note [Attention sinks], docs/design.md §2)
+            dsinks = None if sinks is None else sink_grad(dout, out, _own_rows(attn, ctx.sched, lse_team), sinks)
         if ctx.slot is not None:
             ctx.slot.done()
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None

@@ -40,7 +40,8 @@ def wallfacer_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention function: q [B, hq, S_l, d], k/v [B, hk, S_l, d] (this rank's shard) -> ([B, S_l, hq, d], None)."""
+    """HF attention function: q/k [B, h, S_l, d], v [B, hk, S_l, dv] (this rank's shard) -> ([B, S_l, hq, dv], None).
+    ``s_aux`` (gpt-oss): per-head attention sink logits [hq], applied exactly (``attention/sinks.py``)."""
     attn = module.__dict__.get(_ATTR)
     if attn is None:
         raise RuntimeError(
@@ -66,9 +67,14 @@ def wallfacer_attention_forward(
             raise ValueError(f"{type(module).__name__}: a sliding window on bidirectional attention is not supported")
         if int(window) >= full:  # every key of the sequence is inside the window: plain causal attention, as in HF
             window = None
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"{type(module).__name__}: s_aux of shape {tuple(sinks.shape)} is not one attention sink per "
+                         f"query head ({query.shape[1]}): not supported yet")
     out = attn(query, key, value, causal=causal, scale=scaling, batch=kwargs.get(BATCH_KWARG),
-               window=None if window is None else int(window), softcap=float(kwargs.get("softcap") or 0.0))
-    # [B, hq, S_l, d]
+               window=None if window is None else int(window), softcap=float(kwargs.get("softcap") or 0.0),
+               sinks=sinks)
+    # [B, hq, S_l, dv]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -78,13 +84,13 @@ _PASSED_THROUGH = frozenset({
 })
 """Keyword arguments transformers forwards to every attention call that do not change what attention computes
 (positions reach attention through q and k; there is no cache in training)."""
-_APPLIED = frozenset({"sliding_window", "softcap", BATCH_KWARG})
+_APPLIED = frozenset({"sliding_window", "softcap", "s_aux", BATCH_KWARG})
 """Keyword arguments sequence-parallel attention applies."""
 
 
 def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Refuse an argument that changes attention and that the sequence-parallel kernels would ignore (e.g. the
-    sink logits gpt-oss passes as ``s_aux``, or varlen boundaries passed by hand): dropping it would be silent."""
+    """Refuse an argument that changes attention and that the sequence-parallel kernels would ignore (e.g. varlen
+    boundaries passed by hand): dropping it would be silent."""
     for key, value in kwargs.items():
         if key in _PASSED_THROUGH or key in _APPLIED or value is None or value is False:
             continue

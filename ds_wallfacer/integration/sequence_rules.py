@@ -144,15 +144,16 @@ def _dropout_problem(m: nn.Module) -> str | None:
     return None
 
 
-def _head_dims(text: Any, m: nn.Module) -> tuple[int, int] | None:
-    """(query/key head dim, value head dim) when the config or module says they differ."""
-    v = getattr(m, "v_head_dim", None) or getattr(text, "v_head_dim", None)
-    qk = getattr(m, "qk_head_dim", None) or getattr(text, "qk_head_dim", None)
-    if qk is None and getattr(text, "qk_nope_head_dim", None) is not None:
-        qk = int(text.qk_nope_head_dim) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
-    if v is not None and qk is not None and int(v) != int(qk):
-        return int(qk), int(v)
-    return None
+_PASSES_SINKS = re.compile(r"\bs_aux\s*=\s*self\s*\.\s*sinks\b")
+"""gpt-oss's call: the sink logits go to the attention function as ``s_aux``, which applies them exactly."""
+
+
+def _applied_sinks(m: nn.Module, name: str, param: nn.Parameter) -> bool:
+    """Whether own parameter ``name`` is per-head attention sinks the attention function applies: one logit per
+    query head, handed to it as ``s_aux=self.sinks`` (``attention/sinks.py``)."""
+    heads = getattr(m, "num_heads", None) or getattr(getattr(m, "config", None), "num_attention_heads", None)
+    return (name == "sinks" and param.dim() == 1 and heads is not None and param.shape[0] == int(heads)
+            and bool(_PASSES_SINKS.search(_code(type(m)))))
 
 
 def _attention_problems(m: nn.Module, text: Any, seq_len: int | None) -> list[tuple[str, str]]:
@@ -163,18 +164,14 @@ def _attention_problems(m: nn.Module, text: Any, seq_len: int | None) -> list[tu
         out.append(("computes attention in its own code instead of calling transformers' attention interface, so "
                     "it would attend only to this rank's tokens", NOT_YET))
         return out
-    own = [n for n, _ in m.named_parameters(recurse=False)]
+    own = [n for n, p in m.named_parameters(recurse=False) if not _applied_sinks(m, n, p)]
     if own:
         out.append((f"holds parameters of its own ({', '.join(own)}) that take part in attention beside q, k and v "
-                    "(e.g. per-head attention sink logits added to the softmax), which the sequence-parallel kernels "
-                    "do not apply", NOT_YET))
+                    "(e.g. differential-attention lambdas or gates), which the sequence-parallel kernels do not "
+                    "apply", NOT_YET))
     if "arange" in _sequence_ops(cls):
         out.append(("computes positions with torch.arange over the tokens it is given (e.g. query scaling by "
                     "position), which under sequence parallelism are one rank's shard, not the sequence", NOT_YET))
-    dims = _head_dims(text, m)
-    if dims is not None:
-        out.append((f"value head dim {dims[1]} != query/key head dim {dims[0]} (multi-head latent attention), which "
-                    "the sequence-parallel kernels do not take yet", NOT_YET))
     chunk = getattr(m, "attention_chunk_size", None) or getattr(text, "attention_chunk_size", None)
     if chunk and (seq_len is None or seq_len > int(chunk)):
         out.append((f"chunked attention (attention_chunk_size = {chunk}) is applied by transformers' mask, which "

@@ -38,11 +38,13 @@ def attention_shapes(model: ModelSpec, cand: Candidate, workload: Workload) -> t
     hk = kv_heads_on_wire(model, cand.ulysses_degree, kv_replication=workload.kv_replication)
     if hk is None:
         raise ValueError(f"Ulysses degree {cand.ulysses_degree} does not fit {model.heads} heads / {model.kv_heads} kv heads")
-    full = AttnShape(workload.batch, workload.seq_len, model.heads, model.kv_heads, model.head_dim, workload.elem_bytes)
+    full = AttnShape(workload.batch, workload.seq_len, model.heads, model.kv_heads, model.head_dim, workload.elem_bytes,
+                     value_dim=model.value_head_dim)
     if cand.ring_size == 1:
         return full, None
     u = cand.ulysses_degree
-    return full, AttnShape(workload.batch, workload.seq_len, model.heads // u, hk // u, model.head_dim, workload.elem_bytes)
+    return full, AttnShape(workload.batch, workload.seq_len, model.heads // u, hk // u, model.head_dim,
+                           workload.elem_bytes, value_dim=model.value_head_dim)
 
 
 def layer_bytes(
@@ -124,7 +126,8 @@ def _kernel_times(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workl
     return _KernelTimes(
         linear=b * model.layer_matmul_flops(s) / flops,
         mlp=2.0 * b * s * model.mlp_matrices * model.hidden * model.intermediate / flops,
-        attention=2.0 * b * model.heads * model.head_dim * n * n / cand.sp_size / flops,
+        # causal: half of QK^T (d) and PV (dv), 2 FLOPs per multiply-add
+        attention=b * model.heads * (model.head_dim + model.value_head_dim) * n * n / cand.sp_size / flops,
         head=6.0 * b * s * model.hidden * model.vocab / flops,
     )
 

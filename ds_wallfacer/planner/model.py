@@ -24,7 +24,9 @@ class ModelSpec:
     intermediate: int
     vocab: int
     head_dim: int = 0
-    """0: hidden // heads."""
+    """Head dim of queries and keys; 0: hidden // heads."""
+    value_head_dim: int = 0
+    """Head dim of values and the attention output; 0: ``head_dim`` (multi-head latent attention's differs)."""
     tied_embeddings: bool = False
     mlp_matrices: int = 3
     """3 for gated MLPs (gate, up, down), 2 for plain ones."""
@@ -41,13 +43,15 @@ class ModelSpec:
                 raise ValueError(f"model {self.name!r}: hidden={self.hidden} not divisible by heads={self.heads}; "
                                  "give head_dim")
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.value_head_dim == 0:
+            object.__setattr__(self, "value_head_dim", self.head_dim)
 
     # -- parameter counts ------------------------------------------------------------------------
     @property
     def layer_params(self) -> int:
         """Parameters of one decoder layer (projections, MLP, two norms)."""
-        h, d = self.hidden, self.head_dim
-        attn = h * self.heads * d * 2 + h * self.kv_heads * d * 2
+        h, d, dv = self.hidden, self.head_dim, self.value_head_dim
+        attn = h * self.heads * (d + dv) + h * self.kv_heads * (d + dv)  # q and o; k and v
         return attn + self.mlp_matrices * h * self.intermediate + 2 * h
 
     @property
@@ -72,6 +76,9 @@ class ModelSpec:
             raise ValueError(f"HF config lacks {missing}: not a decoder LM config the planner understands")
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
+        qk = get("qk_head_dim") or (int(get("qk_nope_head_dim")) + int(get("qk_rope_head_dim") or 0)
+                                    if get("qk_nope_head_dim") is not None else None)  # MLA: nope + rope
+        head_dim = int(qk or get("head_dim") or hidden // heads)
         return cls(
             name=name or str(get("_name_or_path") or get("model_type") or "hf-model"),
             layers=int(get("num_hidden_layers")),
@@ -80,7 +87,8 @@ class ModelSpec:
             kv_heads=int(get("num_key_value_heads") or heads),
             intermediate=int(get("intermediate_size") or 4 * hidden),
             vocab=int(get("vocab_size")),
-            head_dim=int(get("head_dim") or hidden // heads),
+            head_dim=head_dim,
+            value_head_dim=int(get("v_head_dim") or head_dim),
             tied_embeddings=bool(get("tie_word_embeddings", False)),
         )
 

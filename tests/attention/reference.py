@@ -12,24 +12,29 @@ __all__ = ["document_mask", "full_inputs", "reference_attention", "shard_errors"
 
 def full_inputs(
     *, batch: int, q_heads: int, kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, seed: int = 0,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", value_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unit-scale q, k, v and an output gradient dO for the full sequence, identical on every rank."""
+    """Unit-scale q, k, v and an output gradient dO for the full sequence, identical on every rank; v and dO have
+    ``value_dim`` columns (None: ``head_dim``)."""
     g = torch.Generator().manual_seed(seed)
+    dv = head_dim if value_dim is None else value_dim
 
-    def mk(h: int) -> torch.Tensor:
-        return torch.randn(batch, h, seq_len, head_dim, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    def mk(h: int, d: int = head_dim) -> torch.Tensor:
+        return torch.randn(batch, h, seq_len, d, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
-    return mk(q_heads), mk(kv_heads), mk(kv_heads), mk(q_heads)
+    return mk(q_heads), mk(kv_heads), mk(kv_heads, dv), mk(q_heads, dv)
 
 
 def reference_attention(
-    q, k, v, dout, *, causal: bool, scale: float | None = None, dtype=torch.float64, keep=None, softcap: float = 0.0
+    q, k, v, dout, *, causal: bool, scale: float | None = None, dtype=torch.float64, keep=None, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
-    """Full attention by autograd in ``dtype`` (float64: the ground truth): (out, dq, dk, dv). ``keep``: a bool
-    mask [B, 1, N, N] on top of ``causal`` (documents, windows); ``softcap``: logit soft-capping."""
+    """Full attention by autograd in ``dtype`` (float64: the ground truth): (out, dq, dk, dv), and d sinks last when
+    ``sinks`` [hq] are given (gpt-oss: one logit per head joins each row's softmax as a column without a value).
+    ``keep``: a bool mask [B, 1, N, N] on top of ``causal`` (documents, windows); ``softcap``: logit soft-capping."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    s_h = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
     rep = q.shape[1] // k.shape[1]
     s = torch.matmul(q, k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
     if softcap:
@@ -38,9 +43,13 @@ def reference_attention(
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    out = torch.matmul(torch.softmax(s, -1), v.repeat_interleave(rep, 1))
+    if s_h is not None:  # the sink column, dropped after the softmax
+        s = torch.cat([s, s_h.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = torch.softmax(s, -1)
+    out = torch.matmul(p if s_h is None else p[..., :-1], v.repeat_interleave(rep, 1))
     out.backward(dout.to(dtype))
-    return out.detach(), q.grad, k.grad, v.grad
+    grads = (q.grad, k.grad, v.grad) + (() if s_h is None else (s_h.grad,))
+    return (out.detach(), *grads)
 
 
 def shard_errors(got: list[torch.Tensor], want_full: list[torch.Tensor], shard_fn) -> list[float]:

@@ -39,6 +39,25 @@ def test_layer_bytes_are_volume_figures():
     assert hyb["forward"]["ring"] == inner["forward"]["ring"]
 
 
+def test_latent_attention_counts_both_head_dims():
+    """MLA (DeepSeek-V3's config defaults): q/k heads of 128 + 64, v and output heads of 128; k and v travel at
+    their own sizes, partial outputs at v's."""
+    from transformers import DeepseekV3Config
+
+    from ds_wallfacer.planner import ModelSpec
+
+    spec = ModelSpec.from_hf_config(DeepseekV3Config())
+    assert (spec.head_dim, spec.value_head_dim, spec.kv_heads) == (192, 128, 128)
+    cand, work = Candidate(sp_size=8, ring_count=2, ulysses_degree=1), Workload(seq_len=8192, batch=1, elem_bytes=2)
+    fwd = layer_bytes(spec, cand, work)["forward"]
+    rows = 128 * 8192 // 8  # heads x tokens per rank
+    assert fwd["ring"] == (8 // 4 - 1) * 2 * rows * (192 + 128) * 2  # (G - 1) C (n_k + n_v) s
+    assert fwd["reduce_scatter"] == (2 - 1) * rows * 128 * 2  # (C - 1) n_o a_out
+    assert fwd["all_gather"] == (2 - 1) * (rows * 192 * 2 + 2 * rows * 4)  # q, then the team lse
+    assert spec.layer_params > ModelSpec("same", layers=1, hidden=spec.hidden, heads=128, kv_heads=128,
+                                         intermediate=spec.intermediate, vocab=spec.vocab, head_dim=128).layer_params
+
+
 @pytest.mark.parametrize("p", [4, 16, 64, 144])
 def test_peer_arithmetic_equals_rank_layout(p):
     for c in (c for c in range(1, p + 1) if p % (c * c) == 0):

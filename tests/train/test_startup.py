@@ -177,8 +177,9 @@ def test_a_refused_model_ends_the_launch_with_one_line_and_status_2(tmp_path: Pa
     from tests.sweep.tiny import build_tiny
     from tests.train.helpers import launch
 
-    cfg = build_tiny("gpt_oss", "GptOssForCausalLM", check=False).config
+    cfg = build_tiny("llama", "LlamaForCausalLM", check=False).config
     cfg.vocab_size = 256  # the byte tokenizer's
+    cfg.attention_dropout = 0.1  # each rank would draw its own mask: refused
     cfg.to_json_file(str(tmp_path / "config.json"))
     res = launch(2, tmp_path, "--model", str(tmp_path / "config.json"), "--seq_len", "64", "--steps", "1",
                  "--no_wandb", "--output_dir", str(tmp_path / "out"))
@@ -186,5 +187,5 @@ def test_a_refused_model_ends_the_launch_with_one_line_and_status_2(tmp_path: Pa
     assert res.returncode == 2, out[-3000:]
     errors = [line for line in out.splitlines() if "ds_wallfacer.train: error:" in line]
     assert len(errors) == 1, out[-3000:]
-    assert "GptOssForCausalLM cannot be trained exactly" in errors[0] and "(sinks)" in out
+    assert "LlamaForCausalLM cannot be trained exactly" in errors[0] and "attention_dropout=0.1" in out
     assert "Traceback" not in out

@@ -12,6 +12,7 @@ from .flash_attn import FlashAttnKernel, flash_attn_available
 from .flash_attn3 import FlashAttn3Kernel
 from .flash_attn4 import FlashAttn4Kernel
 from .reference import ReferenceKernel
+from .value_dim import with_value_dim
 
 __all__ = ["BlockKernel", "KERNELS", "get_kernel", "flash_attn_available"]
 
@@ -43,9 +44,18 @@ def _lacks(k: BlockKernel, *, mask: bool, softcap: bool) -> str | None:
     return None
 
 
-def get_kernel(name: str, sample: torch.Tensor | None = None, *, mask: bool = False, softcap: bool = False) -> BlockKernel:
+def get_kernel(
+    name: str, sample: torch.Tensor | None = None, *, mask: bool = False, softcap: bool = False,
+    value_dim: bool = False,
+) -> BlockKernel:
     """The kernel called ``name``; ``"auto"`` picks the fastest that supports ``sample``'s device and dtype and
-    what the model needs (``mask``: sliding windows; ``softcap``: attention logit soft-capping)."""
+    what the model needs (``mask``: sliding windows; ``softcap``: attention logit soft-capping; ``value_dim``: v
+    head dim unlike q/k's, which every backend takes, padded locally where it needs one dim: ``value_dim.py``)."""
+    k = _get_kernel(name, sample, mask=mask, softcap=softcap)
+    return with_value_dim(k) if value_dim else k
+
+
+def _get_kernel(name: str, sample: torch.Tensor | None, *, mask: bool, softcap: bool) -> BlockKernel:
     if name == "auto":
         if sample is None:
             raise ValueError("kernel 'auto' needs a sample tensor to choose by device and dtype")

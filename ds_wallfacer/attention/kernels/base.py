@@ -15,8 +15,10 @@ class BlockKernel(Protocol):
     """What every backend implements, in ``[B, h, S, d]`` (the layout of HF attention functions and torch SDPA):
 
     - q ``[B, hq, Sq, d]``, k and v ``[B, hk, Sk, d]`` with ``hq % hk == 0`` (grouped-query attention: kv heads
-      are never expanded before communication; a backend expands locally if its kernel needs it)
-    - ``forward`` -> (out ``[B, hq, Sq, d]`` in q's dtype, lse ``[B, hq, Sq]`` float32, contiguous)
+      are never expanded before communication; a backend expands locally if its kernel needs it); v (and out, dout)
+      may have a head dim dv of its own only in backends with ``supports_value_dim`` (``get_kernel(value_dim=True)``
+      wraps the others: ``value_dim.py``)
+    - ``forward`` -> (out ``[B, hq, Sq, dv]`` in q's dtype, lse ``[B, hq, Sq]`` float32, contiguous)
     - ``backward(dout, q, k, v, out, lse)`` with the *final* out and lse of the full attention (ring attention
       calls it block by block) -> dq, dk, dv in q's dtype or float32
     - ``causal`` is only asked for with Sq == Sk (a diagonal block, aligned top-left)

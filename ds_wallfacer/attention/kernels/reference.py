@@ -45,6 +45,7 @@ class ReferenceKernel:
     name = "reference"
     supports_mask = True
     supports_softcap = True
+    supports_value_dim = True
 
     def supports(self, q: torch.Tensor) -> bool:
         return True
@@ -52,7 +53,7 @@ class ReferenceKernel:
     def forward(self, q, k, v, *, causal, scale, mask=None, softcap=0.0):
         b, hq, sq, _ = q.shape
         sk = k.shape[2]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
         ve = expand_kv(v, hq)
         for r0 in range(0, sq, _ROWS):
