@@ -2,10 +2,12 @@
 
 ``save`` checks for room, writes DeepSpeed's checkpoint into ``<dir>/step_<n>`` with the data position, the step
 counters and every rank's RNG states, and marks the tag complete, with every rank's file list, once every rank has
-written it; ``resume_candidates`` lists the complete tags to try, ``choose_resume`` takes the first that every rank
-verifies; ``prune`` keeps the newest few; ``universal_copy`` converts a tag for another number of ranks.
+written it to disk (``asynchronous``: a thread writes the files, ``PendingSave.finalize`` marks the tag);
+``resume_candidates`` lists the complete tags to try, ``choose_resume`` takes the first that every rank verifies;
+``prune`` keeps the newest few; ``universal_copy`` converts a tag for another number of ranks.
 
-Design: Notes [Checkpoints that resume exactly] and [Verified checkpoints] in docs/design.md §9.
+Design: Notes [Checkpoints that resume exactly], [Verified checkpoints] and [Asynchronous saves] in
+docs/design.md §9.
 """
 from __future__ import annotations
 
