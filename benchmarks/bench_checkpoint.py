@@ -13,7 +13,8 @@ log, save, the poll of a pending save), when each save began and when its marker
 - step s: median iteration without a save or a write in flight (after 2 warm-up steps, the last left out);
 - save step s: median iteration that includes a save; hiccup s = save step s - step s, the training thread's stall;
 - steps while writing / their extra s: the iterations that started while the save's files were still being
-  written (async only), and what they took beyond step s in all (the writer thread shares the cores);
+  written (async only), and what they took beyond step s in all (the writer thread shares the cores), medians;
+- total extra s: hiccup s + their extra s, what a save costs the run;
 - marker after s: from the start of a save to its marker on disk (median; the slowest rank's);
 - checkpoint MiB: one tag as the disk holds it.
 
@@ -104,21 +105,29 @@ def _rank(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
             "marker_s": marker_s, "bytes": size, "params": t.n_params}
 
 
+def _writing_after(kinds: list[str], i: int) -> list[int]:
+    """The iterations right after iteration ``i`` that started with a write in flight."""
+    js = []
+    while i + 1 + len(js) < len(kinds) and kinds[i + 1 + len(js)] == "writing":
+        js.append(i + 1 + len(js))
+    return js
+
+
 def _summarize(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode's row from every rank's timings (rank 0's iterations; the slowest rank's marker times)."""
     r = runs[0]
     its, kinds = r["iteration_s"], r["kinds"]
     plain = [s for i, (s, k) in enumerate(zip(its, kinds)) if k == "plain" and 2 <= i < len(its) - 1]
     saves = [i for i, k in enumerate(kinds) if k == mode]
-    after = [j for i in saves for j in range(i + 1, len(kinds)) if kinds[j] == "writing"
-             and all(k == "writing" for k in kinds[i + 1 : j])]  # the write of save i in flight at their start
     base = statistics.median(plain)
     save_s = statistics.median(its[i] for i in saves)
+    after = [_writing_after(kinds, i) for i in saves]  # per save: the iterations its write was in flight at
     markers = [max(run["marker_s"][mode][j] for run in runs) for j in range(len(r["marker_s"][mode]))]
+    extra = statistics.median(sum(its[j] - base for j in js) for js in after)
     return {
         "mode": mode, "step_s": base, "save_step_s": save_s, "hiccup_s": save_s - base, "saves": len(saves),
-        "steps_while_writing": len(after) / len(saves),
-        "extra_while_writing_s": sum(its[j] - base for j in after) / len(saves),
+        "steps_while_writing": statistics.median(len(js) for js in after), "extra_while_writing_s": extra,
+        "total_extra_s": save_s - base + extra,
         "marker_after_s": statistics.median(markers), "checkpoint_bytes": r["bytes"], "params": r["params"],
     }
 
@@ -159,10 +168,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_rank = run_ranks(_rank, args.ranks, _trainer_argv(args, _config(args.out, args.ranks)), timeout_s=1200)
     rows = [_summarize(mode, per_rank) for mode in MODES]
     print_table([("mode", "<"), ("step s", ".3f"), ("save step s", ".3f"), ("hiccup s", ".3f"),
-                 ("steps while writing", ".1f"), ("their extra s", ".3f"), ("marker after s", ".3f"),
-                 ("checkpoint MiB", ".1f")],
+                 ("steps while writing", ".1f"), ("their extra s", ".3f"), ("total extra s", ".3f"),
+                 ("marker after s", ".3f"), ("checkpoint MiB", ".1f")],
                 [(r["mode"], r["step_s"], r["save_step_s"], r["hiccup_s"], r["steps_while_writing"],
-                  r["extra_while_writing_s"], r["marker_after_s"], r["checkpoint_bytes"] / 2**20) for r in rows],
+                  r["extra_while_writing_s"], r["total_extra_s"], r["marker_after_s"], r["checkpoint_bytes"] / 2**20)
+                 for r in rows],
                 title=f"{args.model} ({rows[0]['params'] / 1e6:.1f}M parameters, AdamW, ZeRO-2), {args.ranks} CPU "
                       f"ranks, seq {args.seq_len}, a save every {args.save_every} steps, {args.saves_per_mode} of each "
                       "mode alternating (figures per save)")

@@ -31,9 +31,9 @@ from .async_save import BackgroundWriter, fsync_dir, fsync_file
 from .cli import StartupError
 
 __all__ = [
-    "MARKER", "POINTER", "PendingSave", "SaveFailed", "SaveRefused", "check_space", "choose_resume", "find_resume", "load", "prune",
-    "resolve_resume", "resume_candidates", "rng_for_rank", "rng_state", "save", "saved_world_size", "set_rng_state",
-    "universal_copy", "verifiable",
+    "MARKER", "POINTER", "PendingSave", "SaveFailed", "SaveRefused", "check_space", "choose_resume", "find_resume",
+    "load", "prune", "resolve_resume", "resume_candidates", "rng_for_rank", "rng_state", "save", "saved_world_size",
+    "set_rng_state", "universal_copy", "verifiable",
 ]
 
 MARKER = "wallfacer_complete.json"
