@@ -52,7 +52,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.fixture(scope="module")
 def run_b(setup: dict) -> dict:
     """B: ``--async_save``, with ``PendingSave.finalize`` noting (in ``finalize.jsonl``) whether the tag's marker
-    existed once this rank's writer was done and before the marker was written, and whether it verified after."""
+    existed once this rank's writer was done and before the marker was written, whether it verified after, and what
+    a second ``finalize`` and a ``poll`` after it raised."""
     out = setup["tmp"] / "b"
     original = ckpt.PendingSave.finalize
 
@@ -61,9 +62,15 @@ def run_b(setup: dict) -> dict:
         before = (self.tag_dir / ckpt.MARKER).exists()
         tag = original(self)
         files = json.loads((tag / ckpt.MARKER).read_text())["files"]
+        refused = []
+        for again in (lambda: original(self), lambda: self.poll(None, device=torch.device("cpu"))):
+            try:
+                again()
+            except RuntimeError as e:
+                refused.append(str(e))
         with open(out / "finalize.jsonl", "a") as f:
             f.write(json.dumps({"tag": tag.name, "marker_before": before, "writer_done": self._writer.done(),
-                                "verifies": manifest.problem(tag, files) is None}) + "\n")
+                                "verifies": manifest.problem(tag, files) is None, "refused": refused}) + "\n")
         return tag
 
     with pytest.MonkeyPatch.context() as mp:
@@ -79,6 +86,8 @@ def test_async_save_trains_alike_and_marks_only_at_finalize(setup: dict, run_b: 
     seen = [json.loads(line) for line in (b_dir / "finalize.jsonl").read_text().splitlines()]
     assert collections.Counter(row["tag"] for row in seen) == {"step_2": 2, "step_4": 2}  # every rank, every tag
     assert all(not row["marker_before"] and row["writer_done"] and row["verifies"] for row in seen), seen
+    assert seen[0]["refused"] == ["PendingSave.finalize of step_2 called twice",
+                                  "PendingSave.poll of step_2 after finalize"]  # misuse refused, not repeated
     assert (b_dir / "checkpoints" / "latest").read_text() == "step_4"
     assert run_b["summary"]["checkpoint"].endswith("step_4")
     for tag in ("step_2", "step_4"):
