@@ -148,3 +148,15 @@ def test_host_copy_is_independent_of_the_live_tensors() -> None:
     torch.testing.assert_close(snap["w"], torch.arange(6, dtype=torch.float32), rtol=0, atol=0)
     assert snap["again"][0] is snap["w"] and snap["pair"].a is snap["w"]  # one copy of one tensor
     torch.testing.assert_close(snap["again"][1], torch.arange(2, dtype=torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_copy_of_gpu_tensors_is_pinned_and_complete() -> None:
+    """A GPU tensor's snapshot lands in pinned host memory (an asynchronous copy: ``BackgroundWriter.start``
+    synchronizes before the thread reads it)."""
+    live = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    snap = async_save.host_copy({"w": live}, {})
+    torch.cuda.synchronize()
+    live.add_(1)
+    assert snap["w"].device.type == "cpu" and snap["w"].is_pinned()
+    torch.testing.assert_close(snap["w"], torch.arange(1 << 20, dtype=torch.float32), rtol=0, atol=0)
