@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   r["extra_while_writing_s"], r["total_extra_s"], r["marker_after_s"], r["checkpoint_bytes"] / 2**20)
                  for r in rows],
                 title=f"{args.model} ({rows[0]['params'] / 1e6:.1f}M parameters, AdamW, ZeRO-2), "
-                      f"{args.ranks} CPU rank(s), seq {args.seq_len}, a save every {args.save_every} steps, {args.saves_per_mode} of each "
-                      "mode alternating (figures per save)")
+                      f"{args.ranks} CPU rank(s), seq {args.seq_len}, a save every {args.save_every} steps, "
+                      f"{args.saves_per_mode} of each mode alternating (figures per save)")
     save_plot(plot_path(args, "checkpoint.png"), _draw(per_rank[0]))
     result = {"benchmark": "checkpoint", "ranks": args.ranks, "model": args.model, "seq_len": args.seq_len,
               "save_every": args.save_every, "saves_per_mode": args.saves_per_mode, "modes": rows}
