@@ -2,10 +2,12 @@
 
 ``save`` checks for room, writes DeepSpeed's checkpoint into ``<dir>/step_<n>`` with the data position, the step
 counters and every rank's RNG states, and marks the tag complete, with every rank's file list, once every rank has
-written it; ``resume_candidates`` lists the complete tags to try, ``choose_resume`` takes the first that every rank
-verifies; ``prune`` keeps the newest few; ``universal_copy`` converts a tag for another number of ranks.
+written it to disk (``asynchronous``: a thread writes the files, ``PendingSave.finalize`` marks the tag);
+``resume_candidates`` lists the complete tags to try, ``choose_resume`` takes the first that every rank verifies;
+``prune`` keeps the newest few; ``universal_copy`` converts a tag for another number of ranks.
 
-Design: Notes [Checkpoints that resume exactly] and [Verified checkpoints] in docs/design.md §9.
+Design: Notes [Checkpoints that resume exactly], [Verified checkpoints] and [Asynchronous saves] in
+docs/design.md §9.
 """
 from __future__ import annotations
 
@@ -25,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from . import manifest
+from .async_save import BackgroundWriter, fsync_dir, fsync_file
 from .cli import StartupError
 
 __all__ = [
-    "MARKER", "POINTER", "SaveRefused", "check_space", "choose_resume", "find_resume", "load", "prune",
-    "resolve_resume", "resume_candidates", "rng_for_rank", "rng_state", "save", "saved_world_size", "set_rng_state",
-    "universal_copy", "verifiable",
+    "MARKER", "POINTER", "PendingSave", "SaveFailed", "SaveRefused", "check_space", "choose_resume", "find_resume",
+    "load", "prune", "resolve_resume", "resume_candidates", "rng_for_rank", "rng_state", "save", "saved_world_size",
+    "set_rng_state", "universal_copy", "verifiable",
 ]
 
 MARKER = "wallfacer_complete.json"
@@ -42,6 +45,11 @@ _TAG = re.compile(r"^step_(\d+)$")
 class SaveRefused(StartupError):
     """A checkpoint refused before anything was written (too little free space): one line and exit status 2 on
     every rank, as a start-up refusal (``loop.main``)."""
+
+
+class SaveFailed(StartupError):
+    """A checkpoint whose files a rank could not write (an asynchronous save's writer failed): the tag stays
+    unmarked; one line naming the rank and the file, and exit status 2, on every rank."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,6 +77,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def _node_leader() -> bool:
@@ -87,6 +96,8 @@ class _Recorder:
 
     def save(self, state_dict: Any, path: str) -> Any:
         result = self.inner.save(state_dict, path)
+        fsync_file(Path(path))  # on disk before the marker says so
+        fsync_dir(Path(path).parent)
         self.paths.append(Path(path))
         return result
 
@@ -103,9 +114,17 @@ def _recording(engine: Any) -> Iterator[list[Path]]:
         yield []
         return
     recorder = _Recorder(inner)
-    engine.checkpoint_engine = recorder
-    try:
+    with _engine_swapped(engine, recorder):
         yield recorder.paths
+
+
+@contextlib.contextmanager
+def _engine_swapped(engine: Any, stand_in: Any) -> Iterator[None]:
+    """``engine.checkpoint_engine`` is ``stand_in`` inside the block."""
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = stand_in
+    try:
+        yield
     finally:
         engine.checkpoint_engine = inner
 
@@ -127,9 +146,11 @@ def check_space(ckpt_dir: Path, *, tag: str, estimate: tuple[int, str], group: A
 
 
 def save(engine: Any, ckpt_dir: str | Path, *, step: int, state: dict[str, Any], estimate: tuple[int, str],
-         group: Any) -> Path:
+         group: Any, asynchronous: bool = False) -> Path | PendingSave:
     """Collective: every rank calls it at the same step. Refuses (``SaveRefused``) before writing anything when a
-    rank has too little room for ``estimate``. Returns the tag directory."""
+    rank has too little room for ``estimate``. Returns the tag directory, marked complete; ``asynchronous``: a
+    ``PendingSave`` as soon as this rank's state is copied to host memory, its files still being written (Note
+    [Asynchronous saves])."""
     ckpt_dir = Path(ckpt_dir)
     tag = f"step_{step}"
     tag_dir = ckpt_dir / tag
@@ -141,27 +162,94 @@ def save(engine: Any, ckpt_dir: str | Path, *, step: int, state: dict[str, Any],
     rngs: list[Any] = [None] * world
     dist.all_gather_object(rngs, rng_state(), group=group)  # also orders the unlink before any rank writes
     client = {_CLIENT_KEY: {**state, "step": step, "world_size": world, "rng": rngs}}
+    if asynchronous:
+        writer = BackgroundWriter(engine.checkpoint_engine, tag_dir=tag_dir, rank=rank)
+        with _engine_swapped(engine, writer):
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        writer.start()
+        return PendingSave(writer, ckpt_dir=ckpt_dir, step=step, group=group)
     with _recording(engine) as written:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
     root = tag_dir.resolve()
     mine = [manifest.entry(tag_dir, p, rank=rank) for p in written if root in p.resolve().parents]
+    _mark(ckpt_dir, tag_dir, step=step, mine=mine, error=None, group=group)
+    return tag_dir
+
+
+def _mark(ckpt_dir: Path, tag_dir: Path, *, step: int, mine: list[dict[str, Any]], error: str | None,
+          group: Any) -> None:
+    """Collective, once every rank's files of ``tag_dir`` are on disk (``mine``: this rank's marker lines): the
+    marker, then ``latest``. ``error`` (this rank could not write a file) on any rank: ``SaveFailed`` on every rank
+    and no marker."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     lists: list[Any] = [None] * world
-    dist.all_gather_object(lists, mine, group=group)  # every rank's files are written
+    dist.all_gather_object(lists, (mine, error), group=group)  # every rank's files are written
+    failed = next((e for _, e in lists if e is not None), None)
+    if failed is not None:
+        raise SaveFailed(_failed_line(tag_dir, failed))
     marker: list[Any] = [None]
     if rank == 0:
-        files = [e for listed in lists for e in listed]
+        files = [e for listed, _ in lists for e in listed]
         claimed = {e["path"] for e in files}
-        # files DeepSpeed wrote past its checkpoint engine (NVMe offload copies): rank 0 answers for what it sees
-        files += [manifest.entry(tag_dir, p, rank=0) for p in manifest.files_under(tag_dir, skip=(MARKER,))
-                  if p.resolve().relative_to(root).as_posix() not in claimed]
-        marker[0] = {"step": step, "tag": tag, "world_size": world, "time": time.time(),
+        root = tag_dir.resolve()
+        # files DeepSpeed wrote past its checkpoint engine (NVMe offload copies, its recovery script): rank 0
+        # answers for what it sees
+        for p in manifest.files_under(tag_dir, skip=(MARKER,)):
+            if p.resolve().relative_to(root).as_posix() not in claimed:
+                fsync_file(p)
+                files.append(manifest.entry(tag_dir, p, rank=0))
+        marker[0] = {"step": step, "tag": tag_dir.name, "world_size": world, "time": time.time(),
                      "checksum": manifest.CHECKSUM, "files": files}
     dist.broadcast_object_list(marker, src=0, group=group)
     if _node_leader():  # every node its own copy: node-local disks see their own files and this list
         _write_atomic(tag_dir / MARKER, json.dumps(marker[0]))
-        _write_atomic(ckpt_dir / POINTER, tag)
+        _write_atomic(ckpt_dir / POINTER, tag_dir.name)
     dist.barrier(group=group)
-    return tag_dir
+
+
+def _failed_line(tag_dir: Path, error: str) -> str:
+    return (f"checkpoint {tag_dir.name} was not written: {error}; the tag stays unmarked (--resume auto skips it): "
+            "free space or fix the folder's permissions, then --resume auto")
+
+
+class PendingSave:
+    """An asynchronous save (``save(..., asynchronous=True)``): this rank's files are being written by its
+    ``BackgroundWriter``. Every rank holds one for the same tag and calls the collectives ``poll`` and ``finalize``
+    at the same points (Note [Asynchronous saves]); the tag is marked complete by ``finalize`` only."""
+
+    def __init__(self, writer: BackgroundWriter, *, ckpt_dir: Path, step: int, group: Any) -> None:
+        self._writer = writer
+        self.ckpt_dir = ckpt_dir
+        self.tag_dir = writer.tag_dir
+        self.step = step
+        self._group = group
+        self._finalized = False
+
+    def poll(self, comm: Any, *, device: torch.device) -> bool:
+        """Collective (one all-reduce of 2 numbers through ``comm``): whether every rank's writer is done. A
+        writer that failed on any rank raises ``SaveFailed`` on every rank, with that rank's line."""
+        if self._finalized:
+            raise RuntimeError(f"PendingSave.poll of {self.tag_dir.name} after finalize")
+        error = self._writer.error  # read before done: a writer sets its error first
+        flags = torch.tensor([float(self._writer.done()), float(error is not None)], device=device)
+        with comm.phase("checkpoint"):
+            total = comm.all_reduce(flags, self._group, kind="check")  # [ranks done, ranks failed]
+        if total[1] > 0:
+            errors: list[Any] = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(errors, error, group=self._group)  # the ranks that failed say why
+            raise SaveFailed(_failed_line(self.tag_dir, next(e for e in errors if e is not None)))
+        return int(total[0]) == dist.get_world_size(self._group)
+
+    def finalize(self) -> Path:
+        """Collective: wait for this rank's writer, then mark the tag complete (``SaveFailed`` on every rank when a
+        writer failed). Once; returns the tag directory."""
+        if self._finalized:
+            raise RuntimeError(f"PendingSave.finalize of {self.tag_dir.name} called twice")
+        self._finalized = True
+        self._writer.join()
+        _mark(self.ckpt_dir, self.tag_dir, step=self.step, mine=self._writer.entries, error=self._writer.error,
+              group=self._group)
+        return self.tag_dir
 
 
 def _complete(tag_dir: Path) -> bool:

@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--save_total_limit", type=int, default=0,
                    help="after each save keep only the newest N complete checkpoints, never the one just written "
                         "(0: keep all)")
+    g.add_argument("--async_save", action="store_true",
+                   help="write checkpoint files in a background thread: a save holds training only while the state "
+                        "is copied to host memory; the tag is marked complete (and older ones pruned) once every "
+                        "rank's files are on disk (default: off, training waits for the write)")
     g.add_argument("--on_preempt", choices=("save", "exit"), default="save",
                    help="on SIGTERM or SIGUSR1 (or the launcher gone): save = every rank finishes its step, saves a "
                         "checkpoint and exits with status 75 (continue with --resume auto); exit = end at once")

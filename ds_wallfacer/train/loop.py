@@ -39,6 +39,7 @@ def run(args: Any) -> int:
     try:
         trainer.train()
     except NonFiniteStop as e:  # every rank found it at the same step: one line from rank 0
+        trainer.settle_save(wait=True)  # a save still being written is marked complete first
         trainer.close()
         if trainer.rank == 0:
             print(f"ds_wallfacer.train: error: {e}", file=sys.stderr, flush=True)

@@ -142,6 +142,8 @@ class Trainer:
         self.saved: dict[str, Any] | None = None
         """The trainer state of the checkpoint resumed from."""
         self.last_ckpt: Path | None = None
+        self.pending_save: ckpt.PendingSave | None = None
+        """An asynchronous save (``--async_save``) not yet marked complete."""
         self.watchdog: Any = None
         self.wandb_run: Any = None
         self.bar: Any = None
@@ -311,8 +313,10 @@ class Trainer:
             due = bool(args.save_every) and self.step % args.save_every == 0 or (final and not args.no_save)
             if (due or self.stopped) and (self.last_ckpt is None or self.last_ckpt.name != f"step_{self.step}"):
                 self.save()
+            self.settle_save(wait=False)
             if self.stopped:
                 break
+        self.settle_save(wait=True)  # before the export and the summary
         if self.preemption is not None and self.last_ckpt is not None and self.last_ckpt.name == f"step_{self.step}":
             self.preemption.saved()  # the work is safe: a signal from now on ends the rank at once
         self.wall_s = time.perf_counter() - t_start
@@ -405,20 +409,47 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint of this step, with the data position, if every rank has room for it (else ``SaveRefused``
-        before anything is written); then only the newest ``--save_total_limit`` tags are kept."""
+        before anything is written); then only the newest ``--save_total_limit`` tags are kept. ``--async_save``:
+        back as soon as the state is copied to host memory; ``settle_save`` marks the tag, then prunes."""
+        self.settle_save(wait=True)  # one save at a time
         position = {"micro_batches_in_epoch": self.state["sequences_in_epoch"] // (self.micro * self.dp),
                     "global_batch": self.seq_per_step}
-        ckpt_dir = self.out / "checkpoints"
         estimate = manifest.estimate_bytes(self.last_ckpt, params=self.n_params, param_bytes=self.dtype.itemsize)
         try:
-            self.last_ckpt = ckpt.save(self.engine, ckpt_dir, step=self.step, state={**self.state, **position},
-                                       estimate=estimate, group=dist.group.WORLD)
+            saved = ckpt.save(self.engine, self.out / "checkpoints", step=self.step, state={**self.state, **position},
+                              estimate=estimate, group=dist.group.WORLD, asynchronous=self.args.async_save)
         except ckpt.SaveRefused:
             if self.watchdog is not None:  # every rank leaves with the same line: no peer is at fault
                 self.watchdog.stop()
             raise
+        if isinstance(saved, ckpt.PendingSave):
+            self.pending_save = saved
+            return
+        self.last_ckpt = saved
+        self._prune()
+
+    def settle_save(self, *, wait: bool) -> None:
+        """Collective, at the same point on every rank: the pending asynchronous save, once every rank's writer is
+        done (``wait``: block until then), marked complete, then old tags pruned; a writer that failed on any rank
+        is ``SaveFailed`` on every rank. Note [Asynchronous saves]."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        try:
+            if not wait and not pending.poll(self.sp.comm, device=self.engine.device):
+                return
+            self.pending_save = None
+            self.last_ckpt = pending.finalize()
+        except ckpt.SaveFailed:
+            if self.watchdog is not None:  # every rank leaves with the same line: no peer is at fault
+                self.watchdog.stop()
+            raise
+        self._prune()
+
+    def _prune(self) -> None:
         if self.args.save_total_limit:  # the tag just written is the newest verified one: never deleted
-            ckpt.prune(ckpt_dir, keep=self.args.save_total_limit, protect=[self.last_ckpt], group=dist.group.WORLD)
+            ckpt.prune(self.out / "checkpoints", keep=self.args.save_total_limit, protect=[self.last_ckpt],
+                       group=dist.group.WORLD)
 
     def log(self, values: dict[str, Any]) -> None:
         """Rank 0: a line of ``metrics.jsonl``, wandb, and the step's line (through the progress bar if any)."""
