@@ -34,6 +34,7 @@ from . import hf
 from .audit import RefusedModel, audit_model, audit_sequence
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
+from .positional import scales_by_position
 from .rope import RopeLength, wrap_rotary
 from .self_check import check_length, run_self_check
 from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch
@@ -325,7 +326,8 @@ def initialize(
     module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
                                       ignore_index=ignore_index, router_aux=found.router_aux,
                                       rope=rope if found.rotary else None, sp_size=dims.sp_size,
-                                      packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec))
+                                      packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec),
+                                      positions=any(scales_by_position(m) for _, m in hf.attention_modules(model)))
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None) or 0
     if run.wallfacer.self_check:  # the model as configured, with and without sequence parallelism (self_check.py)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import positional
+
 BATCH_KWARG = "wallfacer_batch"
 """The model-forward keyword carrying a packed batch's documents and chunk assignment (``packing.py``)."""
 
@@ -67,11 +69,16 @@ def wallfacer_attention_forward(
             raise ValueError(f"{type(module).__name__}: a sliding window on bidirectional attention is not supported")
         if int(window) >= full:  # every key of the sequence is inside the window: plain causal attention, as in HF
             window = None
+    batch = kwargs.get(BATCH_KWARG)
+    chunk = positional.chunk_size(module)
+    if chunk is not None and chunk < full:  # chunks as documents of their own (Note [Chunked attention ...])
+        batch = positional.with_chunks(batch, chunk=chunk, seq_len=full, rows=query.shape[0])
+    query = positional.position_scaled(module, query, kwargs.get(positional.POSITIONS_KWARG))
     sinks = kwargs.get("s_aux")
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise ValueError(f"{type(module).__name__}: s_aux of shape {tuple(sinks.shape)} is not one attention sink per "
                          f"query head ({query.shape[1]}): not supported yet")
-    out = attn(query, key, value, causal=causal, scale=scaling, batch=kwargs.get(BATCH_KWARG),
+    out = attn(query, key, value, causal=causal, scale=scaling, batch=batch,
                window=None if window is None else int(window), softcap=float(kwargs.get("softcap") or 0.0),
                sinks=sinks)
     # [B, hq, S_l, dv]
@@ -84,7 +91,7 @@ _PASSED_THROUGH = frozenset({
 })
 """Keyword arguments transformers forwards to every attention call that do not change what attention computes
 (positions reach attention through q and k; there is no cache in training)."""
-_APPLIED = frozenset({"sliding_window", "softcap", "s_aux", BATCH_KWARG})
+_APPLIED = frozenset({"sliding_window", "softcap", "s_aux", BATCH_KWARG, "wallfacer_positions"})
 """Keyword arguments sequence-parallel attention applies."""
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from ..comm import CommLayer
 from .moe import RouterAuxLoss
 from .packing import BATCH_KWARG, PackedBatches
+from .positional import POSITIONS_KWARG
 from .rope import RopeLength
 
 __all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "logits_loss", "mini_sequence_loss"]
@@ -102,9 +103,12 @@ class SequenceParallelCausalLM(nn.Module):
         rope: RopeLength | None = None,
         sp_size: int = 1,
         packing: PackedBatches | None = None,
+        positions: bool = False,
     ) -> None:
         super().__init__()
         self._packing = packing
+        self._positions = positions
+        """Whether attention layers need the tokens' positions (``positional.POSITIONS_KWARG``)."""
         self.lm = lm
         self._group, self._comm, self._local_loss, self.ignore_index = group, comm, local_loss, ignore_index
         self.router_aux, self._rope, self._sp_size = router_aux, rope, sp_size
@@ -141,6 +145,8 @@ class SequenceParallelCausalLM(nn.Module):
                     "packed documents with a RoPE type that reads the sequence length (dynamic / longrope): each "
                     "document would need its own scaling; train without packing or with a fixed RoPE type"
                 )
+        if self._positions:
+            model_kwargs[POSITIONS_KWARG] = position_ids
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None

@@ -21,6 +21,8 @@ from typing import Any, Iterable
 from torch import nn
 from torch.nn.modules import activation, conv, dropout, normalization, padding, pooling, rnn
 
+from . import positional
+
 __all__ = ["Finding", "sequence_findings"]
 
 NOT_YET = "not supported yet: train this model without sequence parallelism, or leave this module out"
@@ -56,8 +58,9 @@ _SEQUENCE_OPS = re.compile(
 
 _DISPATCH = re.compile(r"\b(ALL_ATTENTION_FUNCTIONS|_attn_implementation)\b")
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local",
-                                    "full", "sliding"})
-"""Values of ``config.layer_types`` that mean softmax attention (global or windowed)."""
+                                    "full", "sliding", "chunked_attention"})
+"""Values of ``config.layer_types`` that mean softmax attention (global, windowed, or within fixed chunks:
+``positional.chunk_size``)."""
 
 
 @dataclass(frozen=True)
@@ -169,11 +172,11 @@ def _attention_problems(m: nn.Module, text: Any, seq_len: int | None) -> list[tu
         out.append((f"holds parameters of its own ({', '.join(own)}) that take part in attention beside q, k and v "
                     "(e.g. differential-attention lambdas or gates), which the sequence-parallel kernels do not "
                     "apply", NOT_YET))
-    if "arange" in _sequence_ops(cls):
+    if "arange" in _sequence_ops(cls) and not positional.knows_its_positions(m):
         out.append(("computes positions with torch.arange over the tokens it is given (e.g. query scaling by "
                     "position), which under sequence parallelism are one rank's shard, not the sequence", NOT_YET))
     chunk = getattr(m, "attention_chunk_size", None) or getattr(text, "attention_chunk_size", None)
-    if chunk and (seq_len is None or seq_len > int(chunk)):
+    if chunk and (seq_len is None or seq_len > int(chunk)) and not positional.chunk_layers_known(m, text):
         out.append((f"chunked attention (attention_chunk_size = {chunk}) is applied by transformers' mask, which "
                     "sequence-parallel attention does not build, so it would attend across chunks",
                     f"train sequences of at most {chunk} tokens (set \"wallfacer\": {{\"seq_len\": {chunk}}} or "

@@ -23,8 +23,6 @@ def _findings(model: nn.Module, **kw) -> list[str]:
 REFUSED = [
     ("qwen3_next", "Qwen3NextForCausalLM", ["(Qwen3NextGatedDeltaNet)", "delta_rule"]),
     ("qwen3_next", "Qwen3NextForCausalLM", ["conv1d (Conv1d)", "convolution along the sequence (kernel_size (4,))"]),
-    ("llama4_text", "Llama4ForCausalLM", ["(Llama4TextAttention)", "torch.arange"]),
-    ("llama4_text", "Llama4ForCausalLM", ["chunked attention (attention_chunk_size = 16)", "at most 16 tokens"]),
     ("lfm2", "Lfm2ForCausalLM", ["(Conv1d)", "convolution along the sequence"]),
     ("mamba2", "Mamba2ForCausalLM", ["mixer (Mamba2Mixer)", "scan"]),
     ("falcon_h1", "FalconH1ForCausalLM", ["(FalconH1Mixer)"]),
@@ -73,10 +71,20 @@ def test_classic_transformers_pass(model_type: str, cls: str) -> None:
     assert _findings(build_tiny(model_type, cls, check=False)) == []
 
 
-def test_chunked_attention_passes_when_no_sequence_is_longer_than_a_chunk() -> None:
+def test_llama4_passes_and_chunks_pass_only_when_the_config_names_the_chunked_layers() -> None:
+    """Llama 4's chunked layers and temperature-tuned queries are served (integration/positional.py); a config
+    without ``layer_types`` cannot say which layers are chunked (refused beyond one chunk), and an attention whose
+    ``arange`` is not the known temperature rule is refused."""
     model = build_tiny("llama4_text", "Llama4ForCausalLM", check=False)
+    assert _findings(model, seq_len=32) == []
+    model.config.layer_types = None
     assert not any("chunked attention" in f for f in _findings(model, seq_len=16))
-    assert any("chunked attention" in f for f in _findings(model, seq_len=32))
+    assert any("chunked attention" in f and "at most 16 tokens" in f for f in _findings(model, seq_len=32))
+    model = build_tiny("llama4_text", "Llama4ForCausalLM", check=False)
+    for m in model.modules():
+        if hasattr(m, "floor_scale"):
+            del m.floor_scale
+    assert any("(Llama4TextAttention)" in f and "torch.arange" in f for f in _findings(model, seq_len=32))
 
 
 class _TokenShift(nn.Module):

@@ -16,8 +16,8 @@ MUST_BE_EXACT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                  "Phi3ForCausalLM", "GPTNeoXForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "SmolLM3ForCausalLM", "Glm4MoeForCausalLM", "Exaone4ForCausalLM", "GraniteForCausalLM",
-                 "GptOssForCausalLM", "DeepseekV3ForCausalLM")
-MUST_BE_REFUSED = ("Llama4ForCausalLM", "Qwen3NextForCausalLM",
+                 "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM")
+MUST_BE_REFUSED = ("Qwen3NextForCausalLM",
                    "FalconH1ForCausalLM", "Lfm2ForCausalLM", "Mamba2ForCausalLM", "RecurrentGemmaForCausalLM",
                    "MiniMaxForCausalLM")
 
