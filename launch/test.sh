@@ -3,4 +3,4 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$ROOT"
-exec python -m pytest tests -q -ra "$@"
+exec python -m pytest tests -q -ra --durations=25 "$@"
