@@ -334,6 +334,7 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
                 land_merged(acc_out, acc_lse, out, lse, call.qs.start, plan[0][i])
             i += 1
             attn.work["forward"] += call.work
+            comm.computed()
         if pending is not None:
             cur = pending.wait()[0]
     if c == 1:  # a team of one: the accumulator is the output (and q_t is q)
@@ -413,6 +414,7 @@ def _step_grads(attn, kernel: BlockKernel, expand: bool, team: _TeamRows, cur, c
             land(dk_acc, dk, ks.start, kv_plan[0][j])
             land(dv_acc, dv, ks.start, kv_plan[0][j])
         attn.work["backward"] += call.work
+        attn.comm.computed()
     return dkv
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommLayer", "KINDS", "Pending", "backend_device_types"]
+__all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "backend_device_types", "exposed"]
 
 KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "check")
 
@@ -44,6 +44,28 @@ def backend_device_types(backend: str) -> frozenset[str] | None:
     if name in ("nccl", "xccl", "hccl"):
         return frozenset({"cuda"}) if name == "nccl" else frozenset({"xpu" if name == "xccl" else "hpu"})
     return None
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One communication of a recorded run (``CommLayer.recording``): its phase and kind, and how many compute calls
+    (``CommLayer.computed``) this rank had made when it was issued and when it was waited on."""
+
+    phase: str
+    kind: str
+    issued: int
+    waited: int
+
+    @property
+    def hidden(self) -> bool:
+        """Some compute ran between issue and wait (a blocking collective never has any)."""
+        return self.waited > self.issued
+
+
+def exposed(records: Sequence[OpRecord], *, skip: Sequence[str] = ("check",)) -> list[tuple[str, str]]:
+    """(phase, kind) of each recorded communication that no compute overlapped, in order; ``skip``: kinds left out
+    (the batch checks, which run before any attention)."""
+    return [(r.phase, r.kind) for r in records if not r.hidden and r.kind not in skip]
 
 
 @dataclass
@@ -89,6 +111,10 @@ class CommLayer:
         (Note [Measuring overlap]): in ``Pending.wait`` for exchanges, inside the call for the blocking collectives."""
         self.checked = 0
         """Tensors whose device was checked (Note [Device of collective tensors])."""
+        self.compute_calls = 0
+        """Attention kernel calls made so far (``computed``): what a transfer can hide behind."""
+        self.timeline: list[OpRecord] | None = None
+        """With ``recording`` on: every communication in order (Note [Which transfers are exposed])."""
         self._phase = "forward"
         self._backend_types: dict[int, tuple[str, frozenset[str] | None]] = {}
 
@@ -132,9 +158,26 @@ class CommLayer:
         finally:
             self._phase = prev
 
+    def computed(self, calls: int = 1) -> None:
+        """Note that the attention ran a kernel call: a transfer in flight across it is hidden behind compute."""
+        self.compute_calls += calls
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[OpRecord]]:
+        """Record every communication inside the block (``OpRecord``s, in order), into the list it yields."""
+        prev, self.timeline = self.timeline, []
+        try:
+            yield self.timeline
+        finally:
+            self.timeline = prev
+
     def _blocked(self, key: tuple[str, str]) -> Callable[[float], None]:
+        issued = self.compute_calls
+
         def add(seconds: float) -> None:
             self.blocked_s[key] += seconds
+            if self.timeline is not None:
+                self.timeline.append(OpRecord(key[0], key[1], issued, self.compute_calls))
 
         return add
 
@@ -146,6 +189,8 @@ class CommLayer:
             yield
         finally:
             self.blocked_s[key] += time.perf_counter() - t0
+            if self.timeline is not None:
+                self.timeline.append(OpRecord(key[0], kind, self.compute_calls, self.compute_calls))
 
     def _count(self, kind: str, nbytes: int) -> None:
         if kind not in KINDS:

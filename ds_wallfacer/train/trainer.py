@@ -28,7 +28,7 @@ from .model import dtype_of, load_model
 from .nonfinite import NonFiniteStop, UpdateGate, check_step
 from .preempt import PREEMPTED_EXIT_CODE, Preemption, stop_reason
 from .signals import SIGNAL_EXIT, SignalRelay
-from .watchdog import say_as_rank, start_watchdog
+from .watchdog import launchers, say_as_rank, start_watchdog
 
 __all__ = ["Trainer", "lr_factor"]
 
@@ -145,6 +145,8 @@ class Trainer:
         self.pending_save: ckpt.PendingSave | None = None
         """An asynchronous save (``--async_save``) not yet marked complete."""
         self.watchdog: Any = None
+        self.launched_by = launchers()
+        """Who launched this rank, read before the long start-up: a runner gone meanwhile is still seen."""
         self.wandb_run: Any = None
         self.bar: Any = None
         self.batches: Iterator[Batch] = iter(())
@@ -264,7 +266,8 @@ class Trainer:
         if args.on_preempt == "save":
             self.preemption = Preemption(grace_s=args.preempt_grace_s, end=self._end_rank, say=self._say)
         # a dead or stalled rank ends the job, named; signals go to the preemption unless a peer is gone
-        self.watchdog = start_watchdog(timeout_s=args.watchdog_timeout, preemption=self.preemption)
+        self.watchdog = start_watchdog(timeout_s=args.watchdog_timeout, preemption=self.preemption,
+                                       launched_by=self.launched_by)
         if self.watchdog is None and self.preemption is not None:  # one rank, or no watchdog: signals all the same
             self.relay = SignalRelay(self._on_signal)
             self.relay.install()

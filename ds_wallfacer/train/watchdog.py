@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .signals import SIGNAL_EXIT, SignalRelay
 
-__all__ = ["FAULT_EXIT_CODE", "RankInfo", "Watchdog", "start_watchdog"]
+__all__ = ["FAULT_EXIT_CODE", "RankInfo", "Watchdog", "launchers", "say_as_rank", "start_watchdog"]
 
 FAULT_EXIT_CODE = 3
 """Exit status of a rank that the watchdog ends because another rank died or stalled."""
@@ -65,7 +65,7 @@ def _alive(pid: int, started: float) -> bool:
         return False
 
 
-def _launchers() -> list[tuple[int, float, str]]:
+def launchers() -> list[tuple[int, float, str]]:
     """(pid, start time, name) of the processes whose end orphans this rank: its parent and, under the deepspeed
     launcher, the ``deepspeed`` runner above its ``launch.py``. The runner forwards no SIGINT to ``launch.py``
     (only its multi-node pdsh path does), so ``kill -INT <runner>`` would otherwise leave the job training."""
@@ -93,7 +93,8 @@ class Watchdog:
     torch.distributed is initialised; ``stop()`` at the end of training (also ``with Watchdog(...):``)."""
 
     def __init__(self, *, timeout_s: float = 30.0, interval_s: float = 2.0, max_watched: int = 64,
-                 handle_signals: bool = True, preemption: Any = None) -> None:
+                 handle_signals: bool = True, preemption: Any = None,
+                 launched_by: list[tuple[int, float, str]] | None = None) -> None:
         if not timeout_s > 0 or not 0 < interval_s < timeout_s:
             raise ValueError(f"watchdog timeout_s = {timeout_s} and interval_s = {interval_s}: both must be positive"
                              " and the interval shorter than the timeout")
@@ -129,7 +130,9 @@ class Watchdog:
         self._threads: list[threading.Thread] = []
         self._signals = SignalRelay(self._on_signal)
         self._old_excepthook: Any = None
-        self._launchers = _launchers()
+        self._launchers = launchers() if launched_by is None else list(launched_by)
+        """``launchers()``, or what the caller read at the process's start (a runner that ends during a long start-up
+        is then still seen gone)."""
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> "Watchdog":
@@ -367,12 +370,13 @@ class Watchdog:
         self._end(what, [], False, code=SIGNAL_EXIT[signal.Signals(signum)])
 
 
-def start_watchdog(*, timeout_s: float, interval_s: float | None = None, preemption: Any = None) -> Watchdog | None:
+def start_watchdog(*, timeout_s: float, interval_s: float | None = None, preemption: Any = None,
+                   launched_by: list[tuple[int, float, str]] | None = None) -> Watchdog | None:
     """A started ``Watchdog`` on this rank, or None when ``timeout_s`` is 0 (off) or the world has one rank."""
     if timeout_s == 0 or dist.get_world_size() == 1:
         return None
     interval = interval_s if interval_s is not None else min(2.0, timeout_s / 4)
-    return Watchdog(timeout_s=timeout_s, interval_s=interval, preemption=preemption).start()
+    return Watchdog(timeout_s=timeout_s, interval_s=interval, preemption=preemption, launched_by=launched_by).start()
 
 
 def say_as_rank(line: str) -> None:

@@ -1,7 +1,8 @@
 """Forced-serial communication (``CommLayer.serial``) changes neither results nor bytes, and the blocked-time
 accounting (``CommLayer.blocked_s``) records every kind that was sent (Note [Measuring overlap] in
 docs/design.md §7). ``benchmarks/bench_overlap.py`` relies on both: it compares the times of the two modes as the same
-computation. No assertion here is about time."""
+computation. Which transfers no compute overlaps, per mode, is asserted from the recorded schedule (Note [Which
+transfers are exposed]). No assertion here is about time."""
 from __future__ import annotations
 
 import torch
@@ -69,3 +70,45 @@ def test_reset_clears_the_blocked_time() -> None:
     assert comm.blocked_by_kind("forward")["ring"] == 1.0 and comm.blocked_by_kind("backward")["ring"] == 0.0
     comm.reset()
     assert comm.blocked_s == {} and comm.sent == {} and not comm.serial
+
+
+def _exposure(rank: int, world: int) -> dict:
+    """Per (ring count, serial): the exposed transfers of one causal forward + backward (``comm.exposed``)."""
+    from ds_wallfacer.attention import WallFacerAttention
+    from ds_wallfacer.comm import CommLayer, RankLayout, build_groups, exposed
+    from ds_wallfacer.data import shard
+
+    gen = torch.Generator().manual_seed(0)
+    n = SEQ_PER_RANK * world
+    q, do = (torch.randn(1, 4, n, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(2))
+    sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme="zigzag")  # noqa: E731
+    out = {}
+    for c, serial in ((1, False), (2, False), (1, True)):
+        comm = CommLayer(device="cpu", serial=serial)
+        attn = WallFacerAttention(build_groups([RankLayout(tuple(range(world)), c)]), comm=comm, kernel="cpu_flash")
+        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+        with comm.recording() as timeline:
+            attn(ql, kl, vl, causal=True).backward(sh(do))
+        out[(c, serial)] = (exposed(timeline), sum(r.hidden for r in timeline))
+    return out
+
+
+def test_only_the_transfers_the_schedule_cannot_hide_are_exposed() -> None:
+    """P = 8. Ring (C = 1): every k/v hop and dk/dv hop is waited on after a block's compute; only the dk/dv sent
+    home after the last step has nothing left to hide behind. WallFacer C = 2 (G = 2): its ring hops are hidden
+    too; the team's collectives (q and lse all-gathers, the output and dq reduce-scatters) and the skewed k/v
+    gathers and home sends are issued and waited with no compute between: exposed, as the schedule stands. Serial
+    communication exposes everything (the recording can tell the two apart)."""
+    fwd, bwd = "forward", "backward"
+    want = {
+        (1, False): [(bwd, "skew")],
+        (2, False): [(fwd, "all_gather"), (fwd, "skew"), (fwd, "all_gather"), (fwd, "reduce_scatter"),
+                     (bwd, "all_gather"), (bwd, "skew"), (bwd, "skew"), (bwd, "reduce_scatter")],
+    }
+    for rank, res in enumerate(run_distributed(_exposure, 8, timeout_s=300)):
+        for key, kinds in want.items():
+            assert res[key][0] == kinds, f"rank {rank} C={key[0]}: exposed {res[key][0]}, expected {kinds}"
+            assert res[key][1] > 0, f"rank {rank} C={key[0]}: nothing recorded as hidden"
+        serial_exposed, serial_hidden = res[(1, True)]
+        assert serial_hidden == 0 and len(serial_exposed) == len(want[(1, False)]) + res[(1, False)][1], rank
