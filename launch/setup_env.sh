@@ -17,3 +17,6 @@ fi
 export PATH="$VENV/bin:$PATH"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE="${WANDB_MODE:-offline}"
+# DeepSpeed JIT-builds its CPU communication op into torch's extensions folder, shared by every checkout of this
+# user: two venvs (two checkouts) would rebuild it in turn, each build invalidating the other's. One per venv.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"

@@ -130,3 +130,23 @@ def jsonl_docs(path: Path, tokenizer, *, tokens: int) -> Path:
             break
     path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
     return path
+
+
+def p2_trainer_args(tmp: Path, *, steps: int) -> list[str]:
+    """Options of a small 2-rank trainer run under ``tmp``: a saved tiny Llama with its tokenizer, .jsonl documents
+    of about 5 x 128 tokens, a ZeRO-2 ring config (P = 2, two sequences of 128 tokens per step), ``steps`` steps,
+    no wandb, no export, no evaluation (the checkpoint tests' common run)."""
+    from transformers import AutoTokenizer
+
+    model_dir = make_model_dir(tmp / "model")
+    data = jsonl_docs(tmp / "docs.jsonl", AutoTokenizer.from_pretrained(str(model_dir)), tokens=5 * 128)
+    cfg = tmp / "p2.json"
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
+        "wallfacer": {"sequence_parallel_size": 2, "mode": "wallfacer", "ring_count": 1},
+    }))
+    (tmp / "cwd").mkdir(exist_ok=True)
+    return ["--deepspeed_config", str(cfg), "--model", str(model_dir), "--data", str(data), "--seq_len", "128",
+            "--steps", str(steps), "--eval_fraction", "0", "--seed", "3", "--cache_dir", str(tmp / "cache"),
+            "--no_wandb", "--no_export"]

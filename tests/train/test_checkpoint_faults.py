@@ -19,7 +19,7 @@ import pytest
 
 from ds_wallfacer.train import checkpoint as ckpt
 from ds_wallfacer.train import manifest
-from tests.train.helpers import jsonl_docs, losses, make_model_dir, summary, train_on_ranks
+from tests.train.helpers import losses, p2_trainer_args, summary, train_on_ranks
 
 STEPS = 5
 DAMAGED = "zero_pp_rank_1_mp_rank_00_optim_states.pt"  # written by rank 1: rank 0 learns of it from rank 1's verdict
@@ -27,21 +27,8 @@ DAMAGED = "zero_pp_rank_1_mp_rank_00_optim_states.pt"  # written by rank 1: rank
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from transformers import AutoTokenizer
-
     tmp = tmp_path_factory.mktemp("ckpt_faults")
-    model_dir = make_model_dir(tmp / "model")
-    data = jsonl_docs(tmp / "docs.jsonl", AutoTokenizer.from_pretrained(str(model_dir)), tokens=5 * 128)
-    cfg = tmp / "p2.json"
-    cfg.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
-        "wallfacer": {"sequence_parallel_size": 2, "mode": "wallfacer", "ring_count": 1},
-    }))
-    common = ["--deepspeed_config", str(cfg), "--model", str(model_dir), "--data", str(data), "--seq_len", "128",
-              "--steps", str(STEPS), "--eval_fraction", "0", "--seed", "3", "--cache_dir", str(tmp / "cache"),
-              "--no_wandb", "--no_export", "--save_every", "1", "--save_total_limit", "2"]
-    (tmp / "cwd").mkdir()
+    common = [*p2_trainer_args(tmp, steps=STEPS), "--save_every", "1", "--save_total_limit", "2"]
     summary(train_on_ranks(2, tmp / "cwd", "--output_dir", str(tmp / "a"), *common))
     return {"tmp": tmp, "common": common}
 
