@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NONFINITE_EXIT_CODE", "NonFiniteStop", "StepCheck", "UpdateGate", "check_step"]
+__all__ = ["NONFINITE_EXIT_CODE", "NonFiniteRun", "NonFiniteStop", "StepCheck", "UpdateGate", "check_step"]
 
 NONFINITE_EXIT_CODE = 4
 """Exit status of a job stopped by non-finite steps."""
@@ -54,6 +54,37 @@ def check_step(losses: list[float], grad_norm: float | None, *, applied: bool, f
     if not applied and not bad and norm_ok and not fp16:
         norm_ok = False  # DeepSpeed skipped it for its own overflow check: the norm was not finite
     return StepCheck(bad, norm_ok, applied)
+
+
+@dataclass
+class NonFiniteRun:
+    """Non-finite steps in a row, against ``limit`` (0: never stop)."""
+
+    limit: int
+    in_a_row: int = 0
+    skipped: int = 0
+    """Steps whose update was skipped, over the run."""
+
+    def observe(self, check: StepCheck, *, step: int, epoch: int, seq_end: int, seq_per_step: int,
+                last_ckpt: Any) -> None:
+        """Count step ``step`` (``seq_end``: sequences of ``epoch`` consumed after it); ``NonFiniteStop`` after
+        ``limit`` in a row, or at once for an applied non-finite update (nothing that skips stood in front of it)."""
+        if check.finite:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.skipped += not check.applied
+        first = step - self.in_a_row + 1
+        steps = f"step {step}" if first == step else f"steps {first}-{step}"
+        where = (f"{steps}: {check.describe()} (data: epoch {epoch}, sequences "
+                 f"{seq_end - self.in_a_row * seq_per_step}-{seq_end - 1} of the epoch)")
+        last = f"the last checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was saved"
+        if check.applied:
+            raise NonFiniteStop(f"{where}: the update was applied (DeepSpeed's overflow check is off, e.g. bf16 "
+                                f"check_grad_overflow: false), so the weights are no longer finite: stopping; {last}")
+        if self.limit and self.in_a_row >= self.limit:
+            raise NonFiniteStop(f"{where}: {self.in_a_row} non-finite step(s) in a row, each skipped "
+                                f"(--nonfinite_limit {self.limit}): stopping; {last}")
 
 
 class UpdateGate:

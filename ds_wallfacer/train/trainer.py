@@ -25,7 +25,7 @@ from .data import eval_batches, load_token_data, train_batches
 from .export import export_hf
 from .metrics import comm_bytes, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops, split_wandb_section
 from .model import dtype_of, load_model
-from .nonfinite import NonFiniteStop, UpdateGate, check_step
+from .nonfinite import NonFiniteRun, UpdateGate, check_step
 from .preempt import PREEMPTED_EXIT_CODE, Preemption, stop_reason
 from .signals import SIGNAL_EXIT, SignalRelay
 from .watchdog import launchers, say_as_rank, start_watchdog
@@ -156,8 +156,7 @@ class Trainer:
         """Why the job stopped early to save (a preemption), once every rank has seen the request."""
         self.check: Any = None
         """The last step's ``nonfinite.StepCheck``."""
-        self.nonfinite_run = 0
-        self.skipped_steps = 0
+        self.nonfinite = NonFiniteRun(limit=args.nonfinite_limit)
 
     # -- start-up: every refusal, on every rank, before any training -----------------------------------------
     def build(self) -> None:
@@ -312,7 +311,9 @@ class Trainer:
             if self.data.eval.size and due_eval and not self.stopped:
                 self.eval_loss = values["eval_loss"] = self.evaluate()
             self.log(values)
-            self._nonfinite_policy()
+            self.nonfinite.observe(self.check, step=self.step, epoch=self.state["epoch"],
+                                   seq_end=self.state["sequences_in_epoch"], seq_per_step=self.seq_per_step,
+                                   last_ckpt=self.last_ckpt)
             due = bool(args.save_every) and self.step % args.save_every == 0 or (final and not args.no_save)
             if (due or self.stopped) and (self.last_ckpt is None or self.last_ckpt.name != f"step_{self.step}"):
                 self.save()
@@ -372,28 +373,6 @@ class Trainer:
         if self.peak is not None:
             values["mfu"] = values["model_tflops"] / (self.peak * self.world)
         return values
-
-    def _nonfinite_policy(self) -> None:
-        """Count the step if it was not finite (its update skipped); stop after ``--nonfinite_limit`` in a row, or
-        at once if an update with a non-finite figure was applied (nothing that skips stood in front of it)."""
-        check, limit = self.check, self.args.nonfinite_limit
-        if check.finite:
-            self.nonfinite_run = 0
-            return
-        self.nonfinite_run += 1
-        self.skipped_steps += not check.applied
-        first = self.step - self.nonfinite_run + 1
-        steps = f"step {self.step}" if first == self.step else f"steps {first}-{self.step}"
-        end = self.state["sequences_in_epoch"]
-        where = (f"{steps}: {check.describe()} (data: epoch {self.state['epoch']}, sequences "
-                 f"{end - self.nonfinite_run * self.seq_per_step}-{end - 1} of the epoch)")
-        last = f"the last checkpoint is {self.last_ckpt}" if self.last_ckpt else "no checkpoint was saved"
-        if check.applied:
-            raise NonFiniteStop(f"{where}: the update was applied (DeepSpeed's overflow check is off, e.g. bf16 "
-                                f"check_grad_overflow: false), so the weights are no longer finite: stopping; {last}")
-        if limit and self.nonfinite_run >= limit:
-            raise NonFiniteStop(f"{where}: {self.nonfinite_run} non-finite step(s) in a row, each skipped "
-                                f"(--nonfinite_limit {limit}): stopping; {last}")
 
     def evaluate(self) -> float:
         """Token-mean loss over the held-out sequences (every rank takes part)."""
@@ -562,7 +541,7 @@ class Trainer:
             "world_size": self.world, "seq_len": args.seq_len, "params": self.n_params,
             "dtype": str(self.dtype).replace("torch.", ""), "global_batch": self.seq_per_step,
             "train_sequences": len(self.data.train), "eval_sequences": len(self.data.eval),
-            "mini_sequence": self.sp.mini_sequence is not None, "skipped_steps": self.skipped_steps,
+            "mini_sequence": self.sp.mini_sequence is not None, "skipped_steps": self.nonfinite.skipped,
             "stopped": self.stopped,
             "resumed_from": str(self.resume_tag) if self.resume_tag else None,
             "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
