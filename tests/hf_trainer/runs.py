@@ -1,0 +1,81 @@
+"""One Trainer run on a rank of ``tests.dist_utils.run_distributed``: the tiny Llama, random token sequences of
+unequal lengths, the plain ``Trainer`` (``section=None``) or ``WallfacerTrainer`` with that ``"wallfacer"``
+section; returns the logged losses, the eval loss and the sequence-parallel size."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+STEPS = 4
+SEQ_LEN = 128
+
+
+def token_sequences(n: int, *, seed: int, vocab: int = 256) -> list[dict[str, list[int]]]:
+    """``n`` sequences of 64..``SEQ_LEN`` tokens (unequal lengths: padded batches, unequal token counts), each an
+    arithmetic progression modulo the vocabulary with a random start and step 1..3: learnable in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, SEQ_LEN + 1, (n,), generator=g).tolist()
+    out = []
+    for k in lengths:
+        start, step = int(torch.randint(0, vocab - 1, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        out.append({"input_ids": [(start + i * step) % (vocab - 1) + 1 for i in range(k)]})
+    return out
+
+
+def pad_right(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The user's collator: right padding with an attention mask, labels = input ids with -100 on padding."""
+    n = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[i, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def ds_config(section: dict | None) -> dict:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
+        "zero_allow_untested_optimizer": True,
+    }
+    if section is not None:
+        cfg["wallfacer"] = section
+    return cfg
+
+
+def train(rank: int, world: int, out: str, section: dict | None, micro_batch: int) -> dict[str, Any]:
+    """Train ``STEPS`` optimizer steps (gradient accumulation 2), then evaluate; rank 0's log history."""
+    from transformers import Trainer, TrainingArguments
+
+    from tests.models import tiny_model
+
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+        deepspeed=ds_config(section), disable_tqdm=True, use_cpu=True,
+    )
+    model = tiny_model("llama", seed=0)
+    kwargs = dict(model=model, args=args, train_dataset=token_sequences(32, seed=1),
+                  eval_dataset=token_sequences(8, seed=2), data_collator=pad_right)
+    if section is None:
+        trainer = Trainer(**kwargs)
+    else:
+        from ds_wallfacer.hf_trainer import WallfacerTrainer
+
+        trainer = WallfacerTrainer(**kwargs)
+    trainer.train()
+    metrics = trainer.evaluate()
+    history = trainer.state.log_history
+    sp = getattr(trainer, "sequence_parallel", None)
+    return {
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "eval_loss": metrics["eval_loss"],
+        "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
+    }
