@@ -49,33 +49,47 @@ def ds_config(section: dict | None) -> dict:
     return cfg
 
 
-def train(rank: int, world: int, out: str, section: dict | None, micro_batch: int) -> dict[str, Any]:
-    """Train ``STEPS`` optimizer steps (gradient accumulation 2), then evaluate; rank 0's log history."""
-    from transformers import Trainer, TrainingArguments
+def train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
+          options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train ``STEPS`` optimizer steps (gradient accumulation 2), then evaluate; rank 0's log history.
+    ``options``: ``packed`` (``DataCollatorWithFlattening``: each micro-batch one row of whole sequences),
+    ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from)."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tests.models import tiny_model
 
+    opts = options or {}
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=2,
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-        deepspeed=ds_config(section), disable_tqdm=True, use_cpu=True,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, deepspeed=ds_config(section), disable_tqdm=True,
+        use_cpu=True, save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
     )
     model = tiny_model("llama", seed=0)
+    collator = DataCollatorWithFlattening() if opts.get("packed") else pad_right
     kwargs = dict(model=model, args=args, train_dataset=token_sequences(32, seed=1),
-                  eval_dataset=token_sequences(8, seed=2), data_collator=pad_right)
+                  eval_dataset=token_sequences(8, seed=2), data_collator=collator)
     if section is None:
         trainer = Trainer(**kwargs)
     else:
         from ds_wallfacer.hf_trainer import WallfacerTrainer
 
         trainer = WallfacerTrainer(**kwargs)
-    trainer.train()
+    steps_run = []
+
+    class CountSteps(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            steps_run.append(state.global_step)
+
+    trainer.add_callback(CountSteps())
+    trainer.train(resume_from_checkpoint=opts.get("resume"))
     metrics = trainer.evaluate()
     history = trainer.state.log_history
     sp = getattr(trainer, "sequence_parallel", None)
     return {
-        "losses": [h["loss"] for h in history if "loss" in h],
+        "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
         "eval_loss": metrics["eval_loss"],
         "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
+        "steps_run": steps_run,
+        "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
     }
