@@ -32,6 +32,7 @@ from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
 from ..integration.hf import BATCH_KWARG
 from ..integration.loss import global_token_mean, logits_loss
 from .data import ShardingCollator, replica_dataloader
+from .metrics import LogMetrics
 from .options import UnsupportedTrainerOption, refuse_unsupported, refuse_unsupported_model, take_wallfacer_section
 
 __all__ = ["WallfacerTrainer", "WallfacerTrainerMixin"]
@@ -51,6 +52,7 @@ class WallfacerTrainerMixin:
             self.model, run, pad_token_id=self._wf_pad_token_id(), seq_len=run.wallfacer.seq_len,
         )
         refuse_unsupported_model(self.sequence_parallel)
+        self._wf_metrics = LogMetrics(self.sequence_parallel.comm)
 
     def _wf_pad_token_id(self) -> int | None:
         tok = getattr(self, "processing_class", None)
@@ -123,11 +125,22 @@ class WallfacerTrainerMixin:
             return batches, None
         sp = self.sequence_parallel
         local = sum(int((b["shift_labels"] != sp.ignore_index).sum()) for b in batches)
-        group = dist.group.WORLD if self.args.average_tokens_across_devices else sp.groups.sp_group
         count = torch.tensor([local], dtype=torch.int64, device=sp.comm.device)
         with sp.comm.phase("data"):
-            total = sp.comm.all_gather(count, group).sum()
+            per_rank = sp.comm.all_gather(count, dist.group.WORLD).reshape(-1)  # [W], in rank order
+        dims = sp.setup.dims
+        self._wf_metrics.add_tokens(int(per_rank.sum()))
+        if self.args.average_tokens_across_devices:
+            total = per_rank.sum()
+        else:
+            total = per_rank[list(dims.sp_ranks(sp.groups.dp_index))].sum()
         return batches, total.to(device)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, plus ``wallfacer/*`` (``metrics.py``) on training logs."""
+        if "loss" in logs:
+            logs = {**logs, **self._wf_metrics.collect()}
+        super().log(logs, *args, **kwargs)
 
     def _wf_local_loss(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token losses, targets) of this rank's shard; packed batches hand attention their documents."""

@@ -53,7 +53,8 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
           options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``STEPS`` optimizer steps (gradient accumulation 2), then evaluate; rank 0's log history.
     ``options``: ``packed`` (``DataCollatorWithFlattening``: each micro-batch one row of whole sequences),
-    ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from)."""
+    ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from),
+    ``average_tokens_across_devices`` (default True, as in ``TrainingArguments``)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tests.models import tiny_model
@@ -63,7 +64,8 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=2,
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
         max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, deepspeed=ds_config(section), disable_tqdm=True,
-        use_cpu=True, save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
+        use_cpu=True, average_tokens_across_devices=opts.get("average_tokens_across_devices", True),
+        save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
     )
     model = tiny_model("llama", seed=0)
     collator = DataCollatorWithFlattening() if opts.get("packed") else pad_right
@@ -91,5 +93,6 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         "eval_loss": metrics["eval_loss"],
         "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
         "steps_run": steps_run,
+        "logged": sorted(next(h for h in history if "loss" in h)),
         "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
     }

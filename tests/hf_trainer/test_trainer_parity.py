@@ -50,3 +50,17 @@ def test_losses_and_eval_loss_equal_the_plain_trainer_on_one_rank(mode: str, ref
         a = got["losses"][step]
         assert a == pytest.approx(want, rel=1e-5, abs=1e-5), f"{mode} step {step}: {a} != {want} (1 rank)"
     assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5, abs=1e-5), (got, reference)
+
+
+def test_without_average_tokens_across_devices_equals_the_plain_trainer_on_two_ranks(tmp_path) -> None:
+    """``average_tokens_across_devices=False``: each replica's own token mean, averaged over replicas. P = 2 x
+    D = 2 against the plain Trainer on D = 2 ranks (one sequence per rank and micro-step in both)."""
+    per_replica = {"average_tokens_across_devices": False}
+    ref = run_distributed(train, 2, str(tmp_path / "d2"), None, 1, per_replica, timeout_s=240)[0]
+    section = {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}
+    got = run_distributed(train, 4, str(tmp_path / "p2d2"), section, 1, per_replica, timeout_s=240)[0]
+    for step, want in ref["losses"].items():
+        assert got["losses"][step] == pytest.approx(want, rel=1e-5, abs=1e-5), (step, got["losses"], ref["losses"])
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
+    # what WallfacerTrainer adds to each training log (and so to wandb)
+    assert {"wallfacer/tokens_per_s", "wallfacer/comm/total", "wallfacer/peak_memory_bytes"} <= set(got["logged"])
