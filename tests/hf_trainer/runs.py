@@ -34,13 +34,15 @@ def pad_right(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def ds_config(section: dict | None) -> dict:
+def ds_config(section: dict | None, *, zero_stage: int = 2) -> dict:
+    from tests.integration.parity import zero_section
+
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": zero_section(zero_stage),
         "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
         "zero_allow_untested_optimizer": True,
     }
@@ -54,7 +56,8 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     """Train ``STEPS`` optimizer steps (gradient accumulation 2), then evaluate; rank 0's log history.
     ``options``: ``packed`` (``DataCollatorWithFlattening``: each micro-batch one row of whole sequences),
     ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from),
-    ``average_tokens_across_devices`` (default True, as in ``TrainingArguments``)."""
+    ``average_tokens_across_devices`` (default True, as in ``TrainingArguments``), ``zero_stage`` (default 2),
+    ``pretrained`` (a model folder for ``from_pretrained``, instead of the tiny model built here)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tests.models import tiny_model
@@ -63,11 +66,21 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=2,
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, deepspeed=ds_config(section), disable_tqdm=True,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
+        disable_tqdm=True,
         use_cpu=True, average_tokens_across_devices=opts.get("average_tokens_across_devices", True),
         save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
     )
-    model = tiny_model("llama", seed=0)
+    if opts.get("pretrained"):  # after TrainingArguments: under ZeRO-3, built partitioned (zero.Init)
+        from transformers import AutoModelForCausalLM
+
+        import deepspeed
+
+        # zero.Init sizes the partitions by DeepSpeed's world; TrainingArguments(use_cpu=True) does not start it
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = AutoModelForCausalLM.from_pretrained(opts["pretrained"]).train()
+    else:
+        model = tiny_model("llama", seed=0)
     collator = DataCollatorWithFlattening() if opts.get("packed") else pad_right
     kwargs = dict(model=model, args=args, train_dataset=token_sequences(32, seed=1),
                   eval_dataset=token_sequences(8, seed=2), data_collator=collator)
@@ -94,5 +107,6 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
         "steps_run": steps_run,
         "logged": sorted(next(h for h in history if "loss" in h)),
+        "partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
         "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
     }

@@ -64,3 +64,4 @@ def test_without_average_tokens_across_devices_equals_the_plain_trainer_on_two_r
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
     # what WallfacerTrainer adds to each training log (and so to wandb)
     assert {"wallfacer/tokens_per_s", "wallfacer/comm/total", "wallfacer/peak_memory_bytes"} <= set(got["logged"])
+

@@ -1,6 +1,7 @@
-"""``WallfacerTrainer`` on 4 gloo ranks (ring attention, P = 4): resuming from a checkpoint the Trainer saved
-(``save_steps``, ``resume_from_checkpoint``) continues with the losses of the uninterrupted run; packed batches
-from transformers' ``DataCollatorWithFlattening`` train with the plain Trainer's losses on one rank (fp32, 1e-5).
+"""``WallfacerTrainer`` on 4 gloo ranks: resuming from a checkpoint the Trainer saved (``save_steps``,
+``resume_from_checkpoint``) continues with the losses of the uninterrupted run; packed batches from transformers'
+``DataCollatorWithFlattening`` and a ZeRO-3 model from ``from_pretrained`` train with the plain Trainer's losses on
+one rank (fp32, 1e-5).
 """
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ def test_packed_batches_from_data_collator_with_flattening(tmp_path: Path) -> No
     assert len(ref["losses"]) == STEPS, ref
     assert "position_ids" in ref["batch_keys"], ref  # the collator packs: one row per micro-batch
     assert "document_ids" in got["batch_keys"], got  # ... which the loader turned into documents
+    for step, want in ref["losses"].items():
+        assert got["losses"][step] == pytest.approx(want, rel=1e-5, abs=1e-5), (step, got["losses"], ref["losses"])
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
+
+
+def test_zero3_from_pretrained_equals_the_plain_trainer_on_one_rank(tmp_path) -> None:
+    """ZeRO-3 (parameters really partitioned), the model loaded with ``from_pretrained`` after the
+    TrainingArguments (so transformers builds it under ``zero.Init``); Ulysses over 4 ranks."""
+    from tests.models import tiny_model
+
+    folder = tmp_path / "model"
+    tiny_model("llama", seed=0).save_pretrained(str(folder))
+    opts = {"zero_stage": 3, "pretrained": str(folder)}
+    ref = run_distributed(train, 1, str(tmp_path / "p1"), None, 2, opts, timeout_s=240)[0]
+    got = run_distributed(train, 4, str(tmp_path / "p4"), {"mode": "ulysses", "sequence_parallel_size": 4}, 2, opts,
+                          timeout_s=240)[0]
+    assert got["partitioned"], got
     for step, want in ref["losses"].items():
         assert got["losses"][step] == pytest.approx(want, rel=1e-5, abs=1e-5), (step, got["losses"], ref["losses"])
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
