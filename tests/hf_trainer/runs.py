@@ -110,3 +110,21 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         "partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
         "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
     }
+
+
+def refusal(rank: int, world: int, out: str, section: dict | None, trainer_kwargs: dict[str, Any],
+            arg_overrides: dict[str, Any]) -> str:
+    """Build ``WallfacerTrainer`` with ``trainer_kwargs`` / TrainingArguments overrides; the refusal's message."""
+    from transformers import TrainingArguments
+
+    from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerTrainer
+    from tests.models import tiny_model
+
+    kw = dict(output_dir=out, per_device_train_batch_size=1, report_to=[], use_cpu=True, deepspeed=ds_config(section))
+    args = TrainingArguments(**{**kw, **arg_overrides})
+    try:
+        WallfacerTrainer(model=tiny_model("llama"), args=args, train_dataset=token_sequences(4, seed=0),
+                         data_collator=pad_right, **trainer_kwargs)
+    except UnsupportedTrainerOption as e:
+        return str(e)
+    return "not refused"

@@ -63,3 +63,21 @@ def test_zero3_from_pretrained_equals_the_plain_trainer_on_one_rank(tmp_path) ->
     for step, want in ref["losses"].items():
         assert got["losses"][step] == pytest.approx(want, rel=1e-5, abs=1e-5), (step, got["losses"], ref["losses"])
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
+
+
+@pytest.mark.parametrize("case", ["no section", "compute_metrics", "label smoothing", "train_batch_size"])
+def test_what_the_trainer_path_cannot_compute_exactly_is_refused_at_construction(case: str, tmp_path: Path) -> None:
+    from .runs import refusal
+
+    section, kwargs, overrides, words = RING, {}, {}, ""
+    if case == "no section":
+        section, words = None, 'no "wallfacer" section'
+    elif case == "compute_metrics":
+        kwargs, words = {"compute_metrics": lambda p: {}}, "compute_metrics is not supported"
+    elif case == "label smoothing":
+        overrides, words = {"label_smoothing_factor": 0.1}, "label_smoothing_factor = 0.1"
+    else:
+        overrides = {"deepspeed": {"train_batch_size": 3, "zero_optimization": {"stage": 2}, "wallfacer": RING}}
+        words = 'train_batch_size = 3: with the Trainer set it to "auto"'
+    (message,) = run_distributed(refusal, 1, str(tmp_path), section, kwargs, overrides, timeout_s=120)
+    assert words in message, message
