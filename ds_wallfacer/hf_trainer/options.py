@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config import RunConfig, parse_ds_config
 
-__all__ = ["UnsupportedTrainerOption", "refuse_unsupported", "take_wallfacer_section"]
+__all__ = ["UnsupportedTrainerOption", "refuse_unsupported", "refuse_unsupported_model", "take_wallfacer_section"]
 
 _SECTION = "wallfacer"
 _KEPT = "_wallfacer_section"  # where a taken section stays, for a second Trainer built from the same arguments
@@ -79,6 +79,8 @@ def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
             "per_device_train_batch_size x gradient_accumulation_steps x world size, every rank counted)"
         )
     checks = [
+        (getattr(trainer, "model_init", None) is not None, "model_init",
+         "train() would build a new model without the sequence-parallel setup; pass model= instead"),
         (getattr(trainer, "compute_loss_func", None) is not None, "compute_loss_func",
          "the loss is the global token mean computed by ds_wallfacer; drop compute_loss_func"),
         (getattr(trainer, "compute_metrics", None) is not None, "compute_metrics",

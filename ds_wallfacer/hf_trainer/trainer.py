@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from transformers import TrainerCallback
+
+from ..attention.residuals import keep_attention_in_layers
 from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
 from ..integration.hf import BATCH_KWARG
 from ..integration.loss import global_token_mean, logits_loss
@@ -53,6 +56,9 @@ class WallfacerTrainerMixin:
         )
         refuse_unsupported_model(self.sequence_parallel)
         self._wf_metrics = LogMetrics(self.sequence_parallel.comm)
+        ms = run.wallfacer.mini_sequence
+        if ms is None or ms.keep_attention:
+            self.add_callback(_KeepAttentionInCheckpointedLayers())
 
     def _wf_pad_token_id(self) -> int | None:
         tok = getattr(self, "processing_class", None)
@@ -174,6 +180,16 @@ class WallfacerTrainerMixin:
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+
+class _KeepAttentionInCheckpointedLayers(TrainerCallback):
+    """``Trainer.train`` turns on layer checkpointing (``activation_checkpointing``) after the setup: the layers it
+    checkpoints keep attention's results for their recompute (Note [Attention once under layer checkpointing])."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        if model is not None:
+            keep_attention_in_layers(model)
 
 
 try:

@@ -57,7 +57,7 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     ``options``: ``packed`` (``DataCollatorWithFlattening``: each micro-batch one row of whole sequences),
     ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from),
     ``average_tokens_across_devices`` (default True, as in ``TrainingArguments``), ``zero_stage`` (default 2),
-    ``pretrained`` (a model folder for ``from_pretrained``, instead of the tiny model built here)."""
+    ``activation_checkpointing`` (the Trainer's layer checkpointing), ``pretrained`` (a model folder for ``from_pretrained``, instead of the tiny model built here)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tests.models import tiny_model
@@ -68,7 +68,8 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
         max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
         disable_tqdm=True,
-        use_cpu=True, average_tokens_across_devices=opts.get("average_tokens_across_devices", True),
+        use_cpu=True, activation_checkpointing=opts.get("activation_checkpointing", False),
+        average_tokens_across_devices=opts.get("average_tokens_across_devices", True),
         save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
     )
     if opts.get("pretrained"):  # after TrainingArguments: under ZeRO-3, built partitioned (zero.Init)
@@ -108,8 +109,17 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         "steps_run": steps_run,
         "logged": sorted(next(h for h in history if "loss" in h)),
         "partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
+        "attention_kept": _attention_kept(model),
         "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
     }
+
+
+def _attention_kept(model: Any) -> dict[str, int]:
+    """How checkpointed layers' recomputes got attention: replayed from the first forward, or computed again."""
+    from ds_wallfacer.attention.residuals import residual_stats
+
+    stats = residual_stats(model)
+    return {"replayed": stats.replayed, "missed": stats.missed}
 
 
 def refusal(rank: int, world: int, out: str, section: dict | None, trainer_kwargs: dict[str, Any],

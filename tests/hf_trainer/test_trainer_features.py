@@ -37,9 +37,12 @@ def test_resume_from_a_trainer_checkpoint_continues_the_uninterrupted_losses(tmp
 
 
 def test_packed_batches_from_data_collator_with_flattening(tmp_path: Path) -> None:
-    packed = {"packed": True}
+    """... with the Trainer's layer checkpointing on (turned on inside ``train``, after the setup)."""
+    packed = {"packed": True, "activation_checkpointing": True}
     ref = run_distributed(train, 1, str(tmp_path / "p1"), None, 2, packed, timeout_s=240)[0]
     got = run_distributed(train, 4, str(tmp_path / "p4"), RING, 2, packed, timeout_s=240)[0]
+    kept = got["attention_kept"]  # recomputing checkpointed layers reuse attention's results (no second ring pass)
+    assert kept["replayed"] > 0 and kept["missed"] == 0, kept
     assert len(ref["losses"]) == STEPS, ref
     assert "position_ids" in ref["batch_keys"], ref  # the collator packs: one row per micro-batch
     assert "document_ids" in got["batch_keys"], got  # ... which the loader turned into documents
