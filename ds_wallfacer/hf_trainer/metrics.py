@@ -18,9 +18,11 @@ class LogMetrics:
 
     def __init__(self, comm: Any) -> None:
         self._comm = comm
-        self._tokens = 0
-        self._since = time.perf_counter()
-        self._sent_before: Counter = Counter(comm.sent)
+        self._tokens, self._since, self._sent_before = 0, time.perf_counter(), Counter(comm.sent)
+
+    def restart(self) -> None:
+        """Begin a new span now (counts so far dropped)."""
+        self._tokens, self._since, self._sent_before = 0, time.perf_counter(), Counter(self._comm.sent)
 
     def add_tokens(self, n: int) -> None:
         """Targets of one optimizer step over every rank (each token counted once)."""
@@ -33,5 +35,5 @@ class LogMetrics:
         out: dict[str, float] = {"wallfacer/tokens_per_s": self._tokens / max(now - self._since, 1e-9),
                                  "wallfacer/peak_memory_bytes": float(peak_memory_bytes())}
         out.update({f"wallfacer/{k}": float(v) for k, v in comm_bytes(+sent).items()})
-        self._tokens, self._since, self._sent_before = 0, now, Counter(self._comm.sent)
+        self.restart()
         return out

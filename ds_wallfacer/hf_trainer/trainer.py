@@ -57,8 +57,7 @@ class WallfacerTrainerMixin:
         refuse_unsupported_model(self.sequence_parallel)
         self._wf_metrics = LogMetrics(self.sequence_parallel.comm)
         ms = run.wallfacer.mini_sequence
-        if ms is None or ms.keep_attention:
-            self.add_callback(_KeepAttentionInCheckpointedLayers())
+        self.add_callback(_AtTrainBegin(self._wf_metrics, keep_attention=ms is None or ms.keep_attention))
 
     def _wf_pad_token_id(self) -> int | None:
         tok = getattr(self, "processing_class", None)
@@ -182,13 +181,18 @@ class WallfacerTrainerMixin:
         return loss.detach(), None, None
 
 
-class _KeepAttentionInCheckpointedLayers(TrainerCallback):
-    """``Trainer.train`` turns on layer checkpointing (``activation_checkpointing``) after the setup: the layers it
-    checkpoints keep attention's results for their recompute (Note [Attention once under layer checkpointing])."""
+class _AtTrainBegin(TrainerCallback):
+    """When ``Trainer.train`` starts: the first span of the logged metrics begins (not at construction), and the
+    layers it has just set to checkpoint (``activation_checkpointing``, turned on after the setup) keep attention's
+    results for their recompute (Note [Attention once under layer checkpointing])."""
+
+    def __init__(self, metrics: LogMetrics, *, keep_attention: bool) -> None:
+        self.metrics, self.keep_attention = metrics, keep_attention
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        **kwargs: Any) -> None:
-        if model is not None:
+        self.metrics.restart()
+        if self.keep_attention and model is not None:
             keep_attention_in_layers(model)
 
 
