@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         report_to=[] if args.report_to == "none" else [args.report_to], deepspeed=cfg, disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(), bf16=bool((cfg.get("bf16") or {}).get("enabled")),
     )
+    import deepspeed
+
+    # ZeRO-3 builds the model partitioned (zero.Init), sized by DeepSpeed's world: start it first (on GPUs the
+    # TrainingArguments would; with use_cpu they do not)
+    deepspeed.init_distributed()
     loaded = load_model(args.model, seq_len=args.seq_len, dtype=torch.float32, seed=training.seed)
     train_set, eval_set = datasets_of(args, loaded)
     trainer = WallfacerTrainer(model=loaded.model, args=training, train_dataset=train_set, eval_dataset=eval_set,
