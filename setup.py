@@ -24,6 +24,8 @@ setup(
     ],
     extras_require={
         "flash": ["flash-attn>=2.6"],
+        # transformers' Trainer (ds_wallfacer.hf_trainer) builds its DeepSpeed engine through accelerate
+        "hf": ["accelerate>=1.12"],
         "test": ["pytest>=8", "matplotlib>=3.8"],
     },
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs the package with its test extra. Sourced by main.sh and test.sh.
+# Creates .venv (once) and installs the package with its test and hf (transformers Trainer) extras. Sourced by main.sh and test.sh.
 # On a machine without an NVIDIA driver, torch is pinned to the CPU build first, so that pip does not
 # pull a multi-GB CUDA wheel.
 set -euo pipefail
@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.installed" ] || [ "$ROOT/setup.
   if ! command -v nvidia-smi >/dev/null 2>&1; then
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
   fi
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,hf]"
   touch "$VENV/.installed"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -39,7 +39,7 @@ from .rope import RopeLength, wrap_rotary
 from .self_check import check_length, run_self_check
 from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch
 
-__all__ = ["SequenceParallel", "cluster_preset", "initialize", "model_heads"]
+__all__ = ["SequenceParallel", "cluster_preset", "initialize", "model_heads", "prepare_sequence_parallel"]
 
 log = logging.getLogger("ds_wallfacer")
 
@@ -299,8 +299,36 @@ def initialize(
     """
     import deepspeed
 
-    # 1. parse and resolve: pure and identical on every rank, so a bad config or model fails everywhere at once
     run = parse_ds_config(config)
+    sp = prepare_sequence_parallel(model, run, local_loss=local_loss, pad_token_id=pad_token_id,
+                                   ignore_index=ignore_index, ranks_per_node=ranks_per_node, seq_len=seq_len)
+    dims = sp.setup.dims
+    ds_dict = run.deepspeed_dict(world_size=dims.world_size, sp_size=dims.sp_size)
+    # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
+    module = sp.module
+    if optimizer is None and model_parameters is None:
+        model_parameters = [p for p in module.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+        config=ds_dict, **deepspeed_kwargs,
+    )
+    return engine, sp
+
+
+def prepare_sequence_parallel(
+    model: nn.Module,
+    run: RunConfig,
+    *,
+    local_loss: LocalLoss | None = None,
+    pad_token_id: int | None = None,
+    ignore_index: int = -100,
+    ranks_per_node: int | None = None,
+    seq_len: int | None = None,
+) -> SequenceParallel:
+    """Everything ``initialize`` does before ``deepspeed.initialize`` (Note [What initialize does, in order]):
+    resolve the setup, audit the model, build the groups, attach attention, MsT, the self-check. The model is
+    changed in place; the caller hands DeepSpeed ``sp.module`` (our loop) or the model itself (``hf_trainer``)."""
+    # 1. parse and resolve: pure and identical on every rank, so a bad config or model fails everywhere at once
     timeout = datetime.timedelta(seconds=run.wallfacer.collective_timeout_s)
     _init_distributed(timeout)
     length = seq_len if seq_len is not None else run.wallfacer.seq_len
@@ -318,7 +346,7 @@ def initialize(
     hf.attach(model, attention, sp_size=dims.sp_size)
     rope = RopeLength()
     wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
-    # 3. Mini-Sequence chunking and the loss module DeepSpeed wraps
+    # 3. Mini-Sequence chunking and the loss module
     mst_handle, local_loss = _apply_mini_sequence(model, run, ds_dict, local_loss)
     ms = run.wallfacer.mini_sequence
     if ms is None or ms.keep_attention:  # also layer checkpointing the caller turned on (attention/residuals.py)
@@ -333,18 +361,10 @@ def initialize(
     if run.wallfacer.self_check:  # the model as configured, with and without sequence parallelism (self_check.py)
         _self_check(module, run, groups, comm, device, pad_token_id=int(pad_token_id),
                     ignore_index=ignore_index)
-    # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
-    if optimizer is None and model_parameters is None:
-        model_parameters = [p for p in module.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-        config=ds_dict, **deepspeed_kwargs,
-    )
-    sp = SequenceParallel(
+    return SequenceParallel(
         config=run, setup=setup, groups=groups, comm=comm, attention=attention, module=module,
         mini_sequence=mst_handle, pad_token_id=int(pad_token_id), ignore_index=ignore_index,
     )
-    return engine, sp
 
 
 def _self_check(module: SequenceParallelCausalLM, run: RunConfig, groups: SequenceParallelGroups, comm: CommLayer,

@@ -118,6 +118,16 @@ class SequenceParallelCausalLM(nn.Module):
             # the decoder's output carries router_logits (output_router_logits is on), whichever local loss runs it
             lm.get_decoder().register_forward_hook(self._capture_router_logits)
 
+    @property
+    def rope(self) -> RopeLength | None:
+        """The global length shown to rotary embeddings that read it; None when the model has none."""
+        return self._rope
+
+    @property
+    def packing(self) -> PackedBatches | None:
+        """What turns a packed batch's ``document_ids`` / ``chunk_assignment`` into attention's ``SequenceBatch``."""
+        return self._packing
+
     def _capture_router_logits(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._captured is not None:
             logits = getattr(out, "router_logits", None)

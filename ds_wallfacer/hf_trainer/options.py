@@ -1,0 +1,121 @@
+"""What the Trainer path reads from a transformers ``Trainer``: the ``"wallfacer"`` section of the ds_config it
+was given (taken out before accelerate and DeepSpeed build the engine), and the Trainer options it refuses.
+
+Every refusal names the option and what to do; they are raised on every rank, at construction, before any
+process group exists (the checks read only arguments, identical on every rank).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from ..config import RunConfig, parse_ds_config
+
+__all__ = ["UnsupportedTrainerOption", "refuse_unsupported", "refuse_unsupported_model", "take_wallfacer_section"]
+
+_SECTION = "wallfacer"
+_KEPT = "_wallfacer_section"  # where a taken section stays, for a second Trainer built from the same arguments
+
+
+class UnsupportedTrainerOption(ValueError):
+    """A Trainer option the sequence-parallel path cannot compute exactly (yet)."""
+
+
+def _config_dicts(args: Any, accelerator: Any) -> list[dict]:
+    """Every distinct dict that holds the DeepSpeed config the Trainer will build its engine from."""
+    found: list[dict] = []
+    hf_cfg = getattr(args, "hf_deepspeed_config", None)
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    for holder, attr in ((hf_cfg, "config"), (getattr(plugin, "hf_ds_config", None), "config"),
+                         (plugin, "deepspeed_config")):
+        d = getattr(holder, attr, None) if holder is not None else None
+        if isinstance(d, dict) and all(d is not x for x in found):
+            found.append(d)
+    return found
+
+
+def take_wallfacer_section(args: Any, accelerator: Any) -> RunConfig:
+    """Parse the ``"wallfacer"`` section of the Trainer's ds_config and remove it from the dicts DeepSpeed gets
+    (DeepSpeed reads only its own keys; ours is parsed once, here). Batch sizes stay the Trainer's: it fills the
+    ``"auto"`` ones from ``TrainingArguments`` and checks the others against them."""
+    if not getattr(args, "deepspeed", None):
+        raise UnsupportedTrainerOption(
+            "WallfacerTrainer runs through DeepSpeed: pass TrainingArguments(deepspeed=<ds_config path or dict>) "
+            'whose ds_config has a "wallfacer" section'
+        )
+    dicts = _config_dicts(args, accelerator)
+    if not dicts:
+        raise UnsupportedTrainerOption("TrainingArguments(deepspeed=...) was given, but the Trainer holds no "
+                                       "DeepSpeed config: construct the TrainingArguments after importing DeepSpeed")
+    hf_cfg = getattr(args, "hf_deepspeed_config", None)
+    section = next((d[_SECTION] for d in dicts if _SECTION in d), None)
+    if section is None:
+        section = getattr(hf_cfg, _KEPT, None)
+    if section is None:
+        raise UnsupportedTrainerOption('the ds_config has no "wallfacer" section: add one (docs/config.md), e.g. '
+                                       '"wallfacer": {"sequence_parallel_size": "auto", "mode": "wallfacer"}')
+    for d in dicts:
+        d.pop(_SECTION, None)
+    if hf_cfg is not None:
+        setattr(hf_cfg, _KEPT, section)
+    raw = copy.deepcopy(dicts[0])
+    raw[_SECTION] = copy.deepcopy(section)
+    run = parse_ds_config(raw)
+    # the Trainer's batch arithmetic counts every rank as data-parallel (as DeepSpeed must, design.md §4): the
+    # sequence-level total of our own loop does not apply here
+    return dataclasses.replace(run, train_batch_size=None)
+
+
+def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
+    """Raise ``UnsupportedTrainerOption`` for the first Trainer option this path cannot reproduce exactly."""
+    args = trainer.args
+    ds = run.deepspeed
+    tbs = ds.get("train_batch_size")
+    if tbs is not None and tbs != "auto" and tbs != args.world_size * args.per_device_train_batch_size * \
+            args.gradient_accumulation_steps:
+        raise UnsupportedTrainerOption(
+            f'ds_config train_batch_size = {tbs}: with the Trainer set it to "auto" (the Trainer fills it from '
+            "per_device_train_batch_size x gradient_accumulation_steps x world size, every rank counted)"
+        )
+    checks = [
+        (getattr(trainer, "model_init", None) is not None, "model_init",
+         "train() would build a new model without the sequence-parallel setup; pass model= instead"),
+        (getattr(trainer, "compute_loss_func", None) is not None, "compute_loss_func",
+         "the loss is the global token mean computed by ds_wallfacer; drop compute_loss_func"),
+        (getattr(trainer, "compute_metrics", None) is not None, "compute_metrics",
+         "logits are sharded across sequence-parallel ranks; evaluation reports eval_loss only"),
+        (args.label_smoothing_factor != 0, f"label_smoothing_factor = {args.label_smoothing_factor}",
+         "set it to 0"),
+        (args.n_gpu > 1, f"n_gpu = {args.n_gpu} (torch DataParallel)", "launch one process per device"),
+        (str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance",
+         'train_sampling_strategy = "batch_rebalance"', 'use "random" or "group_by_length"'),
+        (bool(args.accelerator_config.dispatch_batches), "accelerator_config.dispatch_batches",
+         "every rank must load its own batches (set dispatch_batches to False)"),
+        (bool(args.accelerator_config.split_batches), "accelerator_config.split_batches", "set it to False"),
+    ]
+    for bad, what, fix in checks:
+        if bad:
+            raise UnsupportedTrainerOption(f"{what} is not supported with sequence parallelism yet: {fix}")
+
+
+def refuse_unsupported_model(sp: Any) -> None:
+    """The model features whose exact loss needs ds_wallfacer's own loss module (not the Trainer's yet)."""
+    module = sp.module
+    if module.router_aux is not None:
+        raise UnsupportedTrainerOption(
+            "this MoE model's router aux loss must be averaged over the whole sequence, which the Trainer path "
+            "does not do yet: set output_router_logits=False (or router_aux_loss_coef=0), or train with "
+            "ds_wallfacer.integration.initialize / python -m ds_wallfacer.train"
+        )
+    if module.rope is not None:
+        raise UnsupportedTrainerOption(
+            "a RoPE type that reads the sequence length (dynamic / longrope) is not supported by the Trainer path "
+            "yet: use a fixed RoPE type, or train with ds_wallfacer.integration.initialize"
+        )
+    ms = sp.config.wallfacer.mini_sequence
+    if ms is not None and ms.lm_head:
+        raise UnsupportedTrainerOption(
+            'wallfacer.mini_sequence.lm_head is not supported by the Trainer path yet: set "lm_head": false '
+            "(the chunked MLP still applies)"
+        )

@@ -1,0 +1,140 @@
+"""One Trainer run on a rank of ``tests.dist_utils.run_distributed``: the tiny Llama, random token sequences of
+unequal lengths, the plain ``Trainer`` (``section=None``) or ``WallfacerTrainer`` with that ``"wallfacer"``
+section; returns the logged losses, the eval loss and the sequence-parallel size."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+STEPS = 4
+SEQ_LEN = 128
+
+
+def token_sequences(n: int, *, seed: int, vocab: int = 256) -> list[dict[str, list[int]]]:
+    """``n`` sequences of 64..``SEQ_LEN`` tokens (unequal lengths: padded batches, unequal token counts), each an
+    arithmetic progression modulo the vocabulary with a random start and step 1..3: learnable in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, SEQ_LEN + 1, (n,), generator=g).tolist()
+    out = []
+    for k in lengths:
+        start, step = int(torch.randint(0, vocab - 1, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        out.append({"input_ids": [(start + i * step) % (vocab - 1) + 1 for i in range(k)]})
+    return out
+
+
+def pad_right(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The user's collator: right padding with an attention mask, labels = input ids with -100 on padding."""
+    n = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[i, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def ds_config(section: dict | None, *, zero_stage: int = 2) -> dict:
+    from tests.integration.parity import zero_section
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero_section(zero_stage),
+        "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
+        "zero_allow_untested_optimizer": True,
+    }
+    if section is not None:
+        cfg["wallfacer"] = section
+    return cfg
+
+
+def train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
+          options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train ``STEPS`` optimizer steps (gradient accumulation 2), then evaluate; rank 0's log history.
+    ``options``: ``packed`` (``DataCollatorWithFlattening``: each micro-batch one row of whole sequences),
+    ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from),
+    ``average_tokens_across_devices`` (default True, as in ``TrainingArguments``), ``zero_stage`` (default 2),
+    ``activation_checkpointing`` (the Trainer's layer checkpointing), ``pretrained`` (a model folder for ``from_pretrained``, instead of the tiny model built here)."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+
+    from tests.models import tiny_model
+
+    opts = options or {}
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
+        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
+        disable_tqdm=True,
+        use_cpu=True, activation_checkpointing=opts.get("activation_checkpointing", False),
+        average_tokens_across_devices=opts.get("average_tokens_across_devices", True),
+        save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
+    )
+    if opts.get("pretrained"):  # after TrainingArguments: under ZeRO-3, built partitioned (zero.Init)
+        from transformers import AutoModelForCausalLM
+
+        import deepspeed
+
+        # zero.Init sizes the partitions by DeepSpeed's world; TrainingArguments(use_cpu=True) does not start it
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = AutoModelForCausalLM.from_pretrained(opts["pretrained"]).train()
+    else:
+        model = tiny_model("llama", seed=0)
+    collator = DataCollatorWithFlattening() if opts.get("packed") else pad_right
+    kwargs = dict(model=model, args=args, train_dataset=token_sequences(32, seed=1),
+                  eval_dataset=token_sequences(8, seed=2), data_collator=collator)
+    if section is None:
+        trainer = Trainer(**kwargs)
+    else:
+        from ds_wallfacer.hf_trainer import WallfacerTrainer
+
+        trainer = WallfacerTrainer(**kwargs)
+    steps_run = []
+
+    class CountSteps(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            steps_run.append(state.global_step)
+
+    trainer.add_callback(CountSteps())
+    trainer.train(resume_from_checkpoint=opts.get("resume"))
+    metrics = trainer.evaluate()
+    history = trainer.state.log_history
+    sp = getattr(trainer, "sequence_parallel", None)
+    return {
+        "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
+        "eval_loss": metrics["eval_loss"],
+        "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
+        "steps_run": steps_run,
+        "logged": sorted(next(h for h in history if "loss" in h)),
+        "partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
+        "attention_kept": _attention_kept(model),
+        "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
+    }
+
+
+def _attention_kept(model: Any) -> dict[str, int]:
+    """How checkpointed layers' recomputes got attention: replayed from the first forward, or computed again."""
+    from ds_wallfacer.attention.residuals import residual_stats
+
+    stats = residual_stats(model)
+    return {"replayed": stats.replayed, "missed": stats.missed}
+
+
+def refusal(rank: int, world: int, out: str, section: dict | None, trainer_kwargs: dict[str, Any],
+            arg_overrides: dict[str, Any]) -> str:
+    """Build ``WallfacerTrainer`` with ``trainer_kwargs`` / TrainingArguments overrides; the refusal's message."""
+    from transformers import TrainingArguments
+
+    from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerTrainer
+    from tests.models import tiny_model
+
+    kw = dict(output_dir=out, per_device_train_batch_size=1, report_to=[], use_cpu=True, deepspeed=ds_config(section))
+    args = TrainingArguments(**{**kw, **arg_overrides})
+    try:
+        WallfacerTrainer(model=tiny_model("llama"), args=args, train_dataset=token_sequences(4, seed=0),
+                         data_collator=pad_right, **trainer_kwargs)
+    except UnsupportedTrainerOption as e:
+        return str(e)
+    return "not refused"
