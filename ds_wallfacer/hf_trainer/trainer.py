@@ -32,7 +32,6 @@ from transformers import TrainerCallback
 
 from ..attention.residuals import keep_attention_in_layers
 from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
-from ..integration.hf import BATCH_KWARG
 from ..integration.loss import global_token_mean, logits_loss
 from .data import ShardingCollator, replica_dataloader
 from .metrics import LogMetrics
@@ -148,12 +147,11 @@ class WallfacerTrainerMixin:
         super().log(logs, *args, **kwargs)
 
     def _wf_local_loss(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token losses, targets) of this rank's shard; packed batches hand attention their documents."""
+        """(summed token losses, targets) of this rank's shard; packed batches hand attention their documents, layers
+        that scale by position get the positions (``SequenceParallelCausalLM.attention_kwargs``)."""
         sp = self.sequence_parallel
-        kwargs: dict[str, Any] = {}
-        docs, chunks = inputs.get("document_ids"), inputs.get("chunk_assignment")
-        if docs is not None or chunks is not None:
-            kwargs[BATCH_KWARG] = sp.module.packing.batch(inputs["position_ids"], docs, chunks)
+        kwargs = sp.module.attention_kwargs(inputs["position_ids"], inputs.get("document_ids"),
+                                            inputs.get("chunk_assignment"))
         return logits_loss(model, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
                            shift_labels=inputs["shift_labels"], ignore_index=sp.ignore_index, **kwargs)
 

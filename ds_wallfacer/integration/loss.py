@@ -123,10 +123,24 @@ class SequenceParallelCausalLM(nn.Module):
         """The global length shown to rotary embeddings that read it; None when the model has none."""
         return self._rope
 
-    @property
-    def packing(self) -> PackedBatches | None:
-        """What turns a packed batch's ``document_ids`` / ``chunk_assignment`` into attention's ``SequenceBatch``."""
-        return self._packing
+    def attention_kwargs(self, position_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+                         chunk_assignment: torch.Tensor | None = None) -> dict[str, Any]:
+        """The model-forward keywords attention needs beyond the tensors: a packed batch's documents (checked across
+        the group) and, for layers that scale by position, the tokens' positions."""
+        kwargs: dict[str, Any] = {}
+        if document_ids is not None or chunk_assignment is not None:
+            if self._packing is None:
+                raise ValueError("this batch packs documents (document_ids / chunk_assignment), but the model was "
+                                 "not built by ds_wallfacer.integration.initialize, which sets up packed batches")
+            kwargs[BATCH_KWARG] = self._packing.batch(position_ids, document_ids, chunk_assignment)
+            if self._rope is not None:
+                raise ValueError(
+                    "packed documents with a RoPE type that reads the sequence length (dynamic / longrope): each "
+                    "document would need its own scaling; train without packing or with a fixed RoPE type"
+                )
+        if self._positions:
+            kwargs[POSITIONS_KWARG] = position_ids
+        return kwargs
 
     def _capture_router_logits(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._captured is not None:
@@ -144,19 +158,7 @@ class SequenceParallelCausalLM(nn.Module):
         document_ids: torch.Tensor | None = None,
         chunk_assignment: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        model_kwargs: dict[str, Any] = {}
-        if document_ids is not None or chunk_assignment is not None:
-            if self._packing is None:
-                raise ValueError("this batch packs documents (document_ids / chunk_assignment), but the model was "
-                                 "not built by ds_wallfacer.integration.initialize, which sets up packed batches")
-            model_kwargs[BATCH_KWARG] = self._packing.batch(position_ids, document_ids, chunk_assignment)
-            if self._rope is not None:
-                raise ValueError(
-                    "packed documents with a RoPE type that reads the sequence length (dynamic / longrope): each "
-                    "document would need its own scaling; train without packing or with a fixed RoPE type"
-                )
-        if self._positions:
-            model_kwargs[POSITIONS_KWARG] = position_ids
+        model_kwargs = self.attention_kwargs(position_ids, document_ids, chunk_assignment)
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None
