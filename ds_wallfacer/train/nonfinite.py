@@ -108,7 +108,8 @@ class UpdateGate:
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        ok = self.loss_finite and all(bool(torch.isfinite(g).all()) for g in grads)
+        # one host sync for all gradients (not one per parameter: on a GPU each would stall the stream)
+        ok = self.loss_finite and (not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))
         flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
         with self.comm.phase("metrics"):
             flags = self.comm.all_gather(flag, dist.group.WORLD)
