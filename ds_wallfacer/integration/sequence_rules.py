@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules import activation, conv, dropout, normalization, padding, pooling, rnn
 
 from . import positional
+from .peft_rules import peft_findings
 
 __all__ = ["Finding", "sequence_findings"]
 
@@ -234,6 +235,7 @@ def sequence_findings(
     (``wallfacer.allow_modules``; the self-check still compares them)."""
     allow, attn_ids = set(allow), {id(m) for m in attention}
     off_path = _off_text_path(model)
+    peft_wrappers, peft_problems = peft_findings(model)
     found: dict[tuple[str, str], Finding] = {}
 
     def add(path: str, m: nn.Module, what: str, fix: str) -> None:
@@ -244,7 +246,7 @@ def sequence_findings(
 
     for path, m in model.named_modules():
         cls = type(m)
-        if cls.__name__ in allow or id(m) in off_path:
+        if cls.__name__ in allow or id(m) in off_path or id(m) in peft_wrappers:
             continue
         path = path or "<model>"
         drop = _dropout_problem(m)
@@ -262,7 +264,7 @@ def sequence_findings(
             if ops:
                 add(path, m, f"its own code calls {', '.join(ops)}, which can mix tokens along the sequence outside "
                     "the attention function", NOT_YET)
-    out = list(found.values())
+    out = list(found.values()) + [Finding(path, cls, what, NOT_YET) for path, cls, what in peft_problems]
     if not attn_ids:
         out.insert(0, Finding("<model>", type(model).__name__, "has no attention layer that calls transformers' "
                               "attention interface (none carries is_causal, scaling and config), so there is no "

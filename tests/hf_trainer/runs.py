@@ -3,6 +3,7 @@ unequal lengths, the plain ``Trainer`` (``section=None``) or ``WallfacerTrainer`
 section; returns the logged losses, the eval loss and the sequence-parallel size."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +83,12 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         model = AutoModelForCausalLM.from_pretrained(opts["pretrained"]).train()
     else:
         model = tiny_model("llama", seed=0)
+    if opts.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # LoRA's A matrices: the same on every rank and in the reference
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights="gaussian",
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]))
     collator = DataCollatorWithFlattening() if opts.get("packed") else pad_right
     kwargs = dict(model=model, args=args, train_dataset=token_sequences(32, seed=1),
                   eval_dataset=token_sequences(8, seed=2), data_collator=collator)
@@ -111,6 +118,7 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         "partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
         "attention_kept": _attention_kept(model),
         "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
+        "saved": sorted(p.name for p in Path(out).glob("checkpoint-*/*")),
     }
 
 
