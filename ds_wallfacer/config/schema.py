@@ -32,6 +32,7 @@ from .._sections import section_kwargs
 from ..attention.kernel_names import KERNEL_NAMES
 from ..comm.dims import MODES, PLACEMENTS, check_mode
 from ..data.chunks import SHARDINGS
+from .alst import apply_alst_keys
 
 __all__ = ["MODES", "PLACEMENTS", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]
 
@@ -239,8 +240,9 @@ def _batch_int(ds: Mapping[str, Any], key: str) -> int | None:
 
 
 def parse_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> RunConfig:
-    """Read a ds_config (path to JSON, or dict) and parse its ``"wallfacer"`` section. Pure; deterministic, so
-    every rank raises the same error at start-up."""
+    """Read a ds_config (path to JSON, or dict) and parse its ``"wallfacer"`` section, DeepSpeed's own
+    sequence-parallel keys included (``alst.py``). Pure; deterministic, so every rank raises the same error at
+    start-up."""
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         if not path.is_file():
@@ -255,6 +257,7 @@ def parse_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> RunConfig:
         raise TypeError(f"config must be a path to a ds_config JSON or a dict, got {type(config).__name__}")
     if not isinstance(raw, dict):
         raise ValueError(f"a ds_config must be a JSON object, got {type(raw).__name__}")
+    apply_alst_keys(raw)
     wf = WallFacerConfig.from_dict(raw.pop("wallfacer", None))
     return RunConfig(
         wallfacer=wf,

@@ -11,8 +11,10 @@ import dataclasses
 from typing import Any
 
 from ..config import RunConfig, parse_ds_config
+from ..config.alst import apply_alst_keys
 
-__all__ = ["UnsupportedTrainerOption", "refuse_unsupported", "refuse_unsupported_model", "take_wallfacer_section"]
+__all__ = ["UnsupportedTrainerOption", "refuse_accelerate_sp", "refuse_unsupported", "refuse_unsupported_model",
+           "take_wallfacer_section"]
 
 _SECTION = "wallfacer"
 _KEPT = "_wallfacer_section"  # where a taken section stays, for a second Trainer built from the same arguments
@@ -49,11 +51,14 @@ def take_wallfacer_section(args: Any, accelerator: Any) -> RunConfig:
         raise UnsupportedTrainerOption("TrainingArguments(deepspeed=...) was given, but the Trainer holds no "
                                        "DeepSpeed config: construct the TrainingArguments after importing DeepSpeed")
     hf_cfg = getattr(args, "hf_deepspeed_config", None)
+    for d in dicts:  # DeepSpeed's own sequence-parallel keys: read with its meaning, kept from its engine
+        apply_alst_keys(d)
     section = next((d[_SECTION] for d in dicts if _SECTION in d), None)
     if section is None:
         section = getattr(hf_cfg, _KEPT, None)
     if section is None:
-        raise UnsupportedTrainerOption('the ds_config has no "wallfacer" section: add one (docs/config.md), e.g. '
+        raise UnsupportedTrainerOption('the ds_config has no "wallfacer" section (nor DeepSpeed\'s '
+                                       'sequence_parallel_size): add one (docs/config.md), e.g. '
                                        '"wallfacer": {"sequence_parallel_size": "auto", "mode": "wallfacer"}')
     for d in dicts:
         d.pop(_SECTION, None)
@@ -67,6 +72,17 @@ def take_wallfacer_section(args: Any, accelerator: Any) -> RunConfig:
     return dataclasses.replace(run, train_batch_size=None)
 
 
+def refuse_accelerate_sp(pc: Any) -> None:
+    """accelerate's ``ParallelismConfig`` with sequence parallelism (``sp_size`` > 1) drives DeepSpeed's own Ulysses
+    (its attention, loader and loss): refused with the one-line way to ours."""
+    if pc is not None and (getattr(pc, "sp_size", 1) or 1) > 1:
+        raise UnsupportedTrainerOption(
+            f"accelerate's ParallelismConfig(sp_backend={getattr(pc, 'sp_backend', None)!r}, sp_size={pc.sp_size}) "
+            "runs accelerate's own sequence parallelism: drop parallelism_config and put "
+            f'"sequence_parallel_size": {pc.sp_size} in the ds_config (DeepSpeed\'s key, or the "wallfacer" section)'
+        )
+
+
 def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
     """Raise ``UnsupportedTrainerOption`` for the first Trainer option this path cannot reproduce exactly."""
     args = trainer.args
@@ -78,6 +94,7 @@ def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
             f'ds_config train_batch_size = {tbs}: with the Trainer set it to "auto" (the Trainer fills it from '
             "per_device_train_batch_size x gradient_accumulation_steps x world size, every rank counted)"
         )
+    refuse_accelerate_sp(getattr(trainer.accelerator, "parallelism_config", None))
     checks = [
         (getattr(trainer, "model_init", None) is not None, "model_init",
          "train() would build a new model without the sequence-parallel setup; pass model= instead"),
@@ -87,6 +104,10 @@ def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
          "logits are sharded across sequence-parallel ranks; evaluation reports eval_loss only"),
         (args.label_smoothing_factor != 0, f"label_smoothing_factor = {args.label_smoothing_factor}",
          "set it to 0"),
+        (getattr(args, "neftune_noise_alpha", None) is not None, f"neftune_noise_alpha = {args.neftune_noise_alpha}",
+         "the embedding noise would be drawn per shard, not for the whole sequence; set it to None"),
+        (getattr(args, "loss_type", "nll") not in (None, "nll"), f"loss_type = {getattr(args, 'loss_type', None)!r}",
+         'the loss is the token-mean negative log-likelihood; set loss_type="nll"'),
         (args.n_gpu > 1, f"n_gpu = {args.n_gpu} (torch DataParallel)", "launch one process per device"),
         (str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance",
          'train_sampling_strategy = "batch_rebalance"', 'use "random" or "group_by_length"'),

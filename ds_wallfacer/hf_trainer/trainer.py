@@ -35,7 +35,8 @@ from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
 from ..integration.loss import global_token_mean, logits_loss
 from .data import ShardingCollator, replica_dataloader
 from .metrics import LogMetrics
-from .options import UnsupportedTrainerOption, refuse_unsupported, refuse_unsupported_model, take_wallfacer_section
+from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_unsupported, refuse_unsupported_model,
+                      take_wallfacer_section)
 
 __all__ = ["WallfacerTrainer", "WallfacerTrainerMixin"]
 
@@ -47,6 +48,8 @@ class WallfacerTrainerMixin:
     loss_is_scaled_for_ga = True  # Note [Trainer loss under gradient accumulation]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        refuse_accelerate_sp(getattr(training_args, "parallelism_config", None))  # before accelerate acts on it
         super().__init__(*args, **kwargs)
         run = take_wallfacer_section(self.args, self.accelerator)
         refuse_unsupported(self, run)

@@ -146,3 +146,54 @@ def refusal(rank: int, world: int, out: str, section: dict | None, trainer_kwarg
     except UnsupportedTrainerOption as e:
         return str(e)
     return "not refused"
+
+
+def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
+              options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """TRL's ``SFTTrainer`` (``section=None``) or ``WallfacerSFTTrainer``: the shipped chat data, packed
+    (padding-free rows, ``position_ids`` restarting per conversation) with the loss on assistant turns only,
+    ``STEPS`` steps of gradient accumulation 2, then evaluation. ``options``: ``lora`` (a LoRA ``peft_config``, as
+    TRL users pass it), ``zero_stage`` (default 2), ``packing`` (default True)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from ds_wallfacer.examples.chat import chat_tokenizer, load_chats
+    from tests.models import tiny_model
+
+    opts = options or {}
+    args = SFTConfig(
+        output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=1,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
+        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True,
+        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
+        bf16=False,  # SFTConfig's default is bf16 autocast; the comparison is in fp32
+        packing=opts.get("packing", True), eval_packing=False, max_length=256, assistant_only_loss=True, save_strategy="no",
+    )
+    chats = load_chats()
+    kwargs: dict[str, Any] = dict(model=tiny_model("llama", seed=0), args=args, processing_class=chat_tokenizer(),
+                                  train_dataset=Dataset.from_list(chats[:48]),
+                                  eval_dataset=Dataset.from_list(chats[200:216]))
+    if opts.get("lora"):
+        from peft import LoraConfig
+
+        torch.manual_seed(1)  # LoRA's A matrices: the same on every rank and in the reference
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights="gaussian",
+                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    if section is None:
+        trainer = SFTTrainer(**kwargs)
+    else:
+        from ds_wallfacer.hf_trainer import WallfacerSFTTrainer
+
+        trainer = WallfacerSFTTrainer(**kwargs)
+    first = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    metrics = trainer.evaluate()
+    history = trainer.state.log_history
+    sp = getattr(trainer, "sequence_parallel", None)
+    return {
+        "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
+        "eval_loss": metrics["eval_loss"],
+        "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
+        "documents": int((first["position_ids"] == 0).sum()) if section is None else None,
+        "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)[:3],
+    }

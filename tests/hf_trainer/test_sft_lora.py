@@ -1,0 +1,74 @@
+"""TRL's ``SFTTrainer`` and PEFT's LoRA with sequence parallelism, on 4 gloo ranks against the same trainer on one
+rank with the same global batch: every logged loss and the eval loss equal (fp32, 1e-5).
+
+The SFT runs use the shipped chat data, packed (several conversations per padding-free row, ``position_ids``
+restarting at each) with the loss on assistant turns only; SGD, no clipping, gradient accumulation 2 (see
+``test_trainer_parity.py``). LoRA is passed to ``SFTTrainer`` as ``peft_config`` (how TRL users train it), and
+wrapped by ``get_peft_model`` for the plain Trainer; only the adapter trains and is saved.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+# imported here once, so that the forked ranks share them (see test_trainer_parity.py)
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+import peft  # noqa: E402,F401
+import transformers.trainer  # noqa: E402,F401
+import trl  # noqa: E402,F401
+
+from tests.dist_utils import run_distributed  # noqa: E402
+
+from .runs import STEPS, sft_train, train  # noqa: E402
+
+SFT_MODES = {
+    "wallfacer-c2": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 1, {}),
+    "ulysses-lora-zero3": ({"mode": "ulysses", "sequence_parallel_size": 4}, 1, {"lora": True, "zero_stage": 3}),
+    "hybrid-dp-lora": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 2, {"lora": True}),
+}
+
+
+def _same_curve(got: dict, ref: dict, what: str) -> None:
+    assert len(got["losses"]) == STEPS, got
+    for step, want in ref["losses"].items():
+        a = got["losses"][step]
+        assert a == pytest.approx(want, rel=1e-5, abs=1e-5), f"{what} step {step}: {a} != {want} (1 rank)"
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (what, got, ref)
+
+
+@pytest.fixture(scope="module")
+def sft_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """SFTTrainer on one rank, 2 packed rows per micro-batch (the global batch of every run below), full model and
+    LoRA."""
+    refs = {}
+    for lora in (False, True):
+        out = tmp_path_factory.mktemp("sft1")
+        (ref,) = run_distributed(sft_train, 1, str(out), None, 2, {"lora": lora}, timeout_s=240)
+        assert ref["losses"][STEPS] < ref["losses"][1], ref  # it learns
+        assert ref["documents"] >= 4, ref  # several conversations per packed row
+        refs[lora] = ref
+    return refs
+
+
+@pytest.mark.parametrize("mode", list(SFT_MODES))
+def test_sft_packed_assistant_only_equals_sft_on_one_rank(mode: str, sft_reference: dict, tmp_path) -> None:
+    section, replicas, opts = SFT_MODES[mode]
+    got = run_distributed(sft_train, 4, str(tmp_path), section, 2 // replicas, opts, timeout_s=240)[0]
+    assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
+    ref = sft_reference[bool(opts.get("lora"))]
+    _same_curve(got, ref, mode)
+    if opts.get("lora"):
+        assert got["trainable"] == ref["trainable"] and all("lora_" in n for n in got["trainable"]), got
+
+
+def test_lora_with_the_plain_trainer_equals_one_rank_and_saves_only_the_adapter(tmp_path) -> None:
+    opts = {"lora": True, "save_steps": STEPS}
+    ref = run_distributed(train, 1, str(tmp_path / "p1"), None, 2, opts, timeout_s=240)[0]
+    section = {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 4}
+    got = run_distributed(train, 4, str(tmp_path / "p4"), section, 2, opts, timeout_s=240)[0]
+    _same_curve(got, ref, "ring + LoRA")
+    assert "adapter_model.safetensors" in got["saved"], got["saved"]
+    assert not any(n.startswith("model") and n.endswith(".safetensors") for n in got["saved"]), got["saved"]
