@@ -24,8 +24,9 @@ setup(
     ],
     extras_require={
         "flash": ["flash-attn>=2.6"],
-        # transformers' Trainer (ds_wallfacer.hf_trainer) builds its DeepSpeed engine through accelerate
-        "hf": ["accelerate>=1.12"],
+        # transformers' Trainer (ds_wallfacer.hf_trainer) builds its DeepSpeed engine through accelerate; TRL's
+        # SFTTrainer (WallfacerSFTTrainer, launch/train_trl.py) and PEFT adapters, checked on these releases
+        "hf": ["accelerate>=1.12", "trl>=1.16", "peft>=0.21"],
         "test": ["pytest>=8", "matplotlib>=3.8"],
     },
 )

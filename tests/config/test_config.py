@@ -163,3 +163,30 @@ def test_every_example_config_validates(path: Path) -> None:
 def test_there_are_examples_for_every_mode() -> None:
     modes = {parse_ds_config(p).wallfacer.mode for p in EXAMPLES}
     assert {"wallfacer", "ulysses", "hybrid"} <= modes
+
+
+def test_deepspeed_ulysses_keys_are_read_with_deepspeeds_meaning() -> None:
+    """An ALST ds_config (DeepSpeed's top-level ``sequence_parallel_size`` / ``seq_parallel_communication_data_type``)
+    is Ulysses over that many ranks, gradients reduced in that dtype; neither key reaches DeepSpeed."""
+    run = parse_ds_config({"sequence_parallel_size": 4, "seq_parallel_communication_data_type": "BF16",
+                           "zero_optimization": {"stage": 3}})
+    assert (run.wallfacer.mode, run.wallfacer.sequence_parallel_size) == ("ulysses", 4)
+    assert run.deepspeed == {"zero_optimization": {"stage": 3}, "communication_data_type": "bf16"}
+    # with a section: its mode, DeepSpeed's size
+    run = parse_ds_config({"sequence_parallel_size": 4, "wallfacer": {"mode": "wallfacer", "ring_count": 2}})
+    assert (run.wallfacer.mode, run.wallfacer.sequence_parallel_size, run.wallfacer.ring_count) == ("wallfacer", 4, 2)
+    assert "sequence_parallel_size" not in run.deepspeed
+
+
+@pytest.mark.parametrize("cfg,words", [
+    ({"sequence_parallel_size": 4, "wallfacer": {"sequence_parallel_size": 2}},
+     "sequence_parallel_size = 4 (DeepSpeed's key) conflicts with wallfacer.sequence_parallel_size = 2"),
+    ({"sequence_parallel_size": 0}, "sequence_parallel_size = 0 is invalid: allowed is a positive integer"),
+    ({"seq_parallel_communication_data_type": "fp8"}, "seq_parallel_communication_data_type = 'fp8' is invalid"),
+    ({"seq_parallel_communication_data_type": "bf16", "communication_data_type": "fp32"},
+     "conflicts with communication_data_type = 'fp32'"),
+])
+def test_conflicting_or_invalid_deepspeed_sequence_keys_are_refused(cfg: dict, words: str) -> None:
+    with pytest.raises(ValueError) as err:
+        parse_ds_config(cfg)
+    assert words in str(err.value)

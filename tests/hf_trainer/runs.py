@@ -35,7 +35,9 @@ def pad_right(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def ds_config(section: dict | None, *, zero_stage: int = 2) -> dict:
+def ds_config(section: dict | None, *, zero_stage: int = 2, top_level: dict | None = None) -> dict:
+    """The Trainer's ds_config: batch sizes, clipping and lr from its arguments ("auto"), SGD, ``section`` as the
+    ``"wallfacer"`` section (none when None), ``top_level`` keys added as they are (DeepSpeed's ALST keys)."""
     from tests.integration.parity import zero_section
 
     cfg: dict[str, Any] = {
@@ -49,7 +51,7 @@ def ds_config(section: dict | None, *, zero_stage: int = 2) -> dict:
     }
     if section is not None:
         cfg["wallfacer"] = section
-    return cfg
+    return {**cfg, **(top_level or {})}
 
 
 def train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
@@ -58,7 +60,9 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     ``options``: ``packed`` (``DataCollatorWithFlattening``: each micro-batch one row of whole sequences),
     ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from),
     ``average_tokens_across_devices`` (default True, as in ``TrainingArguments``), ``zero_stage`` (default 2),
-    ``activation_checkpointing`` (the Trainer's layer checkpointing), ``pretrained`` (a model folder for ``from_pretrained``, instead of the tiny model built here)."""
+    ``activation_checkpointing`` (the Trainer's layer checkpointing), ``pretrained`` (a model folder for
+    ``from_pretrained``, instead of the tiny model built here), ``lora`` (a LoRA model from ``get_peft_model``),
+    ``alst`` (DeepSpeed's top-level sequence-parallel keys: ``WallfacerTrainer`` even without a section)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tests.models import tiny_model
@@ -67,8 +71,8 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=2,
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
-        disable_tqdm=True,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True,
+        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2), top_level=opts.get("alst")),
         use_cpu=True, activation_checkpointing=opts.get("activation_checkpointing", False),
         average_tokens_across_devices=opts.get("average_tokens_across_devices", True),
         save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
@@ -92,7 +96,7 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     collator = DataCollatorWithFlattening() if opts.get("packed") else pad_right
     kwargs = dict(model=model, args=args, train_dataset=token_sequences(32, seed=1),
                   eval_dataset=token_sequences(8, seed=2), data_collator=collator)
-    if section is None:
+    if section is None and not opts.get("alst"):
         trainer = Trainer(**kwargs)
     else:
         from ds_wallfacer.hf_trainer import WallfacerTrainer
@@ -113,6 +117,7 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
         "eval_loss": metrics["eval_loss"],
         "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
+        "mode": sp.setup.dims.mode if sp is not None else None,
         "steps_run": steps_run,
         "logged": sorted(next(h for h in history if "loss" in h)),
         "partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
@@ -132,10 +137,11 @@ def _attention_kept(model: Any) -> dict[str, int]:
 
 def refusal(rank: int, world: int, out: str, section: dict | None, trainer_kwargs: dict[str, Any],
             arg_overrides: dict[str, Any]) -> str:
-    """Build ``WallfacerTrainer`` with ``trainer_kwargs`` / TrainingArguments overrides; the refusal's message."""
+    """Build ``WallfacerTrainer`` with ``trainer_kwargs`` / TrainingArguments overrides; the refusal's type and
+    message."""
     from transformers import TrainingArguments
 
-    from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerTrainer
+    from ds_wallfacer.hf_trainer import WallfacerTrainer
     from tests.models import tiny_model
 
     kw = dict(output_dir=out, per_device_train_batch_size=1, report_to=[], use_cpu=True, deepspeed=ds_config(section))
@@ -143,8 +149,8 @@ def refusal(rank: int, world: int, out: str, section: dict | None, trainer_kwarg
     try:
         WallfacerTrainer(model=tiny_model("llama"), args=args, train_dataset=token_sequences(4, seed=0),
                          data_collator=pad_right, **trainer_kwargs)
-    except UnsupportedTrainerOption as e:
-        return str(e)
+    except ValueError as e:  # UnsupportedTrainerOption, or a ds_config error
+        return f"{type(e).__name__}: {e}"
     return "not refused"
 
 

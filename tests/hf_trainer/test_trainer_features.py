@@ -68,9 +68,13 @@ def test_zero3_from_pretrained_equals_the_plain_trainer_on_one_rank(tmp_path) ->
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
 
 
-@pytest.mark.parametrize("case", ["no section", "compute_metrics", "label smoothing", "train_batch_size"])
+REFUSALS = ["no section", "compute_metrics", "label smoothing", "train_batch_size", "neftune", "accelerate sp",
+            "alst conflict"]
+
+
+@pytest.mark.parametrize("case", REFUSALS)
 def test_what_the_trainer_path_cannot_compute_exactly_is_refused_at_construction(case: str, tmp_path: Path) -> None:
-    from .runs import refusal
+    from .runs import ds_config, refusal
 
     section, kwargs, overrides, words = RING, {}, {}, ""
     if case == "no section":
@@ -79,8 +83,18 @@ def test_what_the_trainer_path_cannot_compute_exactly_is_refused_at_construction
         kwargs, words = {"compute_metrics": lambda p: {}}, "compute_metrics is not supported"
     elif case == "label smoothing":
         overrides, words = {"label_smoothing_factor": 0.1}, "label_smoothing_factor = 0.1"
-    else:
+    elif case == "train_batch_size":
         overrides = {"deepspeed": {"train_batch_size": 3, "zero_optimization": {"stage": 2}, "wallfacer": RING}}
         words = 'train_batch_size = 3: with the Trainer set it to "auto"'
+    elif case == "neftune":
+        overrides, words = {"neftune_noise_alpha": 5.0}, "neftune_noise_alpha = 5.0 is not supported"
+    elif case == "accelerate sp":
+        from accelerate.parallelism_config import ParallelismConfig
+
+        overrides = {"parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=2)}
+        words = 'put "sequence_parallel_size": 2 in the ds_config'
+    else:  # DeepSpeed's own key against the section's
+        overrides = {"deepspeed": ds_config(RING, top_level={"sequence_parallel_size": 2})}
+        words = "sequence_parallel_size = 2 (DeepSpeed's key) conflicts with wallfacer.sequence_parallel_size = 4"
     (message,) = run_distributed(refusal, 1, str(tmp_path), section, kwargs, overrides, timeout_s=120)
     assert words in message, message

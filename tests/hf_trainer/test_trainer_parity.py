@@ -22,10 +22,12 @@ from tests.dist_utils import run_distributed  # noqa: E402
 
 from .runs import STEPS, train  # noqa: E402
 
+ALST_KEYS = {"sequence_parallel_size": 4, "seq_parallel_communication_data_type": "fp32"}
 MODES = {
-    "ring": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 4}, 1),
-    "ulysses": ({"mode": "ulysses", "sequence_parallel_size": 4}, 1),
-    "hybrid-dp": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 2),  # P = 2 x D = 2
+    "ring": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 4}, 1, {}),
+    # a ds_config written for DeepSpeed's Ulysses (ALST): its top-level keys, no "wallfacer" section
+    "ulysses-alst-keys": (None, 1, {"alst": ALST_KEYS}),
+    "hybrid-dp": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 2, {}),  # P = 2 x D = 2
 }
 
 
@@ -42,9 +44,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_losses_and_eval_loss_equal_the_plain_trainer_on_one_rank(mode: str, reference: dict,
                                                                   tmp_path) -> None:
-    section, replicas = MODES[mode]
-    got = run_distributed(train, 4, str(tmp_path), section, 2 // replicas, timeout_s=240)[0]
-    assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
+    section, replicas, opts = MODES[mode]
+    got = run_distributed(train, 4, str(tmp_path), section, 2 // replicas, opts, timeout_s=240)[0]
+    assert got["sequence_parallel_size"] == 4 // replicas, got
+    assert got["mode"] == (section or {}).get("mode", "ulysses"), got  # DeepSpeed's key means Ulysses
     assert len(got["losses"]) == STEPS, got
     for step, want in reference["losses"].items():
         a = got["losses"][step]

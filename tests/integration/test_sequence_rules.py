@@ -118,3 +118,20 @@ def test_one_message_per_problem_with_the_count() -> None:
     layers = len(model.model.layers)
     own = [f for f in _findings(model) if "parameters of its own (lam)" in f]
     assert len(own) == 1 and (layers == 1 or f"(and {layers - 1} more like it)" in own[0]), own
+
+
+def test_lora_passes_and_adapters_that_change_the_sequence_are_refused() -> None:
+    """PEFT's wrappers pass when every adapter is LoRA-like; prompt learning (virtual tokens added to the sequence)
+    and activated LoRA (switched on by a token somewhere in the sequence) are refused by name."""
+    peft = pytest.importorskip("peft")
+
+    lora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert _findings(lora) == []
+    prompt = peft.get_peft_model(tiny_model("llama"), peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                               num_virtual_tokens=4))
+    found = _findings(prompt)
+    assert any("PromptTuningConfig learns virtual tokens" in f and "not supported yet" in f for f in found), found
+    alora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                                      alora_invocation_tokens=[5, 6]))
+    found = _findings(alora)
+    assert any("activated LoRA (alora_invocation_tokens)" in f for f in found), found
