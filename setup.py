@@ -10,7 +10,7 @@ setup(
     ),
     packages=find_packages(include=["ds_wallfacer", "ds_wallfacer.*"]),
     # the trainer's defaults: example ds_configs and the demo corpus (ds_configs/ and launch/data/ link to them)
-    package_data={"ds_wallfacer.examples": ["configs/*.json", "data/*.txt", "data/*.md"]},
+    package_data={"ds_wallfacer.examples": ["configs/*.json", "data/*.txt", "data/*.md", "chat.jsonl"]},
     python_requires=">=3.10",
     install_requires=[
         # mst/checkpointing.py reads private autograd details, checked on this range by

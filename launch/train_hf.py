@@ -99,20 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
-        print(json.dumps(summary(trainer, result, metrics, args)))
+        print(json.dumps(summary(trainer, result, metrics, args.output_dir)))
     return 0
 
 
-def summary(trainer, result, metrics: dict, args: argparse.Namespace) -> dict:
-    """The last line: the last logged training loss, the eval loss, steps and tokens per second over all ranks."""
+def summary(trainer, result, metrics: dict, output_dir: str, **extra) -> dict:
+    """The last line: the last logged training loss, the eval loss, steps, and tokens per second over all ranks
+    (real tokens trained on, padding left out; ``WallfacerTrainer.wallfacer_metrics``)."""
     dims = trainer.sequence_parallel.setup.dims
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     runtime = result.metrics.get("train_runtime") or float("nan")
-    steps = result.global_step
-    tokens = steps * args.micro_batch * args.grad_accum * dims.dp_size * args.seq_len
-    return {"final_loss": losses[-1] if losses else None, "eval_loss": metrics["eval_loss"], "steps": steps,
-            "tokens_per_s": tokens / runtime, "sequence_parallel_size": dims.sp_size, "mode": dims.mode,
-            "world_size": dims.world_size, "output_dir": os.path.abspath(args.output_dir)}
+    return {"final_loss": losses[-1] if losses else None, "eval_loss": metrics["eval_loss"],
+            "steps": result.global_step, "tokens_per_s": trainer.wallfacer_metrics.total_tokens / runtime,
+            "sequence_parallel_size": dims.sp_size, "mode": dims.mode, "world_size": dims.world_size,
+            "output_dir": os.path.abspath(output_dir), **extra}
 
 
 if __name__ == "__main__":

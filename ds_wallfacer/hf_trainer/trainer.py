@@ -43,7 +43,8 @@ __all__ = ["WallfacerTrainer", "WallfacerTrainerMixin"]
 
 class WallfacerTrainerMixin:
     """Sequence parallelism for a ``transformers.Trainer`` subclass (``class T(WallfacerTrainerMixin, Trainer)``).
-    ``self.sequence_parallel`` is the ``integration.SequenceParallel`` of the run."""
+    ``self.sequence_parallel`` is the ``integration.SequenceParallel`` of the run; ``self.wallfacer_metrics`` the
+    counts behind the ``wallfacer/*`` log values (``total_tokens``: real tokens trained on, over all ranks)."""
 
     loss_is_scaled_for_ga = True  # Note [Trainer loss under gradient accumulation]
 
@@ -57,9 +58,9 @@ class WallfacerTrainerMixin:
             self.model, run, pad_token_id=self._wf_pad_token_id(), seq_len=run.wallfacer.seq_len,
         )
         refuse_unsupported_model(self.sequence_parallel)
-        self._wf_metrics = LogMetrics(self.sequence_parallel.comm)
+        self.wallfacer_metrics = LogMetrics(self.sequence_parallel.comm)
         ms = run.wallfacer.mini_sequence
-        self.add_callback(_AtTrainBegin(self._wf_metrics, keep_attention=ms is None or ms.keep_attention))
+        self.add_callback(_AtTrainBegin(self.wallfacer_metrics, keep_attention=ms is None or ms.keep_attention))
 
     def _wf_pad_token_id(self) -> int | None:
         tok = getattr(self, "processing_class", None)
@@ -131,22 +132,23 @@ class WallfacerTrainerMixin:
         if not batches:
             return batches, None
         sp = self.sequence_parallel
-        local = sum(int((b["shift_labels"] != sp.ignore_index).sum()) for b in batches)
-        count = torch.tensor([local], dtype=torch.int64, device=sp.comm.device)
+        targets = sum(int((b["shift_labels"] != sp.ignore_index).sum()) for b in batches)
+        tokens = sum(int(b["token_mask"].sum()) if "token_mask" in b else b["input_ids"].numel() for b in batches)
+        count = torch.tensor([targets, tokens], dtype=torch.int64, device=sp.comm.device)
         with sp.comm.phase("data"):
-            per_rank = sp.comm.all_gather(count, dist.group.WORLD).reshape(-1)  # [W], in rank order
+            per_rank = sp.comm.all_gather(count, dist.group.WORLD).reshape(-1, 2)  # [W, 2], in rank order
         dims = sp.setup.dims
-        self._wf_metrics.add_tokens(int(per_rank.sum()))
+        self.wallfacer_metrics.add_tokens(int(per_rank[:, 1].sum()), int(per_rank[:, 0].sum()))
         if self.args.average_tokens_across_devices:
-            total = per_rank.sum()
+            total = per_rank[:, 0].sum()
         else:
-            total = per_rank[list(dims.sp_ranks(sp.groups.dp_index))].sum()
+            total = per_rank[list(dims.sp_ranks(sp.groups.dp_index)), 0].sum()
         return batches, total.to(device)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, plus ``wallfacer/*`` (``metrics.py``) on training logs."""
         if "loss" in logs:
-            logs = {**logs, **self._wf_metrics.collect()}
+            logs = {**logs, **self.wallfacer_metrics.collect()}
         super().log(logs, *args, **kwargs)
 
     def _wf_local_loss(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

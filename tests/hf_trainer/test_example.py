@@ -1,6 +1,7 @@
-"""The example Trainer script ``launch/train_hf.py`` on 4 gloo ranks forked from the test process (what the
-``deepspeed`` launcher's ranks run): it trains, evaluates, saves a checkpoint, logs to an offline wandb run (with
-``WallfacerTrainer``'s metrics), resumes from the checkpoint, and prints its JSON summary last."""
+"""The example scripts ``launch/train_hf.py`` (Trainer) and ``launch/train_trl.py`` (TRL SFT) on 4 gloo ranks
+forked from the test process (what the ``deepspeed`` launcher's ranks run): they train, evaluate, save a
+checkpoint (the SFT one a LoRA adapter only), log to an offline wandb run (with ``WallfacerTrainer``'s metrics),
+resume from the checkpoint, and print their JSON summary last."""
 from __future__ import annotations
 
 import json
@@ -17,16 +18,18 @@ import transformers.trainer  # noqa: E402,F401
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.train.helpers import wandb_history  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train_hf.py"
+LAUNCH = Path(__file__).resolve().parents[2] / "launch"
 
 
-def _example_rank(rank: int, world: int, argv: list[str]) -> str:
+def _example_rank(rank: int, world: int, argv: list[str], script: str = "train_hf") -> str:
     import contextlib
     import importlib.util
     import io
     import os
+    import sys
 
-    spec = importlib.util.spec_from_file_location("train_hf", SCRIPT)
+    sys.path.insert(0, str(LAUNCH))  # train_trl imports train_hf, as when run as a script
+    spec = importlib.util.spec_from_file_location(script, LAUNCH / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     os.environ["WANDB_DIR"] = argv[argv.index("--output_dir") + 1]  # the offline wandb run (WANDB_MODE=offline)
@@ -59,3 +62,18 @@ def test_the_example_trains_saves_resumes_and_prints_its_summary(tmp_path: Path)
     resumed = _summary(run_distributed(_example_rank, 4, [*argv, "--steps", "6", "--resume", "last"],
                                        timeout_s=240)[0])
     assert resumed["steps"] == 6, resumed
+
+
+def test_the_sft_example_trains_a_lora_adapter_on_packed_chats_and_prints_its_summary(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    import peft  # noqa: F401  (imported in the parent, shared by the forked ranks)
+    import trl  # noqa: F401
+
+    argv = ["--deepspeed_config", "wallfacer", "--max_length", "256", "--steps", "4", "--eval_steps", "2",
+            "--save_steps", "4", "--lora_r", "4", "--output_dir", str(tmp_path / "run")]
+    got = _summary(run_distributed(_example_rank, 4, argv, "train_trl", timeout_s=240)[0])
+    assert got["steps"] == 4 and got["sequence_parallel_size"] == 4 and got["lora"], got
+    assert got["tokens_per_s"] > 0 and got["final_loss"] > 0 and got["eval_loss"] > 0, got
+    saved = {p.name for p in (tmp_path / "run" / "checkpoint-4").iterdir()}
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved, saved
