@@ -146,8 +146,16 @@ def refusal(rank: int, world: int, out: str, section: dict | None, trainer_kwarg
 
     kw = dict(output_dir=out, per_device_train_batch_size=1, report_to=[], use_cpu=True, deepspeed=ds_config(section))
     args = TrainingArguments(**{**kw, **arg_overrides})
+    trainer_kwargs = dict(trainer_kwargs)
+    cls = WallfacerTrainer
+    if trainer_kwargs.pop("own_loss", False):
+        class OwnLoss(WallfacerTrainer):  # e.g. a preference loss
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 2
+
+        cls = OwnLoss
     try:
-        WallfacerTrainer(model=tiny_model("llama"), args=args, train_dataset=token_sequences(4, seed=0),
+        cls(model=tiny_model("llama"), args=args, train_dataset=token_sequences(4, seed=0),
                          data_collator=pad_right, **trainer_kwargs)
     except ValueError as e:  # UnsupportedTrainerOption, or a ds_config error
         return f"{type(e).__name__}: {e}"

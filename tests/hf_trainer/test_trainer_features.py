@@ -69,7 +69,7 @@ def test_zero3_from_pretrained_equals_the_plain_trainer_on_one_rank(tmp_path) ->
 
 
 REFUSALS = ["no section", "compute_metrics", "label smoothing", "train_batch_size", "neftune", "accelerate sp",
-            "alst conflict"]
+            "alst conflict", "own compute_loss"]
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -93,6 +93,8 @@ def test_what_the_trainer_path_cannot_compute_exactly_is_refused_at_construction
 
         overrides = {"parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=2)}
         words = 'put "sequence_parallel_size": 2 in the ds_config'
+    elif case == "own compute_loss":
+        kwargs, words = {"own_loss": True}, "OwnLoss defines its own compute_loss"
     else:  # DeepSpeed's own key against the section's
         overrides = {"deepspeed": ds_config(RING, top_level={"sequence_parallel_size": 2})}
         words = "sequence_parallel_size = 2 (DeepSpeed's key) conflicts with wallfacer.sequence_parallel_size = 4"
