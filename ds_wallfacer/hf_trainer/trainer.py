@@ -116,8 +116,12 @@ class WallfacerTrainerMixin:
                                    sampler=self._get_eval_sampler(dataset))
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        raise UnsupportedTrainerOption("predict() is not supported with sequence parallelism yet (logits are "
-                                       "sharded across ranks): use evaluate() for the loss")
+        """``predict()``'s loader, like the evaluation one: only with ``prediction_loss_only`` (the logits are
+        sharded across the sequence-parallel ranks), so ``predict`` returns ``test_loss`` and no predictions."""
+        if not self.args.prediction_loss_only:
+            raise UnsupportedTrainerOption("predict() returns logits, which are sharded across sequence-parallel "
+                                           "ranks: set TrainingArguments(prediction_loss_only=True) for test_loss")
+        return self.get_eval_dataloader(test_dataset)
 
     # -- loss ------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:

@@ -62,7 +62,8 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     ``average_tokens_across_devices`` (default True, as in ``TrainingArguments``), ``zero_stage`` (default 2),
     ``activation_checkpointing`` (the Trainer's layer checkpointing), ``pretrained`` (a model folder for
     ``from_pretrained``, instead of the tiny model built here), ``lora`` (a LoRA model from ``get_peft_model``),
-    ``alst`` (DeepSpeed's top-level sequence-parallel keys: ``WallfacerTrainer`` even without a section)."""
+    ``alst`` (DeepSpeed's top-level sequence-parallel keys: ``WallfacerTrainer`` even without a section),
+    ``predict`` (also ``predict()`` the held-out set, loss only)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tests.models import tiny_model
@@ -111,11 +112,15 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     trainer.add_callback(CountSteps())
     trainer.train(resume_from_checkpoint=opts.get("resume"))
     metrics = trainer.evaluate()
+    if opts.get("predict"):  # the held-out set again, through predict()
+        trainer.args.prediction_loss_only = True
+        metrics["test_loss"] = trainer.predict(kwargs["eval_dataset"]).metrics["test_loss"]
     history = trainer.state.log_history
     sp = getattr(trainer, "sequence_parallel", None)
     return {
         "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
         "eval_loss": metrics["eval_loss"],
+        "test_loss": metrics.get("test_loss"),
         "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
         "mode": sp.setup.dims.mode if sp is not None else None,
         "steps_run": steps_run,
@@ -202,11 +207,15 @@ def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch
     first = next(iter(trainer.get_train_dataloader()))
     trainer.train()
     metrics = trainer.evaluate()
+    if opts.get("predict"):  # the held-out set again, through predict()
+        trainer.args.prediction_loss_only = True
+        metrics["test_loss"] = trainer.predict(kwargs["eval_dataset"]).metrics["test_loss"]
     history = trainer.state.log_history
     sp = getattr(trainer, "sequence_parallel", None)
     return {
         "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
         "eval_loss": metrics["eval_loss"],
+        "test_loss": metrics.get("test_loss"),
         "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
         "documents": int((first["position_ids"] == 0).sum()) if section is None else None,
         "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)[:3],

@@ -35,7 +35,7 @@ MODES = {
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The plain Trainer on one rank: 2 sequences per micro-batch (the global batch of every run below)."""
     out = tmp_path_factory.mktemp("p1")
-    (ref,) = run_distributed(train, 1, str(out), None, 2, timeout_s=240)
+    (ref,) = run_distributed(train, 1, str(out), None, 2, {"predict": True}, timeout_s=240)
     assert len(ref["losses"]) == STEPS, ref
     assert ref["losses"][STEPS] < ref["losses"][1], ref  # it learns
     return ref
@@ -45,7 +45,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_losses_and_eval_loss_equal_the_plain_trainer_on_one_rank(mode: str, reference: dict,
                                                                   tmp_path) -> None:
     section, replicas, opts = MODES[mode]
-    got = run_distributed(train, 4, str(tmp_path), section, 2 // replicas, opts, timeout_s=240)[0]
+    got = run_distributed(train, 4, str(tmp_path), section, 2 // replicas, {**opts, "predict": True},
+                          timeout_s=240)[0]
     assert got["sequence_parallel_size"] == 4 // replicas, got
     assert got["mode"] == (section or {}).get("mode", "ulysses"), got  # DeepSpeed's key means Ulysses
     assert len(got["losses"]) == STEPS, got
@@ -53,6 +54,7 @@ def test_losses_and_eval_loss_equal_the_plain_trainer_on_one_rank(mode: str, ref
         a = got["losses"][step]
         assert a == pytest.approx(want, rel=1e-5, abs=1e-5), f"{mode} step {step}: {a} != {want} (1 rank)"
     assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5, abs=1e-5), (got, reference)
+    assert got["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5, abs=1e-5), (got, reference)
 
 
 def test_without_average_tokens_across_devices_equals_the_plain_trainer_on_two_ranks(tmp_path) -> None:
