@@ -59,6 +59,8 @@ def _run(cfg: dict, args: argparse.Namespace) -> dict:
                "--eval_steps", str(10 * args.steps), "--output_dir", out]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TRANSFORMERS_VERBOSITY="error",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        # DeepSpeed's CPU op, built once per venv by launch/setup_env.sh: found there, not rebuilt in a job
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
         t0 = time.time()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.job_timeout_s, cwd=out)

@@ -28,6 +28,7 @@ from .kernels.value_dim import with_value_dim
 from .merge import merge_
 from .schedule import KernelCall, RingSchedule
 from .sinks import add_sink, sink_grad, sink_lse
+from .team import all_gather_packed, from_team, gather_kv, own_rows, split_kv, team_kv, to_team
 from .volume import DEFAULT_SUM_DTYPES, SumDtypes
 
 __all__ = ["WallFacerAttention", "wallfacer_attention"]
@@ -134,32 +135,6 @@ def wallfacer_attention(
 # -- layout helpers --------------------------------------------------------------------------------
 
 
-def _to_team(g: torch.Tensor, perm: list[int]) -> torch.Tensor:
-    """Gathered [C, B, h, S_l, *r] (members in order, m chunks each) -> team order [B, h, S_t, *r] (chunks
-    ascending); ``perm`` has C * m entries."""
-    c, b, h, s = g.shape[:4]
-    rest = g.shape[4:]
-    m = len(perm) // c
-    if c == 1 and perm == sorted(perm):  # one member, chunks already ascending: a view
-        return g[0]
-    x = g.reshape(c, b, h, m, s // m, *rest).movedim(0, 2).reshape(b, h, m * c, s // m, *rest)
-    return x[:, :, perm].reshape(b, h, c * s, *rest)
-
-
-def _from_team(x: torch.Tensor, perm: list[int], c: int) -> torch.Tensor:
-    """Inverse of ``_to_team``: [B, h, S_t, *r] -> [C, B, h, S_l, *r]."""
-    b, h, st = x.shape[:3]
-    rest = x.shape[3:]
-    n = len(perm)
-    if c == 1 and perm == sorted(perm):
-        return x.unsqueeze(0)
-    inv = [0] * n
-    for i, p in enumerate(perm):
-        inv[p] = i
-    y = x.reshape(b, h, n, st // n, *rest)[:, :, inv]
-    return y.reshape(b, h, c, n // c, st // n, *rest).movedim(2, 0).reshape(c, b, h, st // c, *rest)
-
-
 @dataclass(frozen=True)
 class _Options:
     """The keyword options of one call (``WallFacerAttention.__call__``)."""
@@ -249,46 +224,6 @@ def _block_grads(kernel: BlockKernel, expand: bool, do, q, k, v, out, lse, *, de
     return dq, dk, dv
 
 
-def _gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
-    """Skewed all-gather: start receiving the C shards of this rank's first k/v team straight from its
-    members, and sending this rank's own shard to the C ranks (one per lane) whose first team is ours."""
-    place = attn.groups.place
-    own = torch.cat([k, v], dim=-1)  # [B, hk, S_l, d + dv]
-    bufs = torch.empty((len(place.kv_sources), *own.shape), dtype=own.dtype, device=own.device)
-    pending = attn.comm.exchange(
-        [(own, dst) for dst in place.kv_dests], list(zip(bufs, place.kv_sources)), kind="skew", group=attn.groups.sp_group
-    )
-    return pending, bufs
-
-
-def _team_kv(bufs: torch.Tensor, perm: list[int]) -> torch.Tensor:
-    """[C, B, hk, S_l, d + dv] member shards -> [B, hk, S_t, d + dv] in team order (one copy)."""
-    return _to_team(bufs, perm)
-
-
-def _split_kv(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., d + dv] -> the k [..., d] and v [..., dv] views."""
-    return kv[..., :d], kv[..., d:]
-
-
-def _own_rows(attn, sched: RingSchedule, x: torch.Tensor) -> torch.Tensor:
-    """This rank's rows [B, h, S_l] of a team-order row tensor [B, h, S_t] (the team lse)."""
-    c = attn.groups.layout.ring_count
-    return _from_team(x.unsqueeze(-1), sched.perm, c)[attn.groups.place.local].squeeze(-1)
-
-
-def _all_gather_packed(comm: CommLayer, xs: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """One all-gather for tensors of any dtypes, packed as bytes: each [*s] -> [C, *s]."""
-    flat = torch.cat([x.contiguous().view(-1).view(torch.uint8) for x in xs])
-    g = comm.all_gather(flat, group)  # [C, total bytes]
-    out, at = [], 0
-    for x in xs:
-        n = x.numel() * x.element_size()
-        out.append(g[:, at:at + n].contiguous().view(x.dtype).view(g.shape[0], *x.shape))
-        at += n
-    return out
-
-
 def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, scale: float, opts: _Options):
     """(out [B, hq, S_l, dv], the team lse [B, hq, S_t], and the team's q with ``keep_team_q``); with ``sinks`` both
     already include them (folded into the team lse once, after all blocks: Note [Attention sinks], design.md §2)."""
@@ -304,14 +239,14 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
             attn.work["forward"] += call.work
             out, lse = kernel.forward(q, k, v, causal=call.causal, scale=scale, softcap=opts.softcap)
             return (out, lse) if sinks is None else add_sink(out, lse, sinks)
-        q_t = _to_team(q.unsqueeze(0), sched.perm)
-        cur = _team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
+        q_t = to_team(q.unsqueeze(0), sched.perm)
+        cur = team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
     else:
         # 1-2. skewed gather of k/v (point-to-point, in flight); team all-gather of q [B, h, S_l, d] -> [B, h, S_t, d]
-        kv_pending, bufs = _gather_kv(attn, k, v)
-        q_t = _to_team(comm.all_gather(q, grp.team_group), sched.perm)
+        kv_pending, bufs = gather_kv(attn, k, v)
+        q_t = to_team(comm.all_gather(q, grp.team_group), sched.perm)
         kv_pending.wait()
-        cur = _team_kv(bufs, sched.kv_perm)  # [B, hk, S_t, d + dv]
+        cur = team_kv(bufs, sched.kv_perm)  # [B, hk, S_t, d + dv]
     # 3. ring steps, double-buffered; results land in fp32 accumulators (accumulate.py Note [No zero fills])
     plan = fill_plan(call_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
     acc_out = fresh_accumulator((b, hq, c * sl, dv), q.device, plan)
@@ -322,7 +257,7 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
         if s + 1 < len(sched.steps):
             nxt = torch.empty_like(cur)
             pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
-        k_t, v_t = _split_kv(cur, d)
+        k_t, v_t = split_kv(cur, d)
         for call in calls:
             out, lse = kernel.forward(
                 _block(q_t, call, call.qs), _block(k_t, call, call.ks), _block(v_t, call, call.ks),
@@ -342,7 +277,7 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
             new = sink_lse(acc_lse, sinks)
             acc_out.mul_(torch.exp(acc_lse - new).unsqueeze(-1))
             acc_lse = new
-        return _from_team(acc_out, sched.perm, 1)[0].to(q.dtype), acc_lse
+        return from_team(acc_out, sched.perm, 1)[0].to(q.dtype), acc_lse
     # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, dv] -> [C, B, hq, S_l, dv] -> own [B, hq, S_l, dv]
     lse_all = comm.all_gather(acc_lse, grp.team_group)  # [C, B, hq, S_t]
     lse_team = torch.logsumexp(lse_all, dim=0)
@@ -350,7 +285,7 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
         lse_team = sink_lse(lse_team, sinks)
     finite = torch.where(torch.isinf(lse_team), torch.zeros_like(lse_team), lse_team)  # rows that see no key
     part = acc_out.mul_(torch.exp(acc_lse - finite).unsqueeze(-1)).to(wire["out"])  # each <= the output's scale
-    out = comm.reduce_scatter(_from_team(part, sched.perm, c), grp.team_group).to(q.dtype)
+    out = comm.reduce_scatter(from_team(part, sched.perm, c), grp.team_group).to(q.dtype)
     return (out, lse_team, q_t) if attn.keep_team_q else (out, lse_team)
 
 
@@ -370,20 +305,20 @@ def _backward_inputs(attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k,
     """(the team's rows, the first k/v block [B, hk, S_t, d + dv] of the ring) for the backward ring steps."""
     delta_path = callable(getattr(kernel, "backward_delta", None))
     if attn.groups.layout.sp_size == 1:
-        q_t, do_t = (_to_team(x.unsqueeze(0), sched.perm) for x in (q, dout))
-        o_t = _to_team(out.unsqueeze(0), sched.perm)
-        cur = _team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
+        q_t, do_t = (to_team(x.unsqueeze(0), sched.perm) for x in (q, dout))
+        o_t = to_team(out.unsqueeze(0), sched.perm)
+        cur = team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
         return _TeamRows(q_t, do_t, o_t, lse_team, delta_path=False), cur
     # 1-2. skewed gather of k/v again; ONE team all-gather of q (unless kept), dO (the adjoint of the forward
     # reduce-scatter) and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
-    kv_pending, bufs = _gather_kv(attn, k, v)
+    kv_pending, bufs = gather_kv(attn, k, v)
     last_piece = (dout.float() * out.float()).sum(-1) if delta_path else out
     pieces = ([] if q_team is not None else [q]) + [dout, last_piece]
-    gathered = [_to_team(x, sched.perm) for x in _all_gather_packed(attn.comm, pieces, attn.groups.team_group)]
+    gathered = [to_team(x, sched.perm) for x in all_gather_packed(attn.comm, pieces, attn.groups.team_group)]
     q_t = q_team if q_team is not None else gathered.pop(0)
     do_t, o_t = gathered
     kv_pending.wait()
-    return _TeamRows(q_t, do_t, o_t, lse_team, delta_path), _team_kv(bufs, sched.kv_perm)
+    return _TeamRows(q_t, do_t, o_t, lse_team, delta_path), team_kv(bufs, sched.kv_perm)
 
 
 def _step_grads(attn, kernel: BlockKernel, expand: bool, team: _TeamRows, cur, calls, dq_acc, dq_fills, scale: float,
@@ -393,8 +328,8 @@ def _step_grads(attn, kernel: BlockKernel, expand: bool, team: _TeamRows, cur, c
     d = team.q.shape[-1]
     kv_plan = fill_plan(call_spans(calls, "ks"), team.q.shape[0], cur.shape[2])
     dkv = fresh_accumulator(cur.shape, team.q.device, kv_plan)  # [B, hk, S_t, d + dv]
-    k_t, v_t = _split_kv(cur, d)
-    dk_acc, dv_acc = _split_kv(dkv, d)
+    k_t, v_t = split_kv(cur, d)
+    dk_acc, dv_acc = split_kv(dkv, d)
     for j, call in enumerate(calls):
         qs, ks, rows = call.qs, call.ks, call.rows
         dq, dk, dv = _block_grads(
@@ -427,7 +362,7 @@ def _pass_dkv(attn, sched: RingSchedule, dkv: torch.Tensor, wire: dict[str, torc
         recv = torch.empty_like(send)
         return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
     send = dkv.to(wire["dkv_home"])
-    slices = _from_team(send, sched.home_perm, c)
+    slices = from_team(send, sched.home_perm, c)
     homes = torch.empty(slices.shape, dtype=slices.dtype, device=slices.device)  # [C, B, hk, S_l, d + dv]
     return attn.comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])), kind="skew",
                               group=grp.sp_group)
@@ -466,8 +401,8 @@ def _backward(
         dkv = _step_grads(attn, kernel, expand, team, cur, calls, dq_acc, dq_fills, scale, opts)
         i += len(calls)
         if p == 1:  # one step, nothing to send or receive
-            dk_own, dv_own = _split_kv(_from_team(dkv, sched.perm, 1)[0], d)
-            return _from_team(dq_acc, sched.perm, 1)[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+            dk_own, dv_own = split_kv(from_team(dkv, sched.perm, 1)[0], d)
+            return from_team(dq_acc, sched.perm, 1)[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
         if dkv_pending is not None:
             dkv += dkv_pending.wait()[0]
         dkv_pending = _pass_dkv(attn, sched, dkv, wire, home=s == last)
@@ -476,10 +411,10 @@ def _backward(
     # 4. sum the lanes' dk/dv of this rank's shard in fp32; reduce-scatter dq in the team (adjoint of the all-gather)
     dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0, dtype=torch.float32)  # [B, hk, S_l, d + dv]
     if c == 1:
-        dq = _from_team(dq_acc, sched.perm, 1)[0]
+        dq = from_team(dq_acc, sched.perm, 1)[0]
     else:
-        dq = comm.reduce_scatter(_from_team(dq_acc.to(wire["dq"]), sched.perm, c), grp.team_group)
-    dk_own, dv_own = _split_kv(dkv_own, d)
+        dq = comm.reduce_scatter(from_team(dq_acc.to(wire["dq"]), sched.perm, c), grp.team_group)
+    dk_own, dv_own = split_kv(dkv_own, d)
     return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
@@ -521,7 +456,7 @@ class _WallFacerFn(torch.autograd.Function):
             dq, dk, dv = _backward(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts,
                                    *kept)
             # the sink's gradient over this rank's own rows (Note [Attention sinks], docs/design.md §2)
-            dsinks = None if sinks is None else sink_grad(dout, out, _own_rows(attn, ctx.sched, lse_team), sinks)
+            dsinks = None if sinks is None else sink_grad(dout, out, own_rows(attn, ctx.sched, lse_team), sinks)
         if ctx.slot is not None:
             ctx.slot.done()
         return dq, dk, dv, dsinks, None, None, None, None

@@ -8,11 +8,14 @@ line and exits with status 2 on every rank, before any process group exists.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
+from typing import Any
 
 from .. import examples
 
-__all__ = ["DEFAULT_CONFIG", "DEFAULT_DATA", "StartupError", "parse_args"]
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_DATA", "StartupError", "offline_defaults", "parse_args", "read_ds_config"]
 
 DEFAULT_DATA = examples.DATA_DIR
 """The demo corpus (a few KB of text)."""
@@ -130,3 +133,27 @@ def _check(args: argparse.Namespace) -> None:
     if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
         raise StartupError(f"--resume {args.resume!r} is not a checkpoint directory: give \"auto\" or a tag "
                            "directory such as OUTPUT_DIR/checkpoints/step_100")
+
+
+def offline_defaults() -> None:
+    """Nothing reaches a network unless asked: wandb offline, datasets and the hub local; CPU ranks where there is
+    no GPU, with ``OMP_NUM_THREADS`` threads."""
+    import torch
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def read_ds_config(path: str) -> dict[str, Any]:
+    """``--deepspeed_config`` as a dict, or a ``StartupError`` naming what is wrong with the file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise StartupError(f"--deepspeed_config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise StartupError(f"--deepspeed_config {path!r} must hold a JSON object")
+    return raw

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["PEAK_TFLOPS", "comm_bytes", "init_wandb", "model_flops_per_step", "peak_memory_bytes", "peak_tflops",
-           "split_wandb_section"]
+__all__ = ["PEAK_TFLOPS", "comm_bytes", "gather_rows", "init_wandb", "model_flops_per_step", "peak_memory_bytes", "peak_tflops",
+           "replica_mean", "split_wandb_section"]
 
 PEAK_TFLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100": {torch.bfloat16: 989.0, torch.float16: 989.0},
@@ -81,3 +82,17 @@ def init_wandb(*, output_dir: Path, section: dict[str, Any], project: str | None
         entity=section.get("team"), name=name, dir=str(output_dir), config=config,
     )
     return run
+
+
+def gather_rows(values: torch.Tensor, *, comm: Any) -> torch.Tensor:
+    """[k] on every rank -> [W, k] on the host, every rank's row. Through the comm layer, which checks the tensor
+    is on the group's device."""
+    with comm.phase("metrics"):
+        return comm.all_gather(values, dist.group.WORLD).cpu()
+
+
+def replica_mean(rows: torch.Tensor, *, dims: Any) -> torch.Tensor:
+    """[W, k] rows equal within a sequence-parallel group -> their mean over the data-parallel replicas, in float64
+    (one value per replica, so D = 1 returns the value exactly)."""
+    firsts = [rows[dims.sp_ranks(d)[0]] for d in range(dims.dp_size)]
+    return torch.stack(firsts).double().mean(0)

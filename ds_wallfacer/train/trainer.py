@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,80 +20,21 @@ import torch.distributed as dist
 from ..hf_config import text_config
 from . import checkpoint as ckpt
 from . import manifest
-from .cli import StartupError
+from .cli import StartupError, offline_defaults, read_ds_config
 from .data import eval_batches, load_token_data, train_batches
 from .export import export_hf
-from .metrics import comm_bytes, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops, split_wandb_section
+from .metrics import (comm_bytes, gather_rows, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops,
+                      replica_mean, split_wandb_section)
 from .model import dtype_of, load_model
 from .nonfinite import NonFiniteRun, UpdateGate, check_step
+from .schedule import scheduler_of
 from .preempt import PREEMPTED_EXIT_CODE, Preemption, stop_reason
 from .signals import SIGNAL_EXIT, SignalRelay
 from .watchdog import launchers, say_as_rank, start_watchdog
 
-__all__ = ["Trainer", "lr_factor"]
+__all__ = ["Trainer"]
 
 Batch = dict[str, torch.Tensor]
-
-
-def lr_factor(*, steps: int, warmup_steps: int, decay: str, min_ratio: float) -> Callable[[int], float]:
-    """Learning-rate multiplier by optimizer step: linear warm-up, then cosine / linear decay to ``min_ratio``
-    at ``steps`` (or constant)."""
-
-    def factor(s: int) -> float:
-        if s < warmup_steps:
-            return (s + 1) / warmup_steps
-        if decay == "constant":
-            return 1.0
-        frac = min(1.0, (s - warmup_steps) / max(1, steps - warmup_steps))
-        if decay == "cosine":
-            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-        return 1 - (1 - min_ratio) * frac
-
-    return factor
-
-
-def _offline_defaults() -> None:
-    os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a hub
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-
-def _read_ds_config(path: str) -> dict[str, Any]:
-    try:
-        raw = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise StartupError(f"--deepspeed_config {path!r} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise StartupError(f"--deepspeed_config {path!r} must hold a JSON object")
-    return raw
-
-
-def _scheduler(args: Any) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]:
-    """The warm-up + decay schedule of the options, as the callable DeepSpeed builds it from (with its optimizer)."""
-    factor = lr_factor(steps=args.steps, warmup_steps=args.warmup_steps, decay=args.lr_decay,
-                       min_ratio=args.min_lr_ratio)
-
-    def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        return torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-    return scheduler
-
-
-def _gather_rows(values: torch.Tensor, *, comm: Any) -> torch.Tensor:
-    """[k] on every rank -> [W, k] on the host, every rank's row. Through the comm layer, which checks the tensor
-    is on the group's device."""
-    with comm.phase("metrics"):
-        return comm.all_gather(values, dist.group.WORLD).cpu()
-
-
-def _replica_mean(rows: torch.Tensor, *, dims: Any) -> torch.Tensor:
-    """[W, k] rows equal within a sequence-parallel group -> their mean over the data-parallel replicas, in float64
-    (one value per replica, so D = 1 returns the value exactly)."""
-    firsts = [rows[dims.sp_ranks(d)[0]] for d in range(dims.dp_size)]
-    return torch.stack(firsts).double().mean(0)
 
 
 class Trainer:
@@ -162,12 +103,12 @@ class Trainer:
     def build(self) -> None:
         """ds_config, checkpoint to resume, model, data, then the DeepSpeed engine and the sizes it decides."""
         args = self.args
-        _offline_defaults()
+        offline_defaults()
         import ds_wallfacer.integration as wfi  # registers attn_implementation="wallfacer"
 
         from ..config import parse_ds_config
 
-        ds_config, self.wandb_section = split_wandb_section(_read_ds_config(args.deepspeed_config))
+        ds_config, self.wandb_section = split_wandb_section(read_ds_config(args.deepspeed_config))
         try:
             self.run_cfg = parse_ds_config(ds_config)
         except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
@@ -205,7 +146,7 @@ class Trainer:
         optimizer = None
         if not self.run_cfg.has_optimizer:
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        scheduler = None if "scheduler" in ds_config else _scheduler(args)  # else DeepSpeed builds the configured one
+        scheduler = None if "scheduler" in ds_config else scheduler_of(args)  # else DeepSpeed builds the configured one
         world_now = int(os.environ.get("WORLD_SIZE", "1"))
         self.universal = self.resume_tag is not None and ckpt.saved_world_size(self.resume_tag) != world_now
         if self.universal:  # DeepSpeed's universal checkpoint re-partitions ZeRO state
@@ -349,8 +290,8 @@ class Trainer:
         self.state["tokens_seen"] += self.seq_per_step * seq_len
         if self.preemption is not None:
             acc[2] = self.preemption.flag()
-        rows = _gather_rows(acc, comm=sp.comm)  # one collective: the losses and any rank's stop request
-        means = _replica_mean(rows[:, :2] / self.gas, dims=self.setup.dims)
+        rows = gather_rows(acc, comm=sp.comm)  # one collective: the losses and any rank's stop request
+        means = replica_mean(rows[:, :2] / self.gas, dims=self.setup.dims)
         if bool(rows[:, 2].any()):
             self.stopped = stop_reason(rows[:, 2].tolist())
         loss_v = float(means[0])
@@ -386,7 +327,7 @@ class Trainer:
                 total[0] += engine(**self._to_device(batch)).double() * count
                 total[1] += count
         engine.train()
-        s = _replica_mean(_gather_rows(total, comm=self.sp.comm), dims=self.setup.dims)
+        s = replica_mean(gather_rows(total, comm=self.sp.comm), dims=self.setup.dims)
         return float(s[0] / s[1])
 
     def save(self) -> None:

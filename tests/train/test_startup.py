@@ -17,7 +17,7 @@ from ds_wallfacer.train import checkpoint as ckpt
 from ds_wallfacer.train import main
 from ds_wallfacer.train.cli import StartupError
 from ds_wallfacer.train.data import load_token_data, train_batches
-from ds_wallfacer.train.trainer import lr_factor
+from ds_wallfacer.train.schedule import lr_factor
 from ds_wallfacer.train.model import byte_tokenizer, load_model
 from tests.train.helpers import ROOT, env, make_model_dir
 
