@@ -3,6 +3,7 @@
 - SIGUSR1 (what SLURM's ``--signal`` sends; SIGTERM takes the same path) to one rank mid-training: every rank
   finishes its step, saves a checkpoint that verifies, and exits with status 75 and one line saying why;
   ``--resume auto`` then continues, and its losses equal an uninterrupted run's bitwise;
+- one rank (no watchdog): the trainer's own signal relay takes SIGTERM the same way;
 - without processes: a relayed copy of the first signal is ignored, a second signal ends the rank at once, a
   signal after the save ends it with 75, and the grace runs out with the first signal's status.
 The deepspeed launcher's case (SIGTERM to the ``deepspeed`` runner) is in ``test_faults.py``.
@@ -116,3 +117,32 @@ def test_a_signal_saves_and_the_resumed_run_is_bitwise(common: dict, sig: signal
     assert resumed["resumed_from"].endswith(f"step_{step}") and resumed["steps"] == STEPS
     got, want = losses(out), common["ref"]
     assert [got[k] for k in range(1, STEPS + 1)] == [want[k] for k in range(1, STEPS + 1)]  # bitwise
+
+
+def test_one_rank_without_a_watchdog_saves_on_a_signal_and_resumes_bitwise(tmp_path: Path) -> None:
+    """One rank starts no watchdog: the trainer's own signal relay takes SIGTERM to the preemption (save, 75)."""
+    cfg = tmp_path / "p1.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                               "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+                               "wallfacer": {"sequence_parallel_size": 1}}))
+    steps = 12
+    args = ["--deepspeed_config", str(cfg), "--seq_len", "64", "--steps", str(steps), "--eval_fraction", "0",
+            "--no_wandb", "--no_export", "--no_save", "--cache_dir", str(tmp_path / "cache")]
+    (tmp_path / "cwd").mkdir()
+    summary(train_on_ranks(1, tmp_path / "cwd", "--output_dir", str(tmp_path / "ref"), *args))
+    out = tmp_path / "signalled"
+    done = threading.Event()
+    sender = threading.Thread(target=_signal_ranks, args=(out, signal.SIGTERM, True, done), daemon=True)
+    sender.start()
+    res = train_on_ranks(1, tmp_path / "cwd", "--output_dir", str(out), *args)
+    done.set()
+    sender.join()
+    text = res.stdout + res.stderr
+    assert res.returncode == PREEMPTED_EXIT_CODE, text[-4000:]
+    assert "SIGTERM on rank 0" in text and "--resume auto" in text, text[-4000:]
+    step = json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])["steps"]
+    assert 2 <= step < steps, step
+    resumed = summary(train_on_ranks(1, tmp_path / "cwd", "--output_dir", str(out), "--resume", "auto", *args))
+    assert resumed["resumed_from"].endswith(f"step_{step}") and resumed["steps"] == steps
+    got, want = losses(out), losses(tmp_path / "ref")
+    assert [got[k] for k in range(1, steps + 1)] == [want[k] for k in range(1, steps + 1)]  # bitwise
