@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 __all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "backend_device_types", "exposed"]
 
-KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "check")
+KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "halo", "check")
+"""What the comm layer counts bytes by: the collectives, ring and skew hops of attention, Ulysses all-to-alls,
+short-convolution halos (``mixers.short_conv``) and the cross-rank checks."""
 
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
