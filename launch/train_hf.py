@@ -28,19 +28,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
     p.add_argument("--data", default=str(examples.DATA_DIR), help="local text: .txt / .jsonl / .parquet or a folder")
-    p.add_argument("--deepspeed_config", default="wallfacer", help="example name or path of a ds_config")
     p.add_argument("--seq_len", type=int, default=256)
+    add_run_options(p, output_dir="runs/hf", unit="sequences")
+    return p.parse_args(argv)
+
+
+def add_run_options(p: argparse.ArgumentParser, *, output_dir: str, unit: str) -> None:
+    """The options both examples share: the ds_config, steps, batch, learning rate, evaluation, checkpoints."""
+    p.add_argument("--deepspeed_config", default="wallfacer", help="example name or path of a ds_config")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--micro_batch", type=int, default=1, help="sequences per micro-step per sequence-parallel group")
+    p.add_argument("--micro_batch", type=int, default=1, help=f"{unit} per micro-step per sequence-parallel group")
     p.add_argument("--grad_accum", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval_steps", type=int, default=4)
     p.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'last'")
-    p.add_argument("--output_dir", default="runs/hf")
+    p.add_argument("--output_dir", default=output_dir)
     p.add_argument("--report_to", default="none", help="none or wandb (offline unless WANDB_MODE says otherwise)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-    return p.parse_args(argv)
+
+
+def run_arguments(args: argparse.Namespace) -> dict:
+    """``TrainingArguments`` keywords from the shared options (``SFTConfig`` takes the same): batch, steps,
+    evaluation, checkpoints, reporting, the ds_config, CPU ranks where there is no GPU, bf16 as the config says."""
+    import torch
+
+    cfg = ds_config(args.deepspeed_config)
+    return dict(
+        output_dir=args.output_dir, per_device_train_batch_size=args.micro_batch, per_device_eval_batch_size=1,
+        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
+        eval_strategy="steps", eval_steps=args.eval_steps, logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        report_to=[] if args.report_to == "none" else [args.report_to], deepspeed=cfg, disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), bf16=bool((cfg.get("bf16") or {}).get("enabled")),
+    )
 
 
 def ds_config(name: str) -> dict:
@@ -77,15 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_wallfacer.hf_trainer import WallfacerTrainer
     from ds_wallfacer.train.model import load_model
 
-    cfg = ds_config(args.deepspeed_config)
-    training = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.micro_batch, per_device_eval_batch_size=1,
-        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
-        eval_strategy="steps", eval_steps=args.eval_steps, logging_steps=1,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to=[] if args.report_to == "none" else [args.report_to], deepspeed=cfg, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), bf16=bool((cfg.get("bf16") or {}).get("enabled")),
-    )
+    training = TrainingArguments(**run_arguments(args))
     import deepspeed
 
     # ZeRO-3 builds the model partitioned (zero.Init), sized by DeepSpeed's world: start it first (on GPUs the

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_hf import ds_config, summary  # noqa: E402  (the Trainer example's ds_config and summary line)
+from train_hf import add_run_options, run_arguments, summary  # noqa: E402  (the Trainer example's shared parts)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,20 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
     p.add_argument("--data", default=str(CHAT_DATA), help='a .jsonl of {"messages": [...]} conversations')
-    p.add_argument("--deepspeed_config", default="wallfacer", help="example name or path of a ds_config")
     p.add_argument("--max_length", type=int, default=512, help="tokens per packed row")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--micro_batch", type=int, default=1, help="packed rows per micro-step per sequence-parallel group")
-    p.add_argument("--grad_accum", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter of this rank (peft)")
-    p.add_argument("--eval_steps", type=int, default=4)
     p.add_argument("--eval_size", type=int, default=16, help="conversations held out for evaluation")
-    p.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints")
-    p.add_argument("--resume", default=None, help="a checkpoint folder, or 'last'")
-    p.add_argument("--output_dir", default="runs/trl")
-    p.add_argument("--report_to", default="none", help="none or wandb (offline unless WANDB_MODE says otherwise)")
-    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    add_run_options(p, output_dir="runs/trl", unit="packed rows")
     return p.parse_args(argv)
 
 
@@ -67,16 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from ds_wallfacer.hf_trainer import WallfacerSFTTrainer
     from ds_wallfacer.train.model import load_model
 
-    cfg = ds_config(args.deepspeed_config)
-    bf16 = bool((cfg.get("bf16") or {}).get("enabled"))
     training = SFTConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.micro_batch, per_device_eval_batch_size=1,
-        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
-        eval_strategy="steps", eval_steps=args.eval_steps, logging_steps=1,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to=[] if args.report_to == "none" else [args.report_to], deepspeed=cfg, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), bf16=bf16,
-        packing=True, eval_packing=False, max_length=args.max_length, assistant_only_loss=True,
+        **run_arguments(args), packing=True, eval_packing=False, max_length=args.max_length, assistant_only_loss=True,
         gradient_checkpointing=False,  # layer checkpointing is the ds_config's (mini_sequence) choice here
     )
     import deepspeed

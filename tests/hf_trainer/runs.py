@@ -111,24 +111,31 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
 
     trainer.add_callback(CountSteps())
     trainer.train(resume_from_checkpoint=opts.get("resume"))
-    metrics = trainer.evaluate()
-    if opts.get("predict"):  # the held-out set again, through predict()
-        trainer.args.prediction_loss_only = True
-        metrics["test_loss"] = trainer.predict(kwargs["eval_dataset"]).metrics["test_loss"]
-    history = trainer.state.log_history
-    sp = getattr(trainer, "sequence_parallel", None)
     return {
-        "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
-        "eval_loss": metrics["eval_loss"],
-        "test_loss": metrics.get("test_loss"),
-        "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
-        "mode": sp.setup.dims.mode if sp is not None else None,
+        **_results(trainer, kwargs["eval_dataset"], predict=opts.get("predict", False)),
         "steps_run": steps_run,
-        "logged": sorted(next(h for h in history if "loss" in h)),
+        "logged": sorted(next(h for h in trainer.state.log_history if "loss" in h)),
         "partitioned": any(hasattr(p, "ds_id") for p in model.parameters()),
         "attention_kept": _attention_kept(model),
         "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
         "saved": sorted(p.name for p in Path(out).glob("checkpoint-*/*")),
+    }
+
+
+def _results(trainer: Any, eval_dataset: Any, *, predict: bool = False) -> dict[str, Any]:
+    """After training: evaluate (and ``predict`` the held-out set again, loss only); the logged losses, the eval
+    (and test) loss, the sequence-parallel size and mode."""
+    metrics = trainer.evaluate()
+    if predict:
+        trainer.args.prediction_loss_only = True
+        metrics["test_loss"] = trainer.predict(eval_dataset).metrics["test_loss"]
+    sp = getattr(trainer, "sequence_parallel", None)
+    return {
+        "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+        "eval_loss": metrics["eval_loss"],
+        "test_loss": metrics.get("test_loss"),
+        "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
+        "mode": sp.setup.dims.mode if sp is not None else None,
     }
 
 
@@ -206,17 +213,8 @@ def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch
         trainer = WallfacerSFTTrainer(**kwargs)
     first = next(iter(trainer.get_train_dataloader()))
     trainer.train()
-    metrics = trainer.evaluate()
-    if opts.get("predict"):  # the held-out set again, through predict()
-        trainer.args.prediction_loss_only = True
-        metrics["test_loss"] = trainer.predict(kwargs["eval_dataset"]).metrics["test_loss"]
-    history = trainer.state.log_history
-    sp = getattr(trainer, "sequence_parallel", None)
     return {
-        "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
-        "eval_loss": metrics["eval_loss"],
-        "test_loss": metrics.get("test_loss"),
-        "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1,
+        **_results(trainer, kwargs["eval_dataset"]),
         "documents": int((first["position_ids"] == 0).sum()) if section is None else None,
         "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)[:3],
     }
