@@ -1,7 +1,7 @@
 """The baseline of ``bench_hf_trainer.py``: transformers' ``Trainer`` with DeepSpeed's own Ulysses (ALST), as its
 users switch it on: accelerate's ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)`` with SDPA as the core
-attention, ``position_ids`` in every batch. Same model (preset, seeded), data (``launch/train_hf.py``'s cut of the
-text corpus), arguments and ds_config (its ``"wallfacer"`` section dropped) as the example it is compared with.
+attention, ``position_ids`` in every batch. Same model (preset, seeded), data (the text corpus cut as
+``launch/train_hf.py`` cuts it, ``examples.token_rows``), arguments and ds_config (its ``"wallfacer"`` section dropped) as the example it is compared with.
 
     deepspeed --num_gpus 4 benchmarks/hf_trainer_alst.py --deepspeed_config ulysses --seq_len 1024 --steps 8
 
@@ -9,16 +9,31 @@ Prints the example's JSON summary line last (final_loss, steps, tokens_per_s; no
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "launch")]
+sys.path.insert(0, str(ROOT))
 
-from train_hf import datasets_of, ds_config, parse_args  # noqa: E402
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``launch/train_hf.py``'s options that matter here (the others, e.g. ``--eval_steps``, are ignored)."""
+    from ds_wallfacer import examples
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--data", default=str(examples.DATA_DIR))
+    p.add_argument("--deepspeed_config", default="ulysses")
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--micro_batch", type=int, default=1)
+    p.add_argument("--grad_accum", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--output_dir", default="runs/hf_alst")
+    return p.parse_known_args(argv)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
+    from ds_wallfacer.examples import trainer_config
     from ds_wallfacer.integration.deepspeed import release_shm_buffer
+    from ds_wallfacer.train.data import token_rows
     from ds_wallfacer.train.model import BYTE_EOS_ID, PRESETS, byte_tokenizer
 
-    cfg = ds_config(args.deepspeed_config)
+    cfg = trainer_config(args.deepspeed_config)
     cfg.pop("wallfacer", None)
     deepspeed.init_distributed()
     sp = dist.get_world_size()
@@ -48,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(training.seed)  # the example's weights (load_model seeds the same way)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values),
                                              attn_implementation="sdpa")
-    loaded = SimpleNamespace(tokenizer=byte_tokenizer(), tokenizer_id="bytes", eos_id=BYTE_EOS_ID)
-    train_set, _ = datasets_of(args, loaded)
+    train_set, _ = token_rows(args.data, byte_tokenizer(), tokenizer_id="bytes", eos_id=BYTE_EOS_ID,
+                              seq_len=args.seq_len, cache_dir=Path(args.output_dir) / "cache")
     # position ids in every batch, as ALST needs; the set repeated so that its loader adapter (which hands every rank
     # each peer's batches in turn) does not end the epoch, and the run, before --steps
     train_set = [{**r, "position_ids": list(range(len(r["input_ids"])))} for r in train_set] * sp

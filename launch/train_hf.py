@@ -18,10 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
 
-_TRAINER_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                 "gradient_clipping")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from ds_wallfacer import examples
 
@@ -53,7 +49,9 @@ def run_arguments(args: argparse.Namespace) -> dict:
     evaluation, checkpoints, reporting, the ds_config, CPU ranks where there is no GPU, bf16 as the config says."""
     import torch
 
-    cfg = ds_config(args.deepspeed_config)
+    from ds_wallfacer.examples import trainer_config
+
+    cfg = trainer_config(args.deepspeed_config)
     return dict(
         output_dir=args.output_dir, per_device_train_batch_size=args.micro_batch, per_device_eval_batch_size=1,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
@@ -64,30 +62,12 @@ def run_arguments(args: argparse.Namespace) -> dict:
     )
 
 
-def ds_config(name: str) -> dict:
-    """The ds_config as the Trainer wants it: the keys it fills from its arguments set to "auto"."""
-    from ds_wallfacer import examples
-
-    path = examples.find_config(name) or Path(name)
-    cfg = json.loads(Path(path).read_text())
-    for key in _TRAINER_KEYS:
-        cfg[key] = "auto"
-    if "optimizer" in cfg:
-        cfg["optimizer"].setdefault("params", {})["lr"] = "auto"
-    return cfg
-
-
 def datasets_of(args: argparse.Namespace, loaded) -> tuple[list[dict], list[dict]]:
     """Sequences of ``--seq_len`` tokens cut from the text (documents joined by EOS); 10% held out."""
-    from ds_wallfacer.train.data import load_token_data
+    from ds_wallfacer.train.data import token_rows
 
-    data = load_token_data(args.data, loaded.tokenizer, tokenizer_id=loaded.tokenizer_id, eos_id=loaded.eos_id,
-                           seq_len=args.seq_len, eval_fraction=0.1, cache_dir=Path(args.output_dir) / "cache")
-
-    def rows(seqs) -> list[dict]:
-        return [{"input_ids": [int(t) for t in s], "labels": [int(t) for t in s]} for s in seqs]
-
-    return rows(data.train), rows(data.eval)
+    return token_rows(args.data, loaded.tokenizer, tokenizer_id=loaded.tokenizer_id, eos_id=loaded.eos_id,
+                      seq_len=args.seq_len, cache_dir=Path(args.output_dir) / "cache")
 
 
 def main(argv: list[str] | None = None) -> int:

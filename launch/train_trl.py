@@ -8,7 +8,7 @@ only, evaluation, checkpoints, optionally LoRA) whose one change is ``WallfacerS
 ``SFTTrainer``. ``--data``: a ``.jsonl`` of ``{"messages": [...]}`` conversations (default: the tiny chat set
 shipped with the package, ``ds_wallfacer/examples/chat.jsonl``). The model's own tokenizer and chat template
 are used when its folder has them, else the byte-level tokenizer with a template that marks assistant turns
-(``ds_wallfacer.examples.chat``). Runs on CPU ranks (gloo) where there is no GPU. The last line printed (rank 0) is
+(``ds_wallfacer.hf_trainer.chat``). Runs on CPU ranks (gloo) where there is no GPU. The last line printed (rank 0) is
 a JSON summary: final_loss, eval_loss, steps, tokens_per_s.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from train_hf import add_run_options, run_arguments, summary  # noqa: E402  (the
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ds_wallfacer.examples.chat import CHAT_DATA
+    from ds_wallfacer.hf_trainer.chat import CHAT_DATA
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def tokenizer_for(loaded) -> object:
     """The model folder's tokenizer when it has a chat template, else the example's byte-level chat tokenizer."""
-    from ds_wallfacer.examples.chat import chat_tokenizer
+    from ds_wallfacer.hf_trainer.chat import chat_tokenizer
 
     tok = loaded.tokenizer
     if getattr(tok, "chat_template", None):
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from trl import SFTConfig
 
-    from ds_wallfacer.examples.chat import load_chats
+    from ds_wallfacer.hf_trainer.chat import load_chats
     from ds_wallfacer.hf_trainer import WallfacerSFTTrainer
     from ds_wallfacer.train.model import load_model
 

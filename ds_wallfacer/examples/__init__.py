@@ -1,11 +1,14 @@
 """The example ds_configs and the demo corpus, shipped inside the package so that the trainer's defaults work
 from an installed wheel in any folder. In a checkout, ``ds_configs/`` and ``launch/data/`` are links to them.
-Pure: no torch."""
+Also the ds_config as the Trainer examples (``launch/train_hf.py``, ``launch/train_trl.py``) and their ALST
+baseline want it (the Trainer's keys on "auto"). Pure: no torch."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CONFIG_DIR", "DATA_DIR", "config_names", "find_config"]
+__all__ = ["CONFIG_DIR", "DATA_DIR", "config_names", "find_config", "trainer_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """The example ds_configs (``<name>.json``; which is which: README.md)."""
@@ -25,3 +28,20 @@ def find_config(name: str) -> Path | None:
         return None
     path = CONFIG_DIR / (name if name.endswith(".json") else f"{name}.json")
     return path if path.is_file() else None
+
+
+_TRAINER_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                 "gradient_clipping")
+"""What transformers' Trainer fills from its own arguments when the ds_config says "auto"."""
+
+
+def trainer_config(name: str) -> dict[str, Any]:
+    """A shipped example (by name) or a ds_config file, as transformers' Trainer wants it: the batch sizes,
+    clipping and learning rate set to "auto", so the Trainer's arguments own them."""
+    path = find_config(name) or Path(name)
+    cfg = json.loads(Path(path).read_text())
+    for key in _TRAINER_KEYS:
+        cfg[key] = "auto"
+    if "optimizer" in cfg:
+        cfg["optimizer"].setdefault("params", {})["lr"] = "auto"
+    return cfg

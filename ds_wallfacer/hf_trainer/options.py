@@ -83,18 +83,17 @@ def refuse_accelerate_sp(pc: Any) -> None:
         )
 
 
-_KNOWN_LOSSES = frozenset({"transformers.trainer.Trainer", "trl.trainer.sft_trainer.SFTTrainer"})
-"""The trainers whose ``compute_loss`` the mixin's replaces exactly (the token-mean NLL of the causal LM)."""
+_KNOWN_LOSSES = frozenset({"transformers.trainer.Trainer", "trl.trainer.sft_trainer.SFTTrainer",
+                           "ds_wallfacer.hf_trainer.trainer.WallfacerTrainerMixin"})
+"""The mixin's ``compute_loss`` and those it replaces exactly (the token-mean NLL of the causal LM)."""
 
 
 def refuse_foreign_loss(trainer: Any) -> None:
     """A trainer class whose own ``compute_loss`` is not the token-mean NLL (DPO, GRPO, a user's loss) would have
     it replaced by the mixin's, or run it on shards: refused, naming the class."""
-    from .trainer import WallfacerTrainerMixin
-
     for cls in type(trainer).__mro__:
         name = f"{cls.__module__}.{cls.__qualname__}"
-        if "compute_loss" in vars(cls) and cls is not WallfacerTrainerMixin and name not in _KNOWN_LOSSES:
+        if "compute_loss" in vars(cls) and name not in _KNOWN_LOSSES:
             raise UnsupportedTrainerOption(
                 f"{cls.__name__} defines its own compute_loss, which sequence parallelism would replace by the "
                 "token-mean loss of the causal LM (or run on one rank's shard): subclass transformers' Trainer or "

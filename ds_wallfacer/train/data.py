@@ -23,7 +23,7 @@ import torch
 
 from .cli import StartupError
 
-__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_token_data", "train_batches"]
+__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_token_data", "token_rows", "train_batches"]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CACHE_VERSION = 1
@@ -222,3 +222,16 @@ def eval_batches(
         else:  # no target for each document's last token
             counts.append(sum(len(r) - len(document_lengths(r, eos_id)) for r, ok in zip(ids, real) if ok))
     return _Batches(rows, eos_id=eos_id), counts
+
+
+def token_rows(data: str, tokenizer: Any, *, tokenizer_id: str, eos_id: int, seq_len: int,
+               cache_dir: Path) -> tuple[list[dict], list[dict]]:
+    """Local text cut into rows of ``seq_len`` tokens (documents joined by EOS), 10 % held out: (train, eval)
+    lists of ``{"input_ids", "labels"}`` for a Trainer's datasets."""
+    tokens = load_token_data(data, tokenizer, tokenizer_id=tokenizer_id, eos_id=eos_id, seq_len=seq_len,
+                             eval_fraction=0.1, cache_dir=cache_dir)
+
+    def rows(seqs) -> list[dict]:
+        return [{"input_ids": [int(t) for t in s], "labels": [int(t) for t in s]} for s in seqs]
+
+    return rows(tokens.train), rows(tokens.eval)

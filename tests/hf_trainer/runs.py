@@ -183,7 +183,7 @@ def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from ds_wallfacer.examples.chat import chat_tokenizer, load_chats
+    from ds_wallfacer.hf_trainer.chat import chat_tokenizer, load_chats
     from tests.models import tiny_model
 
     opts = options or {}

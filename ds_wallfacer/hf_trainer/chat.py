@@ -1,9 +1,10 @@
 """The tiny chat dataset and chat tokenizer of the SFT example (``launch/train_trl.py``) and its tests.
 
-``chat.jsonl`` (beside this module, apart from the text corpus in ``data/``) holds short synthetic conversations
-in the ``{"messages": [...]}`` form TRL reads: arithmetic, spelling backwards, counting letters, some two-turn. They are written by ``make_chats`` (run
-``python -m ds_wallfacer.examples.chat`` to write them again) so that a tiny model can learn the assistant turns
-in a few hundred steps, with nothing downloaded. ``chat_tokenizer`` is the byte-level tokenizer of the built-in
+``examples/chat.jsonl`` (shipped with the example configs, apart from the text corpus in ``data/``) holds short
+synthetic conversations in the ``{"messages": [...]}`` form TRL reads: arithmetic, spelling backwards, counting
+letters, some two-turn. They are written by ``make_chats`` (run ``python -m ds_wallfacer.hf_trainer.chat`` to
+write them again) so that a tiny model can learn the assistant turns in a few hundred steps, with nothing
+downloaded. ``chat_tokenizer`` is the byte-level tokenizer of the built-in
 presets with a chat template whose ``{% generation %}`` blocks mark the assistant turns (what
 ``assistant_only_loss`` needs) and NUL as end of sequence and padding.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 __all__ = ["CHAT_DATA", "CHAT_TEMPLATE", "chat_tokenizer", "load_chats", "make_chats"]
 
-CHAT_DATA = Path(__file__).resolve().parent / "chat.jsonl"
+CHAT_DATA = Path(__file__).resolve().parents[1] / "examples" / "chat.jsonl"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
