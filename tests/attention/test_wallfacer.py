@@ -118,8 +118,9 @@ def _check(results_by_rank, world):
         for r in results_by_rank:
             res = r[i]
             assert res["bytes"] == res["want"], f"{label}: bytes sent {res['bytes']} != derived {res['want']}"
-            assert res["others"]["forward"] == {"all_to_all": 0, "check": res["others"]["forward"]["check"]}
-            assert res["others"]["backward"] == {"all_to_all": 0, "check": 0}
+            # nothing but WallFacer's own kinds and the forward's input check
+            assert not any(b for kd, b in res["others"]["forward"].items() if kd != "check"), res["others"]
+            assert not any(res["others"]["backward"].values()), res["others"]
             if c["dtype"] == torch.float32:
                 assert max(res["errs"]) <= 1e-5, f"{label}: errors {res['errs']}"
             else:  # bf16: no worse than twice the same kernel run on the full sequence in one process
