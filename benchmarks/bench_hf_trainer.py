@@ -31,7 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import add_out_option, emit, free_port, plot_path, print_table, remove_shm_segments, save_plot  # noqa: E402
+from benchmarks.harness import (add_out_option, emit, free_port, plot_path, print_table,  # noqa: E402
+                               remove_shm_segments, save_plot)
 
 SCRIPTS = {"trainer": ROOT / "launch" / "train_hf.py", "sft": ROOT / "launch" / "train_trl.py",
            "alst": ROOT / "benchmarks" / "hf_trainer_alst.py"}

@@ -1,7 +1,8 @@
 """The baseline of ``bench_hf_trainer.py``: transformers' ``Trainer`` with DeepSpeed's own Ulysses (ALST), as its
 users switch it on: accelerate's ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)`` with SDPA as the core
 attention, ``position_ids`` in every batch. Same model (preset, seeded), data (the text corpus cut as
-``launch/train_hf.py`` cuts it, ``examples.token_rows``), arguments and ds_config (its ``"wallfacer"`` section dropped) as the example it is compared with.
+``launch/train_hf.py`` cuts it, ``train.data.token_rows``), arguments and ds_config (its ``"wallfacer"`` section
+dropped) as the example it is compared with.
 
     deepspeed --num_gpus 4 benchmarks/hf_trainer_alst.py --deepspeed_config ulysses --seq_len 1024 --steps 8
 
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr, logging_steps=1,
         save_strategy="no", report_to=[], deepspeed=cfg, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
         parallelism_config=ParallelismConfig(
-            sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")),
+            sp_backend="deepspeed", sp_size=sp,
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")),
     )
     values = copy.deepcopy(PRESETS[args.model])
     torch.manual_seed(training.seed)  # the example's weights (load_model seeds the same way)

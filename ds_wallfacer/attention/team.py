@@ -47,7 +47,8 @@ def gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
     own = torch.cat([k, v], dim=-1)  # [B, hk, S_l, d + dv]
     bufs = torch.empty((len(place.kv_sources), *own.shape), dtype=own.dtype, device=own.device)
     pending = attn.comm.exchange(
-        [(own, dst) for dst in place.kv_dests], list(zip(bufs, place.kv_sources)), kind="skew", group=attn.groups.sp_group
+        [(own, dst) for dst in place.kv_dests], list(zip(bufs, place.kv_sources)), kind="skew",
+        group=attn.groups.sp_group,
     )
     return pending, bufs
 

@@ -4,9 +4,9 @@
 synthetic conversations in the ``{"messages": [...]}`` form TRL reads: arithmetic, spelling backwards, counting
 letters, some two-turn. They are written by ``make_chats`` (run ``python -m ds_wallfacer.hf_trainer.chat`` to
 write them again) so that a tiny model can learn the assistant turns in a few hundred steps, with nothing
-downloaded. ``chat_tokenizer`` is the byte-level tokenizer of the built-in
-presets with a chat template whose ``{% generation %}`` blocks mark the assistant turns (what
-``assistant_only_loss`` needs) and NUL as end of sequence and padding.
+downloaded. ``chat_tokenizer`` is the byte-level tokenizer of the built-in presets with a chat template whose
+``{% generation %}`` blocks mark the assistant turns (what ``assistant_only_loss`` needs) and NUL as end of
+sequence and padding.
 """
 from __future__ import annotations
 

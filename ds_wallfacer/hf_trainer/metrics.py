@@ -1,6 +1,6 @@
 """What ``WallfacerTrainer`` adds to each training log of the Trainer (and so to wandb, tensorboard, ...): tokens
-per second over all ranks (real tokens, padding left out; and the loss's targets alone), bytes this rank sent for sequence parallelism since the last log (by phase and
-kind, ``CommLayer.sent``), and this rank's peak memory.
+per second over all ranks (real tokens, padding left out; and the loss's targets alone), bytes this rank sent for
+sequence parallelism since the last log (by phase and kind, ``CommLayer.sent``), and this rank's peak memory.
 """
 from __future__ import annotations
 

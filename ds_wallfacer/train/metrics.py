@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PEAK_TFLOPS", "comm_bytes", "gather_rows", "init_wandb", "model_flops_per_step", "peak_memory_bytes", "peak_tflops",
-           "replica_mean", "split_wandb_section"]
+__all__ = ["PEAK_TFLOPS", "comm_bytes", "gather_rows", "init_wandb", "model_flops_per_step", "peak_memory_bytes",
+           "peak_tflops", "replica_mean", "split_wandb_section"]
 
 PEAK_TFLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100": {torch.bfloat16: 989.0, torch.float16: 989.0},

@@ -193,7 +193,8 @@ def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch
         max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True,
         deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
         bf16=False,  # SFTConfig's default is bf16 autocast; the comparison is in fp32
-        packing=opts.get("packing", True), eval_packing=False, max_length=256, assistant_only_loss=True, save_strategy="no",
+        packing=opts.get("packing", True), eval_packing=False, max_length=256, assistant_only_loss=True,
+        save_strategy="no",
     )
     chats = load_chats()
     kwargs: dict[str, Any] = dict(model=tiny_model("llama", seed=0), args=args, processing_class=chat_tokenizer(),
