@@ -19,6 +19,7 @@ Design: Note [Short convolutions on shards] in docs/design.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -50,18 +51,21 @@ class ChunkRing:
         """This rank's pieces, in local order."""
         return self.pieces_of(self.index)
 
+    @cached_property
+    def _holders(self) -> dict[int, tuple[int, int]]:
+        """Global piece -> (global rank, local slot), for every piece (worked out once per ring)."""
+        return {c: (peer, slot) for i, peer in enumerate(self.peers) for slot, c in enumerate(self.pieces_of(i))}
+
     @property
     def count(self) -> int:
         """Pieces in the whole sequence."""
-        return sum(len(self.pieces_of(i)) for i in range(len(self.peers)))
+        return len(self._holders)
 
     def holder(self, chunk: int) -> tuple[int, int]:
         """(global rank, local slot) of global piece ``chunk``."""
-        for i in range(len(self.peers)):
-            ids = self.pieces_of(i)
-            if chunk in ids:
-                return self.peers[i], ids.index(chunk)
-        raise ValueError(f"piece {chunk} is outside the {self.count} pieces of the sequence")
+        if chunk not in self._holders:
+            raise ValueError(f"piece {chunk} is outside the {self.count} pieces of the sequence")
+        return self._holders[chunk]
 
     def sends(self) -> list[tuple[int, int]]:
         """(local slot, destination rank) for each local piece that has a successor."""
@@ -69,7 +73,7 @@ class ChunkRing:
         return [(slot, self.holder(c + 1)[0]) for slot, c in enumerate(self.chunks) if c < last]
 
     def recvs(self) -> list[tuple[int, int]]:
-        """(local slot, source rank) for each local chunk that has a predecessor."""
+        """(local slot, source rank) for each local piece that has a predecessor."""
         return [(slot, self.holder(c - 1)[0]) for slot, c in enumerate(self.chunks) if c > 0]
 
 
@@ -84,11 +88,17 @@ def halo_bytes(ring: ChunkRing, *, rows: int, channels: int, kernel: int, elemen
     return remote * rows * channels * (kernel - 1) * element_size
 
 
-def _exchange(comm: CommLayer, group: dist.ProcessGroup, me: int, sends: list, recvs: list,
-              shape: torch.Size, like: torch.Tensor) -> list[torch.Tensor]:
-    bufs = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in recvs]
-    pending = comm.exchange(sends, list(zip(bufs, [src for _, src in recvs])), kind="halo", group=group)
-    return pending.wait()
+def _pass(x: torch.Tensor, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], *, comm: CommLayer,
+          group: dist.ProcessGroup) -> torch.Tensor:
+    """x [B, D, m, h]: send slot s to its (slot, peer) in ``sends``, receive each (slot, peer) of ``recvs`` into
+    that slot of the result; slots that receive nothing are zeros."""
+    bufs = [torch.empty_like(x[:, :, 0]) for _ in recvs]
+    pending = comm.exchange([(x[:, :, slot].contiguous(), peer) for slot, peer in sends],
+                            [(buf, peer) for buf, (_, peer) in zip(bufs, recvs)], kind="halo", group=group)
+    out = torch.zeros_like(x)
+    for (slot, _), buf in zip(recvs, pending.wait()):
+        out[:, :, slot] = buf
+    return out
 
 
 class _Halo(torch.autograd.Function):
@@ -98,25 +108,13 @@ class _Halo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tails: torch.Tensor, ring: ChunkRing, comm: CommLayer, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.ring, ctx.comm, ctx.group = ring, comm, group
-        me = ring.peers[ring.index]
-        got = _exchange(comm, group, me, [(tails[:, :, slot], dst) for slot, dst in ring.sends()], ring.recvs(),
-                        tails[:, :, 0].shape, tails)
-        halos = torch.zeros_like(tails)
-        for (slot, _), buf in zip(ring.recvs(), got):
-            halos[:, :, slot] = buf
-        return halos
+        return _pass(tails, ring.sends(), ring.recvs(), comm=comm, group=group)
 
     @staticmethod
     def backward(ctx, d_halos: torch.Tensor):
+        # each halo's gradient goes back to the holder of the piece it came from: the forward's exchange reversed
         ring = ctx.ring
-        me = ring.peers[ring.index]
-        back_sends = [(d_halos[:, :, slot].contiguous(), src) for slot, src in ring.recvs()]
-        back_recvs = [(slot, dst) for slot, dst in ring.sends()]
-        got = _exchange(ctx.comm, ctx.group, me, back_sends, back_recvs, d_halos[:, :, 0].shape, d_halos)
-        d_tails = torch.zeros_like(d_halos)
-        for (slot, _), buf in zip(back_recvs, got):
-            d_tails[:, :, slot] = buf
-        return d_tails, None, None, None
+        return _pass(d_halos, ring.recvs(), ring.sends(), comm=ctx.comm, group=ctx.group), None, None, None
 
 
 def sharded_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
