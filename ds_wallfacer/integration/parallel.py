@@ -18,8 +18,10 @@ from ..comm import CommLayer, WallFacerGroups, build_groups
 from ..comm.groups import DEFAULT_TIMEOUT
 from ..planner.auto import ParallelSetup
 from ..data.loader import ShardSpec
+from .short_convs import ShortConvShards
 
-__all__ = ["SequenceParallelGroups", "build_sequence_parallel", "check_same_batch"]
+__all__ = ["SequenceParallelGroups", "attention_for", "build_sequence_parallel", "check_same_batch",
+           "short_conv_shards"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,14 @@ def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> Any:
         ulysses_group=groups.ulysses_group, wallfacer_groups=groups.wallfacer, comm=comm, kernel=groups.setup.kernel,
         sharding=groups.setup.sharding, sp_group=groups.sp_group,
     )
+
+
+def short_conv_shards(groups: SequenceParallelGroups, *, comm: CommLayer) -> ShortConvShards:
+    """Where this rank's sequence pieces sit, for the layers that pass a halo to the next piece."""
+    dims = groups.setup.dims
+    peers = tuple(sorted(dims.sp_ranks(groups.dp_index), key=dims.shard_index))
+    return ShortConvShards(group=groups.sp_group, comm=comm, peers=peers, index=groups.shard_index,
+                           sharding=groups.setup.sharding, ulysses_degree=dims.ulysses_degree)
 
 
 def check_same_batch(batch: Mapping[str, Any], *, group: dist.ProcessGroup, comm: CommLayer) -> None:

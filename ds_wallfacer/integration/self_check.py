@@ -25,6 +25,7 @@ from ..data.chunks import padded_length
 from . import hf
 from .audit import RefusedModel, refusal
 from .rope import is_rotary
+from .short_convs import model_forwards
 
 __all__ = ["SelfCheckReport", "check_length", "run_self_check", "tolerances"]
 
@@ -138,12 +139,14 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _reference_attention(model: nn.Module) -> Iterator[None]:
+    """The model's own attention and its own short-convolution forwards."""
     try:
         model.set_attn_implementation(hf.reference_implementation(model))
     except (ValueError, ImportError):  # e.g. "sdpa" recorded in a config whose model does not take it
         model.set_attn_implementation("eager")
     try:
-        yield
+        with model_forwards(model):
+            yield
     finally:
         model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
 

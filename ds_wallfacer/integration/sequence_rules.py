@@ -23,6 +23,7 @@ from torch.nn.modules import activation, conv, dropout, normalization, padding, 
 
 from . import positional
 from .peft_rules import peft_findings
+from .short_convs import short_conv_layers
 
 __all__ = ["Finding", "sequence_findings"]
 
@@ -185,13 +186,15 @@ def _attention_problems(m: nn.Module, text: Any, seq_len: int | None) -> list[tu
     return out
 
 
-def _layer_type_problems(text: Any) -> list[Finding]:
+def _layer_type_problems(text: Any, *, convs: bool) -> list[Finding]:
+    """Layer types other than attention (and "conv" when the model's short convolutions are recognised)."""
     types = getattr(text, "layer_types", None)
     if not isinstance(types, (list, tuple)):
         return []
+    known = _ATTENTION_LAYER_TYPES | ({"conv"} if convs else set())
     odd: dict[str, list[int]] = {}
     for i, t in enumerate(types):
-        if isinstance(t, str) and t not in _ATTENTION_LAYER_TYPES:
+        if isinstance(t, str) and t not in known:
             odd.setdefault(t, []).append(i)
     return [Finding(path=f"config.layer_types[{idx[0]}]", cls=type(text).__name__, count=len(idx),
                     what=f"layer type {t!r} (layers {idx}) is not plain softmax attention (full or sliding window)", fix=NOT_YET)
@@ -234,6 +237,8 @@ def sequence_findings(
     ``attention``: the attention layers (``hf.attention_modules``); ``allow``: class names the user vouches for
     (``wallfacer.allow_modules``; the self-check still compares them)."""
     allow, attn_ids = set(allow), {id(m) for m in attention}
+    # LFM2's short convolutions and their Conv1d run on shards with a halo (short_convs.py)
+    convs = {id(x) for _, m in short_conv_layers(model) for x in (m, m.conv)}
     off_path = _off_text_path(model)
     peft_wrappers, peft_problems = peft_findings(model)
     found: dict[tuple[str, str], Finding] = {}
@@ -246,7 +251,7 @@ def sequence_findings(
 
     for path, m in model.named_modules():
         cls = type(m)
-        if cls.__name__ in allow or id(m) in off_path or id(m) in peft_wrappers:
+        if cls.__name__ in allow or id(m) in off_path or id(m) in peft_wrappers or id(m) in convs:
             continue
         path = path or "<model>"
         drop = _dropout_problem(m)
@@ -274,5 +279,5 @@ def sequence_findings(
         out.insert(0, Finding("<model>", type(model).__name__, "its forward takes no position_ids, so it numbers "
                               "positions itself, from the tokens it is given (one rank's shard)", NOT_YET))
     if not out:
-        out = _layer_type_problems(text)
+        out = _layer_type_problems(text, convs=bool(convs))
     return out

@@ -23,6 +23,7 @@ from functools import cached_property
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..comm import CommLayer
 from ..data.pieces import Assignment, sequence_chunk_ids
@@ -118,11 +119,12 @@ class _Halo(torch.autograd.Function):
 
 
 def sharded_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                          positions: torch.Tensor, ring: ChunkRing, comm: CommLayer,
+                          positions: torch.Tensor | None, ring: ChunkRing, comm: CommLayer,
                           group: dist.ProcessGroup) -> torch.Tensor:
-    """x [B, D, S_l] (this rank's pieces, local order), weight [D, K], bias [D] or None, positions [B, S_l]
-    (global, or per document in packed rows) -> [B, D, S_l]: the model's causal convolution of the whole
-    sequence, restricted to this rank's tokens, restarted at document starts."""
+    """x [B, D, S_l] (this rank's pieces, local order), weight [D, K], bias [D] or None -> [B, D, S_l]: the model's
+    causal convolution of the whole sequence, restricted to this rank's tokens. ``positions`` [B, S_l]: each
+    token's position inside its document, for packed rows (the convolution restarts at every document start);
+    None for one sequence per row (the zero halo before the first piece is the zero padding)."""
     b, d, s_local = x.shape
     k = weight.shape[-1]
     h = k - 1
@@ -139,11 +141,15 @@ def sharded_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     else:
         halos = _Halo.apply(chunks[..., -h:].contiguous(), ring, comm, group)
         ext = torch.cat([halos.to(chunks.dtype), chunks], dim=-1)  # [B, D, m, h + L]
-        pos = positions.reshape(b, 1, m, length)
-        out = chunks * weight[:, h, None, None]  # j = 0: the token itself
-        for j in range(1, k):
-            term = ext[..., h - j:h - j + length] * weight[:, h - j, None, None]
-            out = out + term * (pos >= j).to(term.dtype)
+        if positions is None:  # one depthwise convolution over every piece with its halo
+            rows = ext.transpose(1, 2).reshape(b * m, d, h + length)
+            out = F.conv1d(rows, weight.unsqueeze(1), None, groups=d).reshape(b, m, d, length).transpose(1, 2)
+        else:
+            pos = positions.reshape(b, 1, m, length)
+            out = chunks * weight[:, h, None, None]  # j = 0: the token itself
+            for j in range(1, k):
+                term = ext[..., h - j:h - j + length] * weight[:, h - j, None, None]
+                out = out + term * (pos >= j).to(term.dtype)
     if bias is not None:
         out = out + bias[:, None, None]
     return out.reshape(b, d, s_local)

@@ -23,7 +23,6 @@ def _findings(model: nn.Module, **kw) -> list[str]:
 REFUSED = [
     ("qwen3_next", "Qwen3NextForCausalLM", ["(Qwen3NextGatedDeltaNet)", "delta_rule"]),
     ("qwen3_next", "Qwen3NextForCausalLM", ["conv1d (Conv1d)", "convolution along the sequence (kernel_size (4,))"]),
-    ("lfm2", "Lfm2ForCausalLM", ["(Conv1d)", "convolution along the sequence"]),
     ("mamba2", "Mamba2ForCausalLM", ["mixer (Mamba2Mixer)", "scan"]),
     ("falcon_h1", "FalconH1ForCausalLM", ["(FalconH1Mixer)"]),
     ("minimax", "MiniMaxForCausalLM", ["(MiniMaxLightningAttention)"]),
@@ -45,6 +44,32 @@ def test_sinks_and_latent_attention_pass() -> None:
     assert mla.config.v_head_dim != mla.config.qk_head_dim
     assert _findings(mla) == []
     assert _findings(build_tiny("gpt_oss", "GptOssForCausalLM", check=False)) == []
+
+
+@pytest.mark.parametrize("model_type,cls", [
+    ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"), ("lfm3", "Lfm3ForCausalLM"),
+])
+def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
+    """LFM2's gated short convolutions run on shards (``integration/short_convs.py``); the same layer with a
+    forward of its own, or with a convolution that is not causal, is refused by its Conv1d."""
+    from ds_wallfacer.integration.short_convs import short_conv_layers
+
+    assert _findings(build_tiny(model_type, cls, check=False)) == []
+    model = build_tiny(model_type, cls, check=False)
+    layers = [m for _, m in short_conv_layers(model)]
+    assert layers
+    base = type(layers[0])
+
+    class OwnForward(base):
+        def forward(self, hidden_states, **kwargs):  # not B * x convolved, gated by C
+            return self.out_proj(self.conv(hidden_states.transpose(1, 2))[..., :hidden_states.shape[1]].transpose(1, 2))
+
+    layers[0].__class__ = OwnForward
+    found = _findings(model)
+    assert any(".conv.conv (Conv1d)" in f and "convolution along the sequence" in f for f in found), found
+    model = build_tiny(model_type, cls, check=False)
+    short_conv_layers(model)[0][1].conv.padding = (0,)  # not causal any more
+    assert any(".conv.conv (Conv1d)" in f for f in _findings(model)), _findings(model)
 
 
 class _OwnParameter(nn.Module):

@@ -1,6 +1,7 @@
 """The causal depthwise convolution on sequence shards (``mixers.short_conv``) on 4 gloo ranks against the whole
 sequence in one process: outputs and the gradients of input, weight and bias (fp64, 1e-12), for zigzag,
-contiguous and hybrid (U = 2) pieces and a balanced assignment, kernels 2-4, one sequence or packed documents
+contiguous and hybrid (U = 2) pieces and a balanced assignment, kernels 2-4, one sequence per row (the grouped
+convolution, or the masked taps with global positions) or packed documents
 (positions restarting, including a document that starts inside a piece's first K - 1 tokens); the bytes sent equal
 ``halo_bytes`` in each direction, and over the group one halo per piece boundary that crosses ranks.
 """
@@ -33,9 +34,9 @@ def positions(starts: tuple[int, ...] | None) -> torch.Tensor:
     return pos.expand(B, N)
 
 
-CASES = [  # (sharding, ulysses degree, kernel, packed)
-    ("zigzag", 1, 4, False), ("zigzag", 1, 3, True), ("contiguous", 1, 4, True), ("zigzag", 2, 4, True),
-    ("zigzag", 1, 2, False), ("balanced", 1, 3, True),
+CASES = [  # (sharding, ulysses degree, kernel, documents: None, "global" positions or "packed")
+    ("zigzag", 1, 4, None), ("zigzag", 1, 3, "packed"), ("contiguous", 1, 4, "packed"), ("zigzag", 2, 4, "packed"),
+    ("zigzag", 1, 2, None), ("balanced", 1, 3, "packed"), ("zigzag", 2, 3, "global"), ("contiguous", 1, 3, None),
 ]
 ASSIGNMENT = ((0, 5), (1, 7), (2, 3), (4, 6))  # 8 ring chunks over 4 ranks, unordered
 
@@ -48,13 +49,13 @@ def _run(rank: int, world: int) -> list[str]:
     from ds_wallfacer.mixers import ChunkRing, halo_bytes, sharded_causal_conv1d
 
     failures = []
-    for i, (sharding, u, k, packed) in enumerate(CASES):
+    for i, (sharding, u, k, documents) in enumerate(CASES):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(B, D, N, generator=g, dtype=torch.float64)
         w = torch.randn(D, k, generator=g, dtype=torch.float64)
         bias = torch.randn(D, generator=g, dtype=torch.float64)
         dy = torch.randn(B, D, N, generator=g, dtype=torch.float64)
-        starts = DOC_STARTS if packed else None
+        starts = DOC_STARTS if documents == "packed" else None
         xr, wr, br = (t.clone().requires_grad_() for t in (x, w, bias))
         want = reference(xr, wr, br, starts)
         want.backward(dy)
@@ -69,13 +70,14 @@ def _run(rank: int, world: int) -> list[str]:
         comm = CommLayer()
         xl, wl, bl = sh(x).requires_grad_(), w.clone().requires_grad_(), bias.clone().requires_grad_()
         with comm.phase("forward"):
-            out = sharded_causal_conv1d(xl, wl, bl, positions=sh(positions(starts)), ring=ring, comm=comm,
+            pos = None if documents is None else sh(positions(starts))
+            out = sharded_causal_conv1d(xl, wl, bl, positions=pos, ring=ring, comm=comm,
                                         group=dist.group.WORLD)
         with comm.phase("backward"):
             out.backward(sh(dy))
         for t in (wl.grad, bl.grad):
             dist.all_reduce(t)
-        name = f"{sharding} U={u} K={k}" + (" packed" if packed else "")
+        name = f"{sharding} U={u} K={k} {documents}"
         for what, a, b in (("output", out, sh(want)), ("input grad", xl.grad, sh(xr.grad)),
                            ("weight grad", wl.grad, wr.grad), ("bias grad", bl.grad, br.grad)):
             if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):

@@ -16,9 +16,10 @@ MUST_BE_EXACT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                  "Phi3ForCausalLM", "GPTNeoXForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "SmolLM3ForCausalLM", "Glm4MoeForCausalLM", "Exaone4ForCausalLM", "GraniteForCausalLM",
-                 "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM")
+                 "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM", "Lfm2ForCausalLM",
+                 "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
 MUST_BE_REFUSED = ("Qwen3NextForCausalLM",
-                   "FalconH1ForCausalLM", "Lfm2ForCausalLM", "Mamba2ForCausalLM", "RecurrentGemmaForCausalLM",
+                   "FalconH1ForCausalLM", "Mamba2ForCausalLM", "RecurrentGemmaForCausalLM",
                    "MiniMaxForCausalLM")
 
 
