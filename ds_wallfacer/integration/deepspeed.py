@@ -37,9 +37,9 @@ from .packing import PackedBatches
 from .positional import scales_by_position
 from .rope import RopeLength, wrap_rotary
 from .self_check import check_length, run_self_check
-from .short_convs import attach_short_convs
+from .mixer_layers import attach_mixers
 from .parallel import (SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch,
-                       short_conv_shards)
+                       mixer_shards)
 
 __all__ = ["SequenceParallel", "cluster_preset", "initialize", "model_heads", "prepare_sequence_parallel"]
 
@@ -346,7 +346,7 @@ def prepare_sequence_parallel(
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
     hf.attach(model, attention, sp_size=dims.sp_size)
-    convs = attach_short_convs(model, short_conv_shards(groups, comm=comm))  # LFM2's convolutions (short_convs.py)
+    mixers = attach_mixers(model, mixer_shards(groups, comm=comm))  # convolutions, delta-nets (mixer_layers.py)
     rope = RopeLength()
     wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
     # 3. Mini-Sequence chunking and the loss module
@@ -358,7 +358,7 @@ def prepare_sequence_parallel(
                                       ignore_index=ignore_index, router_aux=found.router_aux,
                                       rope=rope if found.rotary else None, sp_size=dims.sp_size,
                                       packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec),
-                                      positions=bool(convs) or any(scales_by_position(m)
+                                      positions=bool(mixers) or any(scales_by_position(m)
                                                                    for _, m in hf.attention_modules(model)))
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None) or 0

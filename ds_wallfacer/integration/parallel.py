@@ -18,10 +18,10 @@ from ..comm import CommLayer, WallFacerGroups, build_groups
 from ..comm.groups import DEFAULT_TIMEOUT
 from ..planner.auto import ParallelSetup
 from ..data.loader import ShardSpec
-from .short_convs import ShortConvShards
+from .mixer_shards import MixerShards
 
 __all__ = ["SequenceParallelGroups", "attention_for", "build_sequence_parallel", "check_same_batch",
-           "short_conv_shards"]
+           "mixer_shards"]
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,13 @@ def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> Any:
     )
 
 
-def short_conv_shards(groups: SequenceParallelGroups, *, comm: CommLayer) -> ShortConvShards:
-    """Where this rank's sequence pieces sit, for the layers that pass a halo to the next piece."""
+def mixer_shards(groups: SequenceParallelGroups, *, comm: CommLayer) -> MixerShards:
+    """Where this rank's sequence pieces sit, for the mixer layers other than attention (``mixer_layers.py``)."""
     dims = groups.setup.dims
-    peers = tuple(sorted(dims.sp_ranks(groups.dp_index), key=dims.shard_index))
-    return ShortConvShards(group=groups.sp_group, comm=comm, peers=peers, index=groups.shard_index,
-                           sharding=groups.setup.sharding, ulysses_degree=dims.ulysses_degree)
+    ranks = dims.sp_ranks(groups.dp_index)  # group order
+    return MixerShards(group=groups.sp_group, comm=comm, peers=tuple(sorted(ranks, key=dims.shard_index)),
+                       index=groups.shard_index, sharding=groups.setup.sharding, ulysses_degree=dims.ulysses_degree,
+                       group_shards=tuple(dims.shard_index(r) for r in ranks), group_rank=groups.sp_index)
 
 
 def check_same_batch(batch: Mapping[str, Any], *, group: dist.ProcessGroup, comm: CommLayer) -> None:

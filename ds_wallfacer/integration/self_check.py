@@ -25,7 +25,7 @@ from ..data.chunks import padded_length
 from . import hf
 from .audit import RefusedModel, refusal
 from .rope import is_rotary
-from .short_convs import model_forwards
+from .mixer_layers import model_forwards
 
 __all__ = ["SelfCheckReport", "check_length", "run_self_check", "tolerances"]
 
@@ -139,7 +139,7 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _reference_attention(model: nn.Module) -> Iterator[None]:
-    """The model's own attention and its own short-convolution forwards."""
+    """The model's own attention and its own forwards of the mixer layers."""
     try:
         model.set_attn_implementation(hf.reference_implementation(model))
     except (ValueError, ImportError):  # e.g. "sdpa" recorded in a config whose model does not take it

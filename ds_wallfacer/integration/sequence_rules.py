@@ -23,7 +23,7 @@ from torch.nn.modules import activation, conv, dropout, normalization, padding, 
 
 from . import positional
 from .peft_rules import peft_findings
-from .short_convs import short_conv_layers
+from .mixer_layers import mixer_layers
 
 __all__ = ["Finding", "sequence_findings"]
 
@@ -186,12 +186,16 @@ def _attention_problems(m: nn.Module, text: Any, seq_len: int | None) -> list[tu
     return out
 
 
-def _layer_type_problems(text: Any, *, convs: bool) -> list[Finding]:
-    """Layer types other than attention (and "conv" when the model's short convolutions are recognised)."""
+def _layer_type(m: nn.Module) -> str | None:
+    return getattr(m, "layer_type", None)
+
+
+def _layer_type_problems(text: Any, *, mixers: set[str | None]) -> list[Finding]:
+    """Layer types other than attention and those of the recognised mixer layers ("conv", "linear_attention")."""
     types = getattr(text, "layer_types", None)
     if not isinstance(types, (list, tuple)):
         return []
-    known = _ATTENTION_LAYER_TYPES | ({"conv"} if convs else set())
+    known = _ATTENTION_LAYER_TYPES | {t for t in mixers if t}
     odd: dict[str, list[int]] = {}
     for i, t in enumerate(types):
         if isinstance(t, str) and t not in known:
@@ -237,8 +241,9 @@ def sequence_findings(
     ``attention``: the attention layers (``hf.attention_modules``); ``allow``: class names the user vouches for
     (``wallfacer.allow_modules``; the self-check still compares them)."""
     allow, attn_ids = set(allow), {id(m) for m in attention}
-    # LFM2's short convolutions and their Conv1d run on shards with a halo (short_convs.py)
-    convs = {id(x) for _, m in short_conv_layers(model) for x in (m, m.conv)}
+    # recognised mixer layers and their convolutions run on shards (mixer_layers.py)
+    layers = [m for _, m in mixer_layers(model)]
+    mixers = {id(x) for m in layers for x in (m, *(c for c in m.children() if isinstance(c, conv._ConvNd)))}
     off_path = _off_text_path(model)
     peft_wrappers, peft_problems = peft_findings(model)
     found: dict[tuple[str, str], Finding] = {}
@@ -251,7 +256,7 @@ def sequence_findings(
 
     for path, m in model.named_modules():
         cls = type(m)
-        if cls.__name__ in allow or id(m) in off_path or id(m) in peft_wrappers or id(m) in convs:
+        if cls.__name__ in allow or id(m) in off_path or id(m) in peft_wrappers or id(m) in mixers:
             continue
         path = path or "<model>"
         drop = _dropout_problem(m)
@@ -279,5 +284,5 @@ def sequence_findings(
         out.insert(0, Finding("<model>", type(model).__name__, "its forward takes no position_ids, so it numbers "
                               "positions itself, from the tokens it is given (one rank's shard)", NOT_YET))
     if not out:
-        out = _layer_type_problems(text, convs=bool(convs))
+        out = _layer_type_problems(text, mixers={_layer_type(m) for m in layers})
     return out

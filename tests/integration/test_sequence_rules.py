@@ -21,8 +21,6 @@ def _findings(model: nn.Module, **kw) -> list[str]:
 
 # (model_type, class, the words one finding must contain)
 REFUSED = [
-    ("qwen3_next", "Qwen3NextForCausalLM", ["(Qwen3NextGatedDeltaNet)", "delta_rule"]),
-    ("qwen3_next", "Qwen3NextForCausalLM", ["conv1d (Conv1d)", "convolution along the sequence (kernel_size (4,))"]),
     ("mamba2", "Mamba2ForCausalLM", ["mixer (Mamba2Mixer)", "scan"]),
     ("falcon_h1", "FalconH1ForCausalLM", ["(FalconH1Mixer)"]),
     ("minimax", "MiniMaxForCausalLM", ["(MiniMaxLightningAttention)"]),
@@ -52,7 +50,7 @@ def test_sinks_and_latent_attention_pass() -> None:
 def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
     """LFM2's gated short convolutions run on shards (``integration/short_convs.py``); the same layer with a
     forward of its own, or with a convolution that is not causal, is refused by its Conv1d."""
-    from ds_wallfacer.integration.short_convs import short_conv_layers
+    from ds_wallfacer.integration.mixer_layers import mixer_layers as short_conv_layers
 
     assert _findings(build_tiny(model_type, cls, check=False)) == []
     model = build_tiny(model_type, cls, check=False)
@@ -70,6 +68,28 @@ def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_
     model = build_tiny(model_type, cls, check=False)
     short_conv_layers(model)[0][1].conv.padding = (0,)  # not causal any more
     assert any(".conv.conv (Conv1d)" in f for f in _findings(model)), _findings(model)
+
+
+@pytest.mark.parametrize("model_type,cls", [
+    ("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+])
+def test_gated_delta_nets_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
+    """Gated delta-nets run head-parallel (``integration/delta_nets.py``); one with a forward of its own is refused
+    by what its code calls and by its convolution."""
+    from ds_wallfacer.integration.mixer_layers import mixer_layers
+
+    assert _findings(build_tiny(model_type, cls, check=False)) == []
+    model = build_tiny(model_type, cls, check=False)
+    layer = mixer_layers(model)[0][1]
+
+    class OwnScan(type(layer)):
+        def forward(self, hidden_states, **kwargs):  # a scan of its own
+            return self.out_proj(torch.cumsum(hidden_states, dim=1)[..., : self.value_dim])
+
+    layer.__class__ = OwnScan
+    found = _findings(model)
+    assert any("(OwnScan)" in f and "cumsum" in f for f in found), found
+    assert any(".conv1d (Conv1d)" in f for f in found), found
 
 
 class _OwnParameter(nn.Module):

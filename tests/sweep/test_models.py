@@ -17,9 +17,9 @@ MUST_BE_EXACT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Phi3ForCausalLM", "GPTNeoXForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                  "SmolLM3ForCausalLM", "Glm4MoeForCausalLM", "Exaone4ForCausalLM", "GraniteForCausalLM",
                  "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM", "Lfm2ForCausalLM",
-                 "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
-MUST_BE_REFUSED = ("Qwen3NextForCausalLM",
-                   "FalconH1ForCausalLM", "Mamba2ForCausalLM", "RecurrentGemmaForCausalLM",
+                 "Lfm2MoeForCausalLM", "Lfm3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                 "Qwen3_5MoeForCausalLM")
+MUST_BE_REFUSED = ("FalconH1ForCausalLM", "Mamba2ForCausalLM", "RecurrentGemmaForCausalLM",
                    "MiniMaxForCausalLM")
 
 

@@ -64,10 +64,13 @@ _rule("hidden_size d_model n_embd emb_dim embedding_dim embedding_size input_emb
       "ext_pw_out_channel depthwise_separable_out_channel nemo_conv_channels", HIDDEN)
 _rule("num_attention_heads n_head n_heads num_heads attention_heads decoder_attention_heads encoder_attention_heads "
       "num_decoder_attention_heads num_encoder_attention_heads swa_num_attention_heads index_n_heads "
-      "linear_num_heads linear_num_value_heads mamba_n_heads mamba_num_heads n_mamba_heads "
+      "linear_num_heads mamba_n_heads mamba_num_heads n_mamba_heads "
       "num_attention_heads_per_layer", HEADS, fill=HEADS)
-_rule("num_key_value_heads num_kv_heads swa_num_key_value_heads num_query_groups linear_num_key_heads",
-      KV_HEADS, fill=KV_HEADS)
+_rule("num_key_value_heads num_kv_heads swa_num_key_value_heads num_query_groups", KV_HEADS, fill=KV_HEADS)
+# linear attention scans whole heads per rank (head-parallel): key and value heads both divide by the 4 ranks, and
+# two value heads share each key head, as in every released gated delta-net
+_rule("linear_num_key_heads", HEADS, fill=HEADS)
+_rule("linear_num_value_heads", 2 * HEADS, fill=2 * HEADS)
 _rule("head_dim attention_head_dim d_head kv_channels dim_head attention_head_size swa_head_dim index_head_dim "
       "linear_head_dim linear_key_head_dim linear_value_head_dim mamba_d_head mamba_head_dim "
       "mamba_headdim qk_head_dim query_pre_attn_scalar d_rel", HEAD_DIM, fill=HEAD_DIM)

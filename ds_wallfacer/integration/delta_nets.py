@@ -1,0 +1,166 @@
+"""Gated delta-net layers (Qwen3-Next, Qwen3.5 and the classes that copy them) on sequence shards, head-parallel.
+
+The layer projects its input (position-wise) to q, k, v (one "mixed" tensor), a gate z and the decay inputs b, a;
+convolves q, k, v causally per channel; runs the gated delta rule, a recurrent scan, per value head; normalises
+the result gated by z and projects it out. The scan carries a state along the whole sequence, so here one
+all-to-all gives each rank every token of Hk / P key heads and Hv / P value heads (``mixers.gather_heads``); the
+rank runs the model's own convolution (its channels of the weight) and the model's own scan on them, and a second
+all-to-all returns the result to the shards. Packed rows run both per document, as each document trained alone.
+Attached by ``mixer_layers.py``.
+
+Design: Note [Gated delta-nets on shards] in docs/design.md §11.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.documents import SequenceBatch
+from ..mixers import gather_heads, scatter_heads
+from .hf import BATCH_KWARG
+from .mixer_shards import has_form, shards_of
+from .short_convs import causal_depthwise, refuse_cache
+
+__all__ = ["check_heads", "is_delta_net", "read_parameters", "sharded_forward"]
+
+_CORE = (
+    re.compile(r"\bcausal_conv1d_fn\(\s*mixed_qkv\s*,\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*self\.conv1d\.bias\s*,"
+               r"\s*activation\s*=\s*self\.activation"),
+    re.compile(r"\bquery\s*,\s*key\s*,\s*value\s*=\s*torch\.split\(\s*mixed_qkv\s*,\s*\[\s*self\.key_dim\s*,\s*"
+               r"self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
+    re.compile(r"\bbeta\s*=\s*b\.sigmoid\(\)"),
+    re.compile(r"\bg\s*=\s*-self\.A_log\.float\(\)\.exp\(\)\s*\*\s*F\.softplus\(a\.float\(\)\s*\+\s*self\.dt_bias\)"),
+    re.compile(r"\btorch_chunk_gated_delta_rule\(\s*query\s*,\s*key\s*,\s*value\s*,\s*g\s*=\s*g\s*,\s*beta\s*=\s*beta"
+               r"\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*output_final_state\s*=\s*cache is not None\s*,\s*"
+               r"use_qk_l2norm_in_kernel\s*=\s*True"),
+    re.compile(r"\bself\.norm\(core_attn_out\s*,\s*z\)"),
+    re.compile(r"\bself\.out_proj\(core_attn_out\)"),
+)
+"""What every recognised class computes after its projections: the convolution with its activation, the split,
+the decay and the scan (keys and queries l2-normalised in the kernel), the gated norm and the output projection."""
+
+
+def _qwen3_next_inputs(m: nn.Module, h: torch.Tensor):
+    """Qwen3-Next: one projection for q, k, v, z, one for b, a, interleaved per key head."""
+    q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
+    return q.flatten(2), k.flatten(2), v.flatten(2), z, b, a
+
+
+def _qwen3_5_inputs(m: nn.Module, h: torch.Tensor):
+    """Qwen3.5: separate projections for q | k | v, z, b and a."""
+    q, k, v = m.in_proj_qkv(h).split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    z = m.in_proj_z(h)
+    return q, k, v, z.reshape(*z.shape[:2], -1, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
+
+
+_FAMILIES: tuple[tuple[frozenset[str], tuple[re.Pattern, ...], Callable], ...] = (
+    (frozenset({"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"}),
+     (re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*projected_states_ba\s*\)"),
+      re.compile(r"\bprojected_states_qkvz\s*=\s*self\.in_proj_qkvz\(hidden_states\)"),
+      re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\(query\s*,\s*key\s*,\s*value\)\s*,\s*dim\s*=\s*-1\)")),
+     _qwen3_next_inputs),
+    (frozenset({"conv1d", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"}),
+     (re.compile(r"\bmixed_qkv\s*=\s*self\.in_proj_qkv\(hidden_states\)"),
+      re.compile(r"\bz\s*=\s*self\.in_proj_z\(hidden_states\)"),
+      re.compile(r"\bb\s*=\s*self\.in_proj_b\(hidden_states\)"), re.compile(r"\ba\s*=\s*self\.in_proj_a\(hidden_states\)")),
+     _qwen3_5_inputs),
+)
+"""(children, the projections' expression, how to compute q, k, v, z, b, a) per recognised family."""
+
+
+def _family(m: nn.Module) -> Callable | None:
+    children = {n for n, _ in m.named_children()}
+    own = {n for n, _ in m.named_parameters(recurse=False)}
+    for names, form, inputs in _FAMILIES:
+        if children == names and own == {"dt_bias", "A_log"} and has_form(type(m), form + _CORE):
+            return inputs
+    return None
+
+
+def is_delta_net(m: nn.Module) -> bool:
+    """Whether ``m`` is a gated delta-net of a recognised form, with a depthwise causal convolution over q, k, v."""
+    needed = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "activation")
+    if not all(hasattr(m, a) for a in needed) or not causal_depthwise(getattr(m, "conv1d", None)):
+        return False
+    return m.conv1d.in_channels == 2 * m.key_dim + m.value_dim and _family(m) is not None
+
+
+def read_parameters(m: nn.Module) -> list[nn.Parameter]:
+    """The parameters the forward reads without calling their module (the convolution's)."""
+    return list(m.conv1d.parameters())
+
+
+def check_heads(name: str, m: nn.Module, *, sp_size: int) -> None:
+    """Raise unless both head counts divide by P (each rank scans whole heads)."""
+    for what, n in (("key", m.num_k_heads), ("value", m.num_v_heads)):
+        if n % sp_size:
+            raise ValueError(
+                f"{name} ({type(m).__name__}): its {n} linear-attention {what} heads (config.linear_num_{what}_heads) "
+                f"do not divide by the {sp_size} sequence-parallel ranks, which scan whole heads each: use a "
+                "sequence_parallel_size that divides both linear_num_key_heads and linear_num_value_heads")
+
+
+def _runs(batch: SequenceBatch | None, rows: int, n: int) -> list[list[tuple[int, int]]] | None:
+    """Per row, the [start, end) of each document; None when every row is one sequence."""
+    if batch is None or batch.documents is None:
+        return None
+    docs = batch.documents
+    return [list(zip(docs.starts[r], (*docs.starts[r][1:], n))) for r in range(rows)]
+
+
+def _per_document(fn: Callable[..., torch.Tensor], runs: list[list[tuple[int, int]]] | None, dim: int,
+                  *xs: torch.Tensor) -> torch.Tensor:
+    """``fn`` over each document of each row (``xs`` cut along ``dim``, rows along dim 0), joined back."""
+    if runs is None:
+        return fn(*xs)
+    rows = []
+    for r, spans in enumerate(runs):
+        rows.append(torch.cat([fn(*(x[r:r + 1].narrow(dim, s, e - s) for x in xs)) for s, e in spans], dim=dim))
+    return torch.cat(rows, dim=0)
+
+
+def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+                    attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """The layer's forward on this rank's shard (hidden_states [B, S_l, D])."""
+    refuse_cache(self, cache, attention_mask)
+    shards = shards_of(self)
+    model_code = sys.modules[type(self).__module__]  # the model's own convolution and scan functions
+    b, s, _ = hidden_states.shape
+    q, k, v, z, beta_in, a = _family(self)(self, hidden_states)
+    hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+    batch: SequenceBatch | None = kwargs.get(BATCH_KWARG)
+    ring = shards.ring(batch)
+    p, j = len(shards.group_shards), shards.group_rank
+    q, k, v, beta_in, a = gather_heads(
+        [q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), beta_in[..., None], a[..., None]],
+        ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    n = q.shape[1]
+    runs = None
+    # this rank's channels of the convolution: its key heads of q and of k, its value heads of v
+    ks, vs = self.key_dim // p, self.value_dim // p
+    chans = torch.cat([torch.arange(j * ks, (j + 1) * ks), torch.arange(self.key_dim + j * ks, self.key_dim + (j + 1) * ks),
+                       torch.arange(2 * self.key_dim + j * vs, 2 * self.key_dim + (j + 1) * vs)]).to(q.device)
+    weight = self.conv1d.weight.squeeze(1).index_select(0, chans)
+    bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, chans)
+    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)  # [B, C / P, N]
+    mixed = _per_document(lambda x: model_code.causal_conv1d_fn(x, weight, bias, activation=self.activation),
+                          runs, 2, mixed).transpose(1, 2)
+    q, k, v = mixed.split([ks, ks, vs], dim=-1)
+    q, k, v = q.reshape(b, n, hk // p, dk), k.reshape(b, n, hk // p, dk), v.reshape(b, n, hv // p, dv)
+    heads = slice(j * (hv // p), (j + 1) * (hv // p))
+    beta = beta_in[..., 0].sigmoid()
+    g = -self.A_log[heads].float().exp() * F.softplus(a[..., 0].float() + self.dt_bias[heads])
+
+    def scan(q_, k_, v_, g_, beta_):
+        return model_code.torch_chunk_gated_delta_rule(q_, k_, v_, g=g_, beta=beta_, initial_state=None,
+                                                       output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+
+    core = _per_document(scan, runs, 1, q, k, v, g, beta)  # [B, N, Hv / P, dv]
+    core = scatter_heads(core, ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    core = self.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, -1)
+    return self.out_proj(core)
