@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from .packing import PackedBatches
 from .positional import scales_by_position
 from .rope import RopeLength, wrap_rotary
 from .self_check import check_length, run_self_check
-from .mixer_layers import attach_mixers
+from .mixer_layers import attach_mixers, mixer_layers
 from .parallel import (SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch,
                        mixer_shards)
 
@@ -114,9 +115,14 @@ class SequenceParallel:
 
 
 def model_heads(model: nn.Module) -> tuple[int, int]:
-    """(query heads, kv heads) from an HF model's (text) config."""
+    """(query heads, kv heads) from an HF model's (text) config; for a model without attention (a pure state-space
+    model), the heads its mixer layers split over the ranks."""
     text = text_config(model)
     if not isinstance(getattr(text, "num_attention_heads", None), int):
+        heads = {int(getattr(m, "num_heads", 0)) for _, m in mixer_layers(model)}
+        if heads and all(heads):
+            h = math.gcd(*heads)
+            return h, h
         raise RefusedModel(f"{type(model).__name__}: its (text) config has no num_attention_heads, so its attention "
                            "cannot be split across ranks: not supported yet")
     hq = int(text.num_attention_heads)
@@ -345,8 +351,10 @@ def prepare_sequence_parallel(
     groups = build_sequence_parallel(setup, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
-    hf.attach(model, attention, sp_size=dims.sp_size)
-    mixers = attach_mixers(model, mixer_shards(groups, comm=comm))  # convolutions, delta-nets (mixer_layers.py)
+    if hf.attention_modules(model):  # a pure state-space model has none: its mixers are all it needs
+        hf.attach(model, attention, sp_size=dims.sp_size)
+    mixing = mixer_shards(groups, comm=comm)
+    mixers = attach_mixers(model, mixing)  # convolutions, delta-nets, Mamba-2 (mixer_layers.py)
     rope = RopeLength()
     wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
     # 3. Mini-Sequence chunking and the loss module
@@ -358,8 +366,8 @@ def prepare_sequence_parallel(
                                       ignore_index=ignore_index, router_aux=found.router_aux,
                                       rope=rope if found.rotary else None, sp_size=dims.sp_size,
                                       packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec),
-                                      positions=bool(mixers) or any(scales_by_position(m)
-                                                                   for _, m in hf.attention_modules(model)))
+                                      positions=any(scales_by_position(m) for _, m in hf.attention_modules(model)),
+                                      mixer_inputs=mixing.inputs if mixers else None)
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None) or 0
     if run.wallfacer.self_check:  # the model as configured, with and without sequence parallelism (self_check.py)

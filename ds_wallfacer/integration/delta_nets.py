@@ -8,7 +8,7 @@ rank runs the model's own convolution (its channels of the weight) and the model
 all-to-all returns the result to the shards. Packed rows run both per document, as each document trained alone.
 Attached by ``mixer_layers.py``.
 
-Design: Note [Gated delta-nets on shards] in docs/design.md §11.
+Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design.md §11.
 """
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ from torch import nn
 
 from ..attention.documents import SequenceBatch
 from ..mixers import gather_heads, scatter_heads
-from .hf import BATCH_KWARG
 from .mixer_shards import has_form, shards_of
 from .short_convs import causal_depthwise, refuse_cache
 
-__all__ = ["check_heads", "is_delta_net", "read_parameters", "sharded_forward"]
+__all__ = ["check_heads", "is_delta_net", "per_document", "read_parameters", "runs_of", "sharded_forward"]
 
 _CORE = (
     re.compile(r"\bcausal_conv1d_fn\(\s*mixed_qkv\s*,\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*self\.conv1d\.bias\s*,"
@@ -105,7 +104,7 @@ def check_heads(name: str, m: nn.Module, *, sp_size: int) -> None:
                 "sequence_parallel_size that divides both linear_num_key_heads and linear_num_value_heads")
 
 
-def _runs(batch: SequenceBatch | None, rows: int, n: int) -> list[list[tuple[int, int]]] | None:
+def runs_of(batch: SequenceBatch | None, rows: int, n: int) -> list[list[tuple[int, int]]] | None:
     """Per row, the [start, end) of each document; None when every row is one sequence."""
     if batch is None or batch.documents is None:
         return None
@@ -113,7 +112,7 @@ def _runs(batch: SequenceBatch | None, rows: int, n: int) -> list[list[tuple[int
     return [list(zip(docs.starts[r], (*docs.starts[r][1:], n))) for r in range(rows)]
 
 
-def _per_document(fn: Callable[..., torch.Tensor], runs: list[list[tuple[int, int]]] | None, dim: int,
+def per_document(fn: Callable[..., torch.Tensor], runs: list[list[tuple[int, int]]] | None, dim: int,
                   *xs: torch.Tensor) -> torch.Tensor:
     """``fn`` over each document of each row (``xs`` cut along ``dim``, rows along dim 0), joined back."""
     if runs is None:
@@ -133,14 +132,14 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     b, s, _ = hidden_states.shape
     q, k, v, z, beta_in, a = _family(self)(self, hidden_states)
     hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-    batch: SequenceBatch | None = kwargs.get(BATCH_KWARG)
+    batch = shards.inputs.batch
     ring = shards.ring(batch)
     p, j = len(shards.group_shards), shards.group_rank
     q, k, v, beta_in, a = gather_heads(
         [q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), beta_in[..., None], a[..., None]],
         ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
     n = q.shape[1]
-    runs = None
+    runs = runs_of(batch, b, n)
     # this rank's channels of the convolution: its key heads of q and of k, its value heads of v
     ks, vs = self.key_dim // p, self.value_dim // p
     chans = torch.cat([torch.arange(j * ks, (j + 1) * ks), torch.arange(self.key_dim + j * ks, self.key_dim + (j + 1) * ks),
@@ -148,7 +147,7 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     weight = self.conv1d.weight.squeeze(1).index_select(0, chans)
     bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, chans)
     mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)  # [B, C / P, N]
-    mixed = _per_document(lambda x: model_code.causal_conv1d_fn(x, weight, bias, activation=self.activation),
+    mixed = per_document(lambda x: model_code.causal_conv1d_fn(x, weight, bias, activation=self.activation),
                           runs, 2, mixed).transpose(1, 2)
     q, k, v = mixed.split([ks, ks, vs], dim=-1)
     q, k, v = q.reshape(b, n, hk // p, dk), k.reshape(b, n, hk // p, dk), v.reshape(b, n, hv // p, dv)
@@ -160,7 +159,7 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
         return model_code.torch_chunk_gated_delta_rule(q_, k_, v_, g=g_, beta=beta_, initial_state=None,
                                                        output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
 
-    core = _per_document(scan, runs, 1, q, k, v, g, beta)  # [B, N, Hv / P, dv]
+    core = per_document(scan, runs, 1, q, k, v, g, beta)  # [B, N, Hv / P, dv]
     core = scatter_heads(core, ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
     core = self.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, -1)
     return self.out_proj(core)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommLayer
+from .mixer_shards import MixerInputs
 from .moe import RouterAuxLoss
 from .packing import BATCH_KWARG, PackedBatches
 from .positional import POSITIONS_KWARG
@@ -104,11 +105,15 @@ class SequenceParallelCausalLM(nn.Module):
         sp_size: int = 1,
         packing: PackedBatches | None = None,
         positions: bool = False,
+        mixer_inputs: MixerInputs | None = None,
     ) -> None:
         super().__init__()
         self._packing = packing
         self._positions = positions
         """Whether attention layers need the tokens' positions (``positional.POSITIONS_KWARG``)."""
+        self._mixer_inputs = mixer_inputs
+        """Where the mixer layers read this forward's batch structure (``mixer_layers.py``); None: the model has
+        none."""
         self.lm = lm
         self._group, self._comm, self._local_loss, self.ignore_index = group, comm, local_loss, ignore_index
         self.router_aux, self._rope, self._sp_size = router_aux, rope, sp_size
@@ -126,7 +131,8 @@ class SequenceParallelCausalLM(nn.Module):
     def attention_kwargs(self, position_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
                          chunk_assignment: torch.Tensor | None = None) -> dict[str, Any]:
         """The model-forward keywords attention needs beyond the tensors: a packed batch's documents (checked across
-        the group) and, for layers that scale by position, the tokens' positions."""
+        the group) and, for layers that scale by position, the tokens' positions. The mixer layers get the same
+        through ``MixerInputs`` (models need not pass keywords down to them)."""
         kwargs: dict[str, Any] = {}
         if document_ids is not None or chunk_assignment is not None:
             if self._packing is None:
@@ -140,6 +146,8 @@ class SequenceParallelCausalLM(nn.Module):
                 )
         if self._positions:
             kwargs[POSITIONS_KWARG] = position_ids
+        if self._mixer_inputs is not None:
+            self._mixer_inputs.batch, self._mixer_inputs.positions = kwargs.get(BATCH_KWARG), position_ids
         return kwargs
 
     def _capture_router_logits(self, module: nn.Module, args: Any, out: Any) -> None:

@@ -18,16 +18,23 @@ from typing import Callable, Iterator
 
 from torch import nn
 
-from . import delta_nets, short_convs
+from . import delta_nets, mamba_mixers, short_convs
 from .mixer_shards import ATTR, MixerShards
 
 __all__ = ["MixerShards", "attach_mixers", "mixer_layers", "model_forwards"]
 
-_KINDS: tuple[tuple[Callable[[nn.Module], bool], Callable, Callable[[nn.Module], list[nn.Parameter]]], ...] = (
-    (short_convs.is_short_conv, short_convs.sharded_forward, short_convs.read_parameters),
-    (delta_nets.is_delta_net, delta_nets.sharded_forward, delta_nets.read_parameters),
+def _no_check(name: str, m: nn.Module, *, sp_size: int) -> None:
+    """Short convolutions run on any number of ranks (the operator checks the piece length)."""
+
+
+_KINDS: tuple[tuple[Callable, Callable, Callable, Callable], ...] = (
+    (short_convs.is_short_conv, short_convs.sharded_forward, short_convs.read_parameters, _no_check),
+    (delta_nets.is_delta_net, delta_nets.sharded_forward, delta_nets.read_parameters, delta_nets.check_heads),
+    (mamba_mixers.is_mamba_mixer, mamba_mixers.sharded_forward, mamba_mixers.read_parameters,
+     mamba_mixers.check_heads),
 )
-"""(recognise, the sharded forward, the parameters the forward reads without calling their module)."""
+"""(recognise, the sharded forward, the parameters the forward reads without calling their module, the check of
+the number of ranks) per kind of layer."""
 
 
 def _kind(m: nn.Module):
@@ -45,10 +52,9 @@ def attach_mixers(model: nn.Module, shards: MixerShards) -> list[str]:
     calling their module are registered with the layer."""
     layers = mixer_layers(model)
     for name, m in layers:
-        if delta_nets.is_delta_net(m):
-            delta_nets.check_heads(name, m, sp_size=len(shards.peers))
+        _kind(m)[3](name, m, sp_size=len(shards.peers))
     for _, m in layers:
-        _, forward, reads = _kind(m)
+        _, forward, reads, _ = _kind(m)
         m.__dict__[ATTR] = shards
         m.forward = types.MethodType(forward, m)
         partitioned = [p for p in reads(m) if hasattr(p, "ds_id")]

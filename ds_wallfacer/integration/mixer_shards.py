@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -14,9 +15,24 @@ from ..attention.documents import SequenceBatch
 from ..comm import CommLayer
 from ..mixers import ChunkRing
 
-__all__ = ["ATTR", "MixerShards", "has_form", "shards_of"]
+__all__ = ["ATTR", "MixerInputs", "MixerShards", "has_form", "shards_of"]
 
 ATTR = "_wallfacer_mixer"
+
+
+@dataclass
+class MixerInputs:
+    """This forward's batch structure, for the mixer layers: set by ``SequenceParallelCausalLM.attention_kwargs`` at
+    every forward, so it reaches layers of models whose forward does not pass keywords down (Mamba-2's does not)."""
+
+    batch: SequenceBatch | None = None
+    """Packed documents and a balanced assignment (None: one sequence per row, the layout's sharding)."""
+    positions: torch.Tensor | None = None
+    """This rank's position ids [B, S_l] (inside their documents)."""
+
+    @property
+    def packed(self) -> bool:
+        return self.batch is not None and self.batch.documents is not None
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,8 @@ class MixerShards:
     """The shard index of each rank of ``group``, in group order."""
     group_rank: int
     """This rank's place in ``group``."""
+    inputs: MixerInputs
+    """The current forward's batch structure (shared with the loss module, which sets it)."""
 
     def ring(self, batch: SequenceBatch | None) -> ChunkRing:
         assignment = batch.assignment if batch is not None else None

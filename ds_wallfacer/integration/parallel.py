@@ -18,7 +18,7 @@ from ..comm import CommLayer, WallFacerGroups, build_groups
 from ..comm.groups import DEFAULT_TIMEOUT
 from ..planner.auto import ParallelSetup
 from ..data.loader import ShardSpec
-from .mixer_shards import MixerShards
+from .mixer_shards import MixerInputs, MixerShards
 
 __all__ = ["SequenceParallelGroups", "attention_for", "build_sequence_parallel", "check_same_batch",
            "mixer_shards"]
@@ -106,7 +106,8 @@ def mixer_shards(groups: SequenceParallelGroups, *, comm: CommLayer) -> MixerSha
     ranks = dims.sp_ranks(groups.dp_index)  # group order
     return MixerShards(group=groups.sp_group, comm=comm, peers=tuple(sorted(ranks, key=dims.shard_index)),
                        index=groups.shard_index, sharding=groups.setup.sharding, ulysses_degree=dims.ulysses_degree,
-                       group_shards=tuple(dims.shard_index(r) for r in ranks), group_rank=groups.sp_index)
+                       group_shards=tuple(dims.shard_index(r) for r in ranks), group_rank=groups.sp_index,
+                       inputs=MixerInputs())
 
 
 def check_same_batch(batch: Mapping[str, Any], *, group: dist.ProcessGroup, comm: CommLayer) -> None:

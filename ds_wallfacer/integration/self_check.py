@@ -140,6 +140,10 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def _reference_attention(model: nn.Module) -> Iterator[None]:
     """The model's own attention and its own forwards of the mixer layers."""
+    if not hf.attention_modules(model):  # a pure state-space model
+        with model_forwards(model):
+            yield
+        return
     try:
         model.set_attn_implementation(hf.reference_implementation(model))
     except (ValueError, ImportError):  # e.g. "sdpa" recorded in a config whose model does not take it

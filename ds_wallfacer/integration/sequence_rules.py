@@ -63,6 +63,9 @@ _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "atte
                                     "full", "sliding", "chunked_attention"})
 """Values of ``config.layer_types`` that mean softmax attention (global, windowed, or within fixed chunks:
 ``positional.chunk_size``)."""
+_POSITIONWISE_LAYER_TYPES = frozenset({"mlp", "moe"})
+"""Values of ``config.layer_types`` for blocks without a sequence mixer (Nemotron-H's); their modules are still
+classified one by one like every other."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ def _layer_type_problems(text: Any, *, mixers: set[str | None]) -> list[Finding]
     types = getattr(text, "layer_types", None)
     if not isinstance(types, (list, tuple)):
         return []
-    known = _ATTENTION_LAYER_TYPES | {t for t in mixers if t}
+    known = _ATTENTION_LAYER_TYPES | _POSITIONWISE_LAYER_TYPES | {t for t in mixers if t}
     odd: dict[str, list[int]] = {}
     for i, t in enumerate(types):
         if isinstance(t, str) and t not in known:
@@ -275,7 +278,7 @@ def sequence_findings(
                 add(path, m, f"its own code calls {', '.join(ops)}, which can mix tokens along the sequence outside "
                     "the attention function", NOT_YET)
     out = list(found.values()) + [Finding(path, cls, what, NOT_YET) for path, cls, what in peft_problems]
-    if not attn_ids:
+    if not attn_ids and not layers:
         out.insert(0, Finding("<model>", type(model).__name__, "has no attention layer that calls transformers' "
                               "attention interface (none carries is_causal, scaling and config), so there is no "
                               "attention for sequence parallelism to take over", NOT_YET))

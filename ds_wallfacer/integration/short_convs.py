@@ -15,11 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.documents import SequenceBatch
 from ..mixers import sharded_causal_conv1d
-from .hf import BATCH_KWARG
 from .mixer_shards import has_form, shards_of
-from .positional import POSITIONS_KWARG
 
 __all__ = ["is_short_conv", "read_parameters", "refuse_cache", "sharded_forward"]
 
@@ -69,15 +66,11 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     """The layer's forward on this rank's shard (hidden_states [B, S_l, D])."""
     refuse_cache(self, cache, attention_mask)
     shards = shards_of(self)
-    batch: SequenceBatch | None = kwargs.get(BATCH_KWARG)
-    positions = kwargs.get(POSITIONS_KWARG)
-    packed = batch is not None and batch.documents is not None
-    if packed and positions is None:
-        raise ValueError(f"{type(self).__name__}: a packed batch reached the layer without its positions; build the "
-                         "model with ds_wallfacer.integration.initialize, which passes them")
+    now = shards.inputs
     bcx = self.in_proj(hidden_states).transpose(-1, -2)
     b_gate, c_gate, x = bcx.chunk(3, dim=-2)
     y = sharded_causal_conv1d(b_gate * x, self.conv.weight.squeeze(1), self.conv.bias,
-                              positions=positions.to(x.device) if packed else None, ring=shards.ring(batch),
+                              positions=now.positions.to(x.device) if now.packed else None,
+                              ring=shards.ring(now.batch),
                               comm=shards.comm, group=shards.group)
     return self.out_proj((c_gate * y).transpose(-1, -2).contiguous())

@@ -10,7 +10,7 @@ divide by P. The pieces each rank holds are ``ChunkRing``'s (zigzag, contiguous,
 
 Bytes per rank and call, each way: (P - 1) / P x the tensors' size on this rank (``comm.all_to_all``'s count).
 
-Design: Note [Gated delta-nets on shards] in docs/design.md §11.
+Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design.md §11.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..attention.ulysses import all_to_all
 from ..comm import CommLayer
 from .short_conv import ChunkRing
 
-__all__ = ["gather_heads", "scatter_heads"]
+__all__ = ["gather_heads", "head_parallel_bytes", "scatter_heads"]
 
 
 @lru_cache(maxsize=64)
@@ -32,6 +32,12 @@ def _order(ring: ChunkRing, group_shards: tuple[int, ...]) -> tuple[int, ...]:
     m = len(ring.chunks)
     where = {c: j * m + s for j, shard in enumerate(group_shards) for s, c in enumerate(ring.pieces_of(shard))}
     return tuple(where[c] for c in range(len(where)))
+
+
+def head_parallel_bytes(*, rows: int, tokens: int, width: int, element_size: int, sp_size: int) -> int:
+    """Bytes this rank sends in one ``gather_heads`` or ``scatter_heads`` of tensors ``width`` elements wide per
+    token (summed over the tensors) on ``tokens`` local tokens: every head group but its own, (P - 1) / P of them."""
+    return (sp_size - 1) * rows * tokens * width * element_size // sp_size
 
 
 def gather_heads(xs: list[torch.Tensor], *, ring: ChunkRing, group_shards: tuple[int, ...],

@@ -1,0 +1,130 @@
+"""Mamba-2 mixers (``Mamba2Mixer`` and the classes that copy it: Bamba, Granite 4 hybrid, Nemotron-H, Zamba2) on
+sequence shards, head-parallel.
+
+The mixer projects its input (position-wise) to a gate, x (H heads of hd), B and C (G groups of the state size N)
+and dt (one per head); convolves x, B and C causally per channel; runs the selective state-space scan per head
+(heads of one group share its B and C); normalises the result gated by the gate and projects it out. As for gated
+delta-nets (``delta_nets.py``), one all-to-all gives each rank every token of H / P heads and of the groups they
+read (when G < P each group goes to the P / G ranks whose heads read it: B and C are small next to x), the rank
+runs the model's own convolution (its channels of the weight) and the model's own chunked scan, and a second
+all-to-all returns the result. Packed rows run both per document, as each document trained alone. Attached by
+``mixer_layers.py``.
+
+Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design.md §11.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..mixers import gather_heads, scatter_heads
+from .delta_nets import per_document, runs_of
+from .mixer_shards import has_form, shards_of
+from .short_convs import causal_depthwise, refuse_cache
+
+__all__ = ["check_heads", "is_mamba_mixer", "read_parameters", "sharded_forward"]
+
+_FORM = (
+    re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)"),
+    re.compile(r"\bA\s*=\s*-torch\.exp\(self\.A_log\.float\(\)\)"),
+    re.compile(r"\bgate\s*,\s*hidden_states_B_C\s*,\s*dt\s*=\s*projected_states\.split\(\s*\[\s*self\.intermediate_size"
+               r"\s*,\s*self\.conv_dim\s*,\s*self\.num_heads\s*\]\s*,\s*dim\s*=\s*-1"),
+    re.compile(r"\bcausal_conv1d_fn\(\s*hidden_states_B_C\s*,\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*"
+               r"self\.conv1d\.bias\s*,\s*activation\s*=\s*self\.activation"),
+    re.compile(r"\bhidden_states\s*,\s*B\s*,\s*C\s*=\s*torch\.split\(\s*hidden_states_B_C\s*,\s*\[\s*self\."
+               r"intermediate_size\s*,\s*self\.n_groups\s*\*\s*self\.ssm_state_size\s*,\s*self\.n_groups\s*\*\s*self\."
+               r"ssm_state_size\s*\]"),
+    re.compile(r"\bmamba2_chunk_scan\(\s*hidden_states\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.num_heads\s*,\s*"
+               r"self\.head_dim\)\s*,\s*dt\s*,\s*A\s*,\s*B\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*"
+               r"self\.ssm_state_size\)\s*,\s*C\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*"
+               r"self\.ssm_state_size\)\s*,\s*chunk_size\s*=\s*self\.chunk_size\s*,\s*D\s*=\s*self\.D\s*,\s*z\s*=\s*"
+               r"None\s*,\s*return_final_states\s*=\s*output_final_state\s*,\s*dt_bias\s*=\s*self\.dt_bias\s*,\s*"
+               r"dt_softplus\s*=\s*True\s*,\s*initial_states\s*=\s*recurrent_state\s*,\s*dt_limit\s*=\s*"
+               r"self\.time_step_limit"),
+    re.compile(r"\bscan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)"),
+    re.compile(r"\bself\.out_proj\(scan_output\.to\(dtype\)\)"),
+)
+"""The mixer's expression: projection split into gate | x B C | dt, the convolution with its activation, the scan
+(D skip and dt bias, softplus and limits inside it), the gated norm and the output projection."""
+
+_NEEDED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim", "chunk_size",
+           "time_step_limit", "activation")
+
+
+def is_mamba_mixer(m: nn.Module) -> bool:
+    """Whether ``m`` is a Mamba-2 mixer of the recognised form."""
+    if not all(hasattr(m, a) for a in _NEEDED) or not causal_depthwise(getattr(m, "conv1d", None)):
+        return False
+    children = {n for n, _ in m.named_children()} - {"act"}
+    own = {n for n, _ in m.named_parameters(recurse=False)}
+    return (children == {"conv1d", "in_proj", "norm", "out_proj"} and own == {"dt_bias", "A_log", "D"}
+            and m.conv1d.in_channels == m.conv_dim == m.intermediate_size + 2 * m.n_groups * m.ssm_state_size
+            and m.intermediate_size == m.num_heads * m.head_dim and has_form(type(m), _FORM))
+
+
+def read_parameters(m: nn.Module) -> list[nn.Parameter]:
+    """The parameters the forward reads without calling their module (the convolution's)."""
+    return list(m.conv1d.parameters())
+
+
+def check_heads(name: str, m: nn.Module, *, sp_size: int) -> None:
+    """Raise unless the heads divide by P and the groups divide P or by it (each rank scans whole heads and holds
+    the groups they read)."""
+    h, g = m.num_heads, m.n_groups
+    if h % sp_size or (g % sp_size and sp_size % g):
+        raise ValueError(
+            f"{name} ({type(m).__name__}): its {h} heads in {g} groups cannot be split over {sp_size} "
+            "sequence-parallel ranks, which scan whole heads each: use a sequence_parallel_size that divides the "
+            "number of heads and divides, or is a multiple of, n_groups")
+
+
+def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+                    attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """The mixer's forward on this rank's shard (hidden_states [B, S_l, D])."""
+    refuse_cache(self, cache, attention_mask)
+    shards = shards_of(self)
+    model_code = sys.modules[type(self).__module__]  # the model's own convolution and scan functions
+    b, s, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    h, hd, g, n_state, inter = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, self.intermediate_size
+    p, j = len(shards.group_shards), shards.group_rank
+    rep = max(p // g, 1)  # ranks per group when G < P
+    a_all = -torch.exp(self.A_log.float())
+    gate, xbc, dt = self.in_proj(hidden_states).split([inter, self.conv_dim, h], dim=-1)
+    x, bm, cm = xbc.split([inter, g * n_state, g * n_state], dim=-1)
+    bm, cm = (t.reshape(b, s, g, n_state).repeat_interleave(rep, dim=2) for t in (bm, cm))  # [B, S_l, max(G, P), N]
+    batch = shards.inputs.batch
+    ring = shards.ring(batch)
+    x, bm, cm, dt = gather_heads([x.reshape(b, s, h, hd), bm, cm, dt[..., None]], ring=ring,
+                                 group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    n = x.shape[1]
+    runs = runs_of(batch, b, n)
+    # this rank's channels of the convolution: x of its heads, B and C of the groups they read
+    xs, gl = inter // p, max(g // p, 1)
+    g0 = j * g // p if g >= p else j // rep
+    chans = torch.cat([torch.arange(j * xs, (j + 1) * xs),
+                       torch.arange(inter + g0 * n_state, inter + (g0 + gl) * n_state),
+                       torch.arange(inter + (g + g0) * n_state, inter + (g + g0 + gl) * n_state)]).to(x.device)
+    weight = self.conv1d.weight.squeeze(1).index_select(0, chans)
+    bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, chans)
+    mixed = torch.cat([x.flatten(2), bm.flatten(2), cm.flatten(2)], dim=-1).transpose(1, 2)  # [B, C / P, N]
+    mixed = per_document(lambda t: model_code.causal_conv1d_fn(t, weight, bias, activation=self.activation),
+                         runs, 2, mixed).transpose(1, 2)
+    x, bm, cm = mixed.split([xs, gl * n_state, gl * n_state], dim=-1)
+    heads = slice(j * (h // p), (j + 1) * (h // p))
+
+    def scan(x_, dt_, b_, c_):
+        return model_code.mamba2_chunk_scan(
+            x_, dt_, a_all[heads], b_, c_, chunk_size=self.chunk_size, D=self.D[heads], z=None,
+            return_final_states=False, dt_bias=self.dt_bias[heads], dt_softplus=True, initial_states=None,
+            dt_limit=self.time_step_limit)
+
+    y = per_document(scan, runs, 1, x.reshape(b, n, h // p, hd), dt[..., 0], bm.reshape(b, n, gl, n_state),
+                     cm.reshape(b, n, gl, n_state))  # [B, N, H / P, hd]
+    y = scatter_heads(y, ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    y = self.norm(y.reshape(b, s, inter), gate)
+    return self.out_proj(y.to(dtype))
