@@ -21,7 +21,6 @@ def _findings(model: nn.Module, **kw) -> list[str]:
 
 # (model_type, class, the words one finding must contain)
 REFUSED = [
-    ("mamba2", "Mamba2ForCausalLM", ["mixer (Mamba2Mixer)", "scan"]),
     ("falcon_h1", "FalconH1ForCausalLM", ["(FalconH1Mixer)"]),
     ("minimax", "MiniMaxForCausalLM", ["(MiniMaxLightningAttention)"]),
     ("recurrent_gemma", "RecurrentGemmaForCausalLM", ["rg_lru (RecurrentGemmaRglru)", "_rnn_scan"]),
@@ -71,11 +70,12 @@ def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_
 
 
 @pytest.mark.parametrize("model_type,cls", [
-    ("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    ("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
 ])
-def test_gated_delta_nets_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
-    """Gated delta-nets run head-parallel (``integration/delta_nets.py``); one with a forward of its own is refused
-    by what its code calls and by its convolution."""
+def test_recurrent_mixers_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
+    """Gated delta-nets and Mamba-2 mixers run head-parallel (``integration/delta_nets.py``, ``mamba_mixers.py``);
+    one with a forward of its own is refused by what its code calls and by its convolution."""
     from ds_wallfacer.integration.mixer_layers import mixer_layers
 
     assert _findings(build_tiny(model_type, cls, check=False)) == []
@@ -90,6 +90,13 @@ def test_gated_delta_nets_pass_in_the_form_the_sharded_forward_computes(model_ty
     found = _findings(model)
     assert any("(OwnScan)" in f and "cumsum" in f for f in found), found
     assert any(".conv1d (Conv1d)" in f for f in found), found
+
+
+def test_falcon_h1_mixers_stay_refused() -> None:
+    """Falcon-H1's Mamba-2 mixer scales its input and projections (muP multipliers) and may gate inside the scan:
+    not the recognised form, so refused by its own code."""
+    found = _findings(build_tiny("falcon_h1", "FalconH1ForCausalLM", check=False))
+    assert any("(FalconH1Mixer)" in f and "mamba2_chunk_scan" in f for f in found), found
 
 
 class _OwnParameter(nn.Module):

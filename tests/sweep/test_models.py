@@ -18,8 +18,9 @@ MUST_BE_EXACT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "SmolLM3ForCausalLM", "Glm4MoeForCausalLM", "Exaone4ForCausalLM", "GraniteForCausalLM",
                  "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM", "Lfm2ForCausalLM",
                  "Lfm2MoeForCausalLM", "Lfm3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
-                 "Qwen3_5MoeForCausalLM")
-MUST_BE_REFUSED = ("FalconH1ForCausalLM", "Mamba2ForCausalLM", "RecurrentGemmaForCausalLM",
+                 "Qwen3_5MoeForCausalLM", "Mamba2ForCausalLM",
+                 "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Zamba2ForCausalLM")
+MUST_BE_REFUSED = ("FalconH1ForCausalLM", "RecurrentGemmaForCausalLM",
                    "MiniMaxForCausalLM")
 
 
