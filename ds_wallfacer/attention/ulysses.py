@@ -46,13 +46,13 @@ class _AllToAll(torch.autograd.Function):
     attention's backward and the layer after attention need."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: CommLayer, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.comm, ctx.group = comm, group
+    def forward(ctx, x: torch.Tensor, comm: CommLayer, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.kind = comm, group, kind
         ctx.slot = slot = residual_slot("all_to_all", comm, group, tensor_key(x))
         if slot is not None and slot.replaying:
             return slot.take()[0]
         with comm.phase("forward"):
-            out = comm.all_to_all(x, group)
+            out = comm.all_to_all(x, group, kind=kind)
         if slot is not None:
             slot.keep(out)
         return out
@@ -60,15 +60,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         with ctx.comm.phase("backward"):
-            dx = ctx.comm.all_to_all(g.contiguous(), ctx.group)
+            dx = ctx.comm.all_to_all(g.contiguous(), ctx.group, kind=ctx.kind)
         if ctx.slot is not None:
             ctx.slot.done()
-        return dx, None, None
+        return dx, None, None, None
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, comm: CommLayer) -> torch.Tensor:
-    """Differentiable, counted all-to-all of a [U, ...] tensor over ``group`` (U ranks)."""
-    return _AllToAll.apply(x, comm, group)
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, comm: CommLayer, *, kind: str = "all_to_all"
+               ) -> torch.Tensor:
+    """Differentiable, counted all-to-all of a [U, ...] tensor over ``group`` (U ranks), counted as ``kind``."""
+    return _AllToAll.apply(x, comm, group, kind)
 
 
 def _replicate_kv(x: torch.Tensor, degree: int) -> torch.Tensor:

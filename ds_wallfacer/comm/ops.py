@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 __all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "backend_device_types", "exposed"]
 
-KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "halo", "check")
+KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "halo", "heads", "check")
 """What the comm layer counts bytes by: the collectives, ring and skew hops of attention, Ulysses all-to-alls,
-short-convolution halos (``mixers.short_conv``) and the cross-rank checks."""
+short-convolution halos (``mixers.short_conv``), the head-parallel all-to-alls of recurrent mixers
+(``mixers.head_parallel``) and the cross-rank checks."""
 
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -257,18 +258,19 @@ class CommLayer:
         return out
 
     def all_to_all(
-        self, x: torch.Tensor, group: dist.ProcessGroup, *, out: torch.Tensor | None = None
+        self, x: torch.Tensor, group: dist.ProcessGroup, *, out: torch.Tensor | None = None, kind: str = "all_to_all"
     ) -> torch.Tensor:
-        """[n, *s] -> [n, *s]: slice i goes to group rank i; slice j of the result came from rank j."""
+        """[n, *s] -> [n, *s]: slice i goes to group rank i; slice j of the result came from rank j (counted as
+        ``kind``)."""
         n = dist.get_world_size(group)
         self.check_device("all_to_all", group, x, *([] if out is None else [out]))
         if n == 1:
             return x if out is None else out.copy_(x)
         x = x.contiguous()
         out = torch.empty_like(x) if out is None else out
-        with self._timed("all_to_all"):
+        with self._timed(kind):
             dist.all_to_all_single(out, x, group=group)
-        self._count("all_to_all", (n - 1) * _nbytes(x) // n)
+        self._count(kind, (n - 1) * _nbytes(x) // n)
         return out
 
     def exchange(

@@ -1,5 +1,5 @@
-"""Mamba-2 mixers (``Mamba2Mixer`` and the classes that copy it: Bamba, Granite 4 hybrid, Nemotron-H, Zamba2) on
-sequence shards, head-parallel.
+"""Mamba-2 mixers (``Mamba2Mixer`` and the classes that copy it: Bamba, Granite 4 hybrid, Nemotron-H, Zamba2; and
+Falcon-H1's, with its muP multipliers and optional norm) on sequence shards, head-parallel.
 
 The mixer projects its input (position-wise) to a gate, x (H heads of hd), B and C (G groups of the state size N)
 and dt (one per head); convolves x, B and C causally per channel; runs the selective state-space scan per head
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,8 +29,7 @@ from .short_convs import causal_depthwise, refuse_cache
 
 __all__ = ["check_heads", "is_mamba_mixer", "read_parameters", "sharded_forward"]
 
-_FORM = (
-    re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)"),
+_CONV_SPLIT = (
     re.compile(r"\bA\s*=\s*-torch\.exp\(self\.A_log\.float\(\)\)"),
     re.compile(r"\bgate\s*,\s*hidden_states_B_C\s*,\s*dt\s*=\s*projected_states\.split\(\s*\[\s*self\.intermediate_size"
                r"\s*,\s*self\.conv_dim\s*,\s*self\.num_heads\s*\]\s*,\s*dim\s*=\s*-1"),
@@ -38,18 +38,67 @@ _FORM = (
     re.compile(r"\bhidden_states\s*,\s*B\s*,\s*C\s*=\s*torch\.split\(\s*hidden_states_B_C\s*,\s*\[\s*self\."
                r"intermediate_size\s*,\s*self\.n_groups\s*\*\s*self\.ssm_state_size\s*,\s*self\.n_groups\s*\*\s*self\."
                r"ssm_state_size\s*\]"),
-    re.compile(r"\bmamba2_chunk_scan\(\s*hidden_states\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.num_heads\s*,\s*"
-               r"self\.head_dim\)\s*,\s*dt\s*,\s*A\s*,\s*B\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*"
-               r"self\.ssm_state_size\)\s*,\s*C\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*"
-               r"self\.ssm_state_size\)\s*,\s*chunk_size\s*=\s*self\.chunk_size\s*,\s*D\s*=\s*self\.D\s*,\s*z\s*=\s*"
-               r"None\s*,\s*return_final_states\s*=\s*output_final_state\s*,\s*dt_bias\s*=\s*self\.dt_bias\s*,\s*"
-               r"dt_softplus\s*=\s*True\s*,\s*initial_states\s*=\s*recurrent_state\s*,\s*dt_limit\s*=\s*"
-               r"self\.time_step_limit"),
-    re.compile(r"\bscan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)"),
     re.compile(r"\bself\.out_proj\(scan_output\.to\(dtype\)\)"),
 )
-"""The mixer's expression: projection split into gate | x B C | dt, the convolution with its activation, the scan
-(D skip and dt bias, softplus and limits inside it), the gated norm and the output projection."""
+"""What every recognised mixer computes: the projection split into gate | x B C | dt, the convolution with its
+activation, the split of x, B and C, the output projection."""
+
+
+def _scan_call(heads: str, state: str) -> re.Pattern:
+    """The chunked scan's call (D skip and dt bias, softplus and limits inside it), ``heads`` / ``state`` the way
+    the class writes the head count and the state size in its views."""
+    return re.compile(
+        r"\bmamba2_chunk_scan\(\s*hidden_states\.view\(batch_size\s*,\s*seq_len\s*,\s*" + heads + r"\s*,\s*"
+        r"self\.head_dim\)\s*,\s*dt\s*,\s*A\s*,\s*B\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*"
+        + state + r"\)\s*,\s*C\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*" + state + r"\)\s*,\s*"
+        r"chunk_size\s*=\s*self\.chunk_size\s*,\s*D\s*=\s*self\.D\s*,\s*z\s*=\s*None\s*,\s*return_final_states\s*=\s*"
+        r"output_final_state\s*,\s*dt_bias\s*=\s*self\.dt_bias\s*,\s*dt_softplus\s*=\s*True\s*,\s*initial_states\s*=\s*"
+        r"recurrent_state\s*,\s*dt_limit\s*=\s*self\.time_step_limit")
+
+
+def _mamba2_gate(m: nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return m.norm(y, gate)
+
+
+def _falcon_h1_gate(m: nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return m.norm(y, gate) if m.mamba_rms_norm else y * torch.nn.functional.silu(gate)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One recognised form: its children and the expression of its forward, the factors on its input and on its
+    projection (Falcon-H1's muP multipliers; None: none) and how it gates the scan's output."""
+
+    children: frozenset[str]
+    form: tuple[re.Pattern, ...]
+    input_scale: str | None
+    projection_scale: str | None
+    gate: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+_FAMILIES = (
+    _Family(frozenset({"conv1d", "in_proj", "norm", "out_proj"}),
+            (re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)"),
+             _scan_call(r"self\.num_heads", r"self\.ssm_state_size"),
+             re.compile(r"\bscan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)")), None, None, _mamba2_gate),
+    _Family(frozenset({"conv1d", "in_proj", "norm", "out_proj"}),  # Falcon-H1 (norm: gated RMSNorm or Identity)
+            (re.compile(r"\bhidden_states\s*=\s*hidden_states\s*\*\s*self\.ssm_in_multiplier"),
+             re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)\s*projected_states\s*=\s*"
+                        r"projected_states\s*\*\s*self\.mup_vector"),
+             _scan_call("-1", "-1"),
+             re.compile(r"\bif\s+self\.mamba_rms_norm\s*:\s*scan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)\s*"
+                        r"else\s*:\s*scan_output\s*=\s*scan_output\s*\*\s*torch\.nn\.functional\.silu\(gate\)")),
+            "ssm_in_multiplier", "mup_vector", _falcon_h1_gate),
+)
+
+
+def _family(m: nn.Module) -> _Family | None:
+    children = {n for n, _ in m.named_children()} - {"act"}
+    own = {n for n, _ in m.named_parameters(recurse=False)}
+    if own != {"dt_bias", "A_log", "D"}:
+        return None
+    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), _CONV_SPLIT + f.form)), None)
+
 
 _NEEDED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim", "chunk_size",
            "time_step_limit", "activation")
@@ -59,11 +108,8 @@ def is_mamba_mixer(m: nn.Module) -> bool:
     """Whether ``m`` is a Mamba-2 mixer of the recognised form."""
     if not all(hasattr(m, a) for a in _NEEDED) or not causal_depthwise(getattr(m, "conv1d", None)):
         return False
-    children = {n for n, _ in m.named_children()} - {"act"}
-    own = {n for n, _ in m.named_parameters(recurse=False)}
-    return (children == {"conv1d", "in_proj", "norm", "out_proj"} and own == {"dt_bias", "A_log", "D"}
-            and m.conv1d.in_channels == m.conv_dim == m.intermediate_size + 2 * m.n_groups * m.ssm_state_size
-            and m.intermediate_size == m.num_heads * m.head_dim and has_form(type(m), _FORM))
+    return (m.conv1d.in_channels == m.conv_dim == m.intermediate_size + 2 * m.n_groups * m.ssm_state_size
+            and m.intermediate_size == m.num_heads * m.head_dim and _family(m) is not None)
 
 
 def read_parameters(m: nn.Module) -> list[nn.Parameter]:
@@ -93,8 +139,14 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     h, hd, g, n_state, inter = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, self.intermediate_size
     p, j = len(shards.group_shards), shards.group_rank
     rep = max(p // g, 1)  # ranks per group when G < P
+    family = _family(self)
     a_all = -torch.exp(self.A_log.float())
-    gate, xbc, dt = self.in_proj(hidden_states).split([inter, self.conv_dim, h], dim=-1)
+    if family.input_scale is not None:
+        hidden_states = hidden_states * getattr(self, family.input_scale)
+    projected = self.in_proj(hidden_states)
+    if family.projection_scale is not None:
+        projected = projected * getattr(self, family.projection_scale)
+    gate, xbc, dt = projected.split([inter, self.conv_dim, h], dim=-1)
     x, bm, cm = xbc.split([inter, g * n_state, g * n_state], dim=-1)
     bm, cm = (t.reshape(b, s, g, n_state).repeat_interleave(rep, dim=2) for t in (bm, cm))  # [B, S_l, max(G, P), N]
     batch = shards.inputs.batch
@@ -126,5 +178,5 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     y = per_document(scan, runs, 1, x.reshape(b, n, h // p, hd), dt[..., 0], bm.reshape(b, n, gl, n_state),
                      cm.reshape(b, n, gl, n_state))  # [B, N, H / P, hd]
     y = scatter_heads(y, ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
-    y = self.norm(y.reshape(b, s, inter), gate)
+    y = family.gate(self, y.reshape(b, s, inter), gate)
     return self.out_proj(y.to(dtype))

@@ -8,7 +8,7 @@ unchanged. Heads are split in P contiguous groups: group rank j gets heads [j H 
 tensor, so heads that work together (a value head and the key head it shares) stay on one rank when both counts
 divide by P. The pieces each rank holds are ``ChunkRing``'s (zigzag, contiguous, hybrid or a balanced assignment).
 
-Bytes per rank and call, each way: (P - 1) / P x the tensors' size on this rank (``comm.all_to_all``'s count).
+Bytes per rank and call, each way: (P - 1) / P x the tensors' size on this rank, counted as kind "heads".
 
 Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design.md §11.
 """
@@ -51,7 +51,7 @@ def gather_heads(xs: list[torch.Tensor], *, ring: ChunkRing, group_shards: tuple
     for x in xs:
         b, s, h, d = x.shape
         rows.append(x.reshape(b, s, p, h // p, d).permute(2, 0, 1, 3, 4).reshape(p, -1))
-    recv = all_to_all(torch.cat(rows, dim=1), group, comm)
+    recv = all_to_all(torch.cat(rows, dim=1), group, comm, kind="heads")
     order = torch.tensor(_order(ring, group_shards), device=recv.device)
     out, i = [], 0
     for x in xs:
@@ -73,5 +73,5 @@ def scatter_heads(x: torch.Tensor, *, ring: ChunkRing, group_shards: tuple[int, 
     back = torch.tensor(_order(ring, group_shards), device=x.device).argsort()
     pieces = x.reshape(b, p * m, s // m, h, d).index_select(1, back)  # [B, group rank x slot, L, h, d]
     rows = pieces.reshape(b, p, s, h, d).transpose(0, 1).reshape(p, -1)
-    recv = all_to_all(rows, group, comm)  # row j: head group j of my tokens
+    recv = all_to_all(rows, group, comm, kind="heads")  # row j: head group j of my tokens
     return recv.reshape(p, b, s, h, d).permute(1, 2, 0, 3, 4).reshape(b, s, p * h, d)

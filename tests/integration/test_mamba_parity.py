@@ -1,4 +1,6 @@
-"""Mamba-2 mixers (Granite 4 hybrid: Mamba-2 layers around an attention layer, MoE; Mamba-2 alone, no attention)
+"""Mamba-2 mixers (Granite 4 hybrid: Mamba-2 layers around an attention layer, MoE; Mamba-2 alone, no attention;
+Falcon-H1: attention and Mamba-2 side by side in every layer, muP multipliers, one group read by all 4 ranks, with
+and without the gated norm)
 through the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one
 process with its own torch convolution and chunked scan: loss at every step and every parameter (A, D, dt bias and
 the convolution included) after the SGD steps, fp32, clipping off. Scan chunks of 16 tokens, so a sequence of 64
@@ -29,6 +31,16 @@ def tiny_mamba(family: str) -> torch.nn.Module:
             mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, mamba_conv_bias=True,
             attn_implementation="eager")
         return GraniteMoeHybridForCausalLM(cfg).train()
+    if family.startswith("falcon_h1"):  # muP multipliers that are not 1, so leaving one out fails
+        from transformers import FalconH1Config, FalconH1ForCausalLM
+
+        cfg = FalconH1Config(
+            hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"], num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=t["vocab_size"], max_position_embeddings=t["max_position_embeddings"],
+            num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+            mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=family.endswith("norm"),
+            ssm_in_multiplier=0.5, ssm_multipliers=[0.5, 2.0, 1.5, 0.7, 1.3], attn_implementation="eager")
+        return FalconH1ForCausalLM(cfg).train()
     if family == "mamba2":
         from transformers import Mamba2Config, Mamba2ForCausalLM
 
@@ -47,6 +59,8 @@ CASES = [  # (family, wallfacer section, ZeRO stage, packed documents)
     ("mamba2", {"mode": "ulysses"}, 3, True),
     ("mamba2", {"mode": "wallfacer", "ring_count": 1, "sharding": "contiguous"}, 2, False),
     ("mamba2", {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 1}, 1, True),
+    ("falcon_h1_norm", {"mode": "hybrid", "ulysses_degree": 2}, 3, True),
+    ("falcon_h1", {"mode": "wallfacer", "ring_count": 2}, 1, True),
 ]
 
 

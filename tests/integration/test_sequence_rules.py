@@ -21,7 +21,6 @@ def _findings(model: nn.Module, **kw) -> list[str]:
 
 # (model_type, class, the words one finding must contain)
 REFUSED = [
-    ("falcon_h1", "FalconH1ForCausalLM", ["(FalconH1Mixer)"]),
     ("minimax", "MiniMaxForCausalLM", ["(MiniMaxLightningAttention)"]),
     ("recurrent_gemma", "RecurrentGemmaForCausalLM", ["rg_lru (RecurrentGemmaRglru)", "_rnn_scan"]),
 ]
@@ -71,7 +70,7 @@ def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_
 
 @pytest.mark.parametrize("model_type,cls", [
     ("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
-    ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
 ])
 def test_recurrent_mixers_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
     """Gated delta-nets and Mamba-2 mixers run head-parallel (``integration/delta_nets.py``, ``mamba_mixers.py``);
@@ -90,13 +89,6 @@ def test_recurrent_mixers_pass_in_the_form_the_sharded_forward_computes(model_ty
     found = _findings(model)
     assert any("(OwnScan)" in f and "cumsum" in f for f in found), found
     assert any(".conv1d (Conv1d)" in f for f in found), found
-
-
-def test_falcon_h1_mixers_stay_refused() -> None:
-    """Falcon-H1's Mamba-2 mixer scales its input and projections (muP multipliers) and may gate inside the scan:
-    not the recognised form, so refused by its own code."""
-    found = _findings(build_tiny("falcon_h1", "FalconH1ForCausalLM", check=False))
-    assert any("(FalconH1Mixer)" in f and "mamba2_chunk_scan" in f for f in found), found
 
 
 class _OwnParameter(nn.Module):

@@ -56,7 +56,7 @@ def _run(rank: int, world: int) -> list[str]:
         # each way: the gather (H x D per local token) and the scatter (the same width), forward and backward
         one = head_parallel_bytes(rows=B, tokens=N // world, width=H * D, element_size=8, sp_size=world)
         for phase in ("forward", "backward"):
-            got_bytes, want_bytes = comm.by_kind(phase).get("all_to_all", 0), 2 * one
+            got_bytes, want_bytes = comm.by_kind(phase).get("heads", 0), 2 * one
             if got_bytes != want_bytes:
                 failures.append(f"{name}: {phase} all-to-all bytes {got_bytes} != {want_bytes}")
     return failures

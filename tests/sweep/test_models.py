@@ -19,8 +19,9 @@ MUST_BE_EXACT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM", "Lfm2ForCausalLM",
                  "Lfm2MoeForCausalLM", "Lfm3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeForCausalLM", "Mamba2ForCausalLM",
-                 "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Zamba2ForCausalLM")
-MUST_BE_REFUSED = ("FalconH1ForCausalLM", "RecurrentGemmaForCausalLM",
+                 "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Zamba2ForCausalLM",
+                 "FalconH1ForCausalLM")
+MUST_BE_REFUSED = ("RecurrentGemmaForCausalLM",
                    "MiniMaxForCausalLM")
 
 
