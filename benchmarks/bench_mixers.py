@@ -8,7 +8,8 @@ three mixer layers and one attention layer, hidden 256) and each sequence-parall
 through ``initialize`` (ZeRO-1, SGD, fp32) and time three training steps on one sequence. The comm layer's counts of
 the last step give the bytes each rank sent by kind: the mixers' halos ("halo") and head-parallel all-to-alls
 ("heads"), and attention's ring hops, team collectives and Ulysses all-to-alls. The mixers' counted bytes are
-checked against the formulas (``mixers.halo_bytes``, ``mixers.head_parallel_bytes``; a mismatch fails the run). The
+checked against the formulas (``mixers.halo_bytes``, ``mixers.head_parallel_bytes``; a mismatch fails the run);
+``per_layer`` is one mixer layer's bytes over one attention layer's. The
 time is the slowest rank's step, the fastest of the last two steps (a shared machine drifts). Prints a table, writes
 ``runs/bench/mixers/`` (``--out``: result.json, and plot.png with matplotlib) and ends with one JSON line.
 """
@@ -91,7 +92,8 @@ def _rank(rank: int, world: int, spec: dict) -> dict:
 
     model = build(spec["family"]).train()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 1},
-              "zero_allow_untested_optimizer": True, "wallfacer": {**MODES[spec["mode"]], "self_check": False}}
+              "zero_allow_untested_optimizer": True, "wallfacer": {**MODES[spec["mode"]], "sequence_parallel_size": world,
+                                                          "self_check": False}}
     engine, sp = initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
                             seq_len=spec["seq_len"])
     ids = torch.randint(1, 256, (1, spec["seq_len"]), generator=torch.Generator().manual_seed(1))
@@ -109,10 +111,13 @@ def _rank(rank: int, world: int, spec: dict) -> dict:
     for (phase, kind), n in sp.comm.sent.items():
         if phase in ("forward", "backward"):
             sent[kind] = sent.get(kind, 0) + n
-    layers = mixer_layers(model)
-    want = expected_bytes(model, shards_of(layers[0][1]), tokens=spec["seq_len"], sp_size=dist.get_world_size())
+    shards = shards_of(mixer_layers(model)[0][1])
+    want = expected_bytes(model, shards, tokens=spec["seq_len"], sp_size=len(shards.peers))
+    from ds_wallfacer.integration.hf import attention_modules
+
+    layers = (len(mixer_layers(model)), len(attention_modules(model)))
     engine.destroy()
-    return {"sent": sent, "want": want, "step_s": min(times[1:])}
+    return {"sent": sent, "want": want, "step_s": min(times[1:]), "layers": layers}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -126,11 +131,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             mixer = {k: max(r["sent"].get(k, 0) for r in per_rank) for k in ("halo", "heads")}
             want = {k: max(r["want"][k] for r in per_rank) for k in ("halo", "heads")}
             attention = max(sum(r["sent"].get(k, 0) for k in ATTENTION_KINDS) for r in per_rank)
+            n_mixers, n_attention = per_rank[0]["layers"]
             if mixer != want:
                 raise SystemExit(f"{family} {mode}: counted mixer bytes {mixer} != formula {want}")
             rows.append({"family": family, "mode": mode, "seq_len": args.seq_len, "halo_bytes": mixer["halo"],
                          "heads_bytes": mixer["heads"], "attention_bytes": attention,
                          "mixer_over_attention": (mixer["halo"] + mixer["heads"]) / max(attention, 1),
+                         "per_layer": (mixer["halo"] + mixer["heads"]) / n_mixers / max(attention / n_attention, 1),
                          "formula_bytes": want["halo"] + want["heads"],
                          "step_s": max(r["step_s"] for r in per_rank)})
     return rows
@@ -160,14 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = run(args)
     print_table([("family", "s"), ("mode", "s"), ("seq_len", "d"), ("halo_bytes", "d"), ("heads_bytes", "d"),
-                 ("formula_bytes", "d"), ("attention_bytes", "d"), ("mixer_over_attention", ".3f"), ("step_s", ".3f")],
+                 ("formula_bytes", "d"), ("attention_bytes", "d"), ("mixer_over_attention", ".3f"), ("per_layer", ".3f"),
+                 ("step_s", ".3f")],
                 [[r[k] for k in ("family", "mode", "seq_len", "halo_bytes", "heads_bytes", "formula_bytes",
-                                 "attention_bytes", "mixer_over_attention", "step_s")] for r in rows],
+                                 "attention_bytes", "mixer_over_attention", "per_layer", "step_s")] for r in rows],
                 title=f"bytes per rank and training step, {args.ranks} ranks (mixers: 3 layers; attention: 1 layer)")
     save_plot(plot_path(args), lambda plt: _draw(rows, plt))
     emit({"rows": rows}, args.out / "result.json",
-         line={"mixer_over_attention": {f"{r['family']}/{r['mode']}": round(r["mixer_over_attention"], 4)
-                                        for r in rows}})
+         line={"per_layer": {f"{r['family']}/{r['mode']}": round(r["per_layer"], 4) for r in rows}})
 
 
 if __name__ == "__main__":
