@@ -24,6 +24,9 @@ setup(
     ],
     extras_require={
         "flash": ["flash-attn>=2.6"],
+        # the recurrent layers' own CUDA kernels (gated delta rule, Mamba-2 scan, causal conv1d), which transformers
+        # picks up when installed; they need CUDA to build or run
+        "recurrent": ["flash-linear-attention>=0.4", "causal-conv1d>=1.5", "mamba-ssm>=2.2"],
         # transformers' Trainer (ds_wallfacer.hf_trainer) builds its DeepSpeed engine through accelerate; TRL's
         # SFTTrainer (WallfacerSFTTrainer, launch/train_trl.py) and PEFT adapters, checked on these releases
         "hf": ["accelerate>=1.12", "trl>=1.16", "peft>=0.21"],
