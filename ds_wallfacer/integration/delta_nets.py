@@ -1,4 +1,5 @@
-"""Gated delta-net layers (Qwen3-Next, Qwen3.5 and the classes that copy them) on sequence shards, head-parallel.
+"""Gated delta-net layers (Qwen3-Next, Qwen3.5, OLMo-hybrid and the classes that copy them) on sequence shards,
+head-parallel.
 
 The layer projects its input (position-wise) to q, k, v (one "mixed" tensor), a gate z and the decay inputs b, a;
 convolves q, k, v causally per channel; runs the gated delta rule, a recurrent scan, per value head; normalises
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -27,21 +29,23 @@ from .short_convs import causal_depthwise, refuse_cache
 
 __all__ = ["check_heads", "is_delta_net", "per_document", "read_parameters", "runs_of", "sharded_forward"]
 
-_CORE = (
+_SCAN = re.compile(r"\btorch_chunk_gated_delta_rule\(\s*\w+\s*,\s*\w+\s*,\s*\w+\s*,\s*g\s*=\s*g\s*,\s*beta\s*=\s*beta"
+                   r"\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*output_final_state\s*=\s*[\w ]+,\s*"
+                   r"use_qk_l2norm_in_kernel\s*=\s*True")
+"""The scan every recognised class runs (keys and queries l2-normalised in the kernel)."""
+
+_QWEN_CORE = (
     re.compile(r"\bcausal_conv1d_fn\(\s*mixed_qkv\s*,\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*self\.conv1d\.bias\s*,"
                r"\s*activation\s*=\s*self\.activation"),
     re.compile(r"\bquery\s*,\s*key\s*,\s*value\s*=\s*torch\.split\(\s*mixed_qkv\s*,\s*\[\s*self\.key_dim\s*,\s*"
                r"self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
     re.compile(r"\bbeta\s*=\s*b\.sigmoid\(\)"),
     re.compile(r"\bg\s*=\s*-self\.A_log\.float\(\)\.exp\(\)\s*\*\s*F\.softplus\(a\.float\(\)\s*\+\s*self\.dt_bias\)"),
-    re.compile(r"\btorch_chunk_gated_delta_rule\(\s*query\s*,\s*key\s*,\s*value\s*,\s*g\s*=\s*g\s*,\s*beta\s*=\s*beta"
-               r"\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*output_final_state\s*=\s*cache is not None\s*,\s*"
-               r"use_qk_l2norm_in_kernel\s*=\s*True"),
     re.compile(r"\bself\.norm\(core_attn_out\s*,\s*z\)"),
     re.compile(r"\bself\.out_proj\(core_attn_out\)"),
 )
-"""What every recognised class computes after its projections: the convolution with its activation, the split,
-the decay and the scan (keys and queries l2-normalised in the kernel), the gated norm and the output projection."""
+"""What the Qwen classes compute after their projections: the convolution with its activation, the split, the
+decay, the gated norm and the output projection."""
 
 
 def _qwen3_next_inputs(m: nn.Module, h: torch.Tensor):
@@ -57,28 +61,62 @@ def _qwen3_5_inputs(m: nn.Module, h: torch.Tensor):
     return q, k, v, z.reshape(*z.shape[:2], -1, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
 
 
-_FAMILIES: tuple[tuple[frozenset[str], tuple[re.Pattern, ...], Callable], ...] = (
-    (frozenset({"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"}),
-     (re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*projected_states_ba\s*\)"),
-      re.compile(r"\bprojected_states_qkvz\s*=\s*self\.in_proj_qkvz\(hidden_states\)"),
-      re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\(query\s*,\s*key\s*,\s*value\)\s*,\s*dim\s*=\s*-1\)")),
-     _qwen3_next_inputs),
-    (frozenset({"conv1d", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"}),
-     (re.compile(r"\bmixed_qkv\s*=\s*self\.in_proj_qkv\(hidden_states\)"),
-      re.compile(r"\bz\s*=\s*self\.in_proj_z\(hidden_states\)"),
-      re.compile(r"\bb\s*=\s*self\.in_proj_b\(hidden_states\)"), re.compile(r"\ba\s*=\s*self\.in_proj_a\(hidden_states\)")),
-     _qwen3_5_inputs),
+def _olmo_hybrid_inputs(m: nn.Module, h: torch.Tensor):
+    """OLMo-hybrid: one projection each for q, k, v, the gate, b and a."""
+    z = m.g_proj(h)
+    return m.q_proj(h), m.k_proj(h), m.v_proj(h), z.reshape(*z.shape[:2], -1, m.head_v_dim), m.b_proj(h), m.a_proj(h)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One recognised form: its children, the expression of its forward, how it computes q, k, v, the gate z, b and
+    a, the factor on beta (OLMo-hybrid's negative eigenvalues: 2) and the names of its gated norm and output."""
+
+    children: frozenset[str]
+    form: tuple[re.Pattern, ...]
+    inputs: Callable
+    beta_scale: Callable[[nn.Module], float]
+    norm: str
+    out: str
+
+
+_FAMILIES = (
+    _Family(frozenset({"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"}),
+            (re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*projected_states_ba\s*\)"),
+             re.compile(r"\bprojected_states_qkvz\s*=\s*self\.in_proj_qkvz\(hidden_states\)"),
+             re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\(query\s*,\s*key\s*,\s*value\)\s*,\s*dim\s*=\s*-1\)"))
+            + _QWEN_CORE, _qwen3_next_inputs, lambda m: 1.0, "norm", "out_proj"),
+    _Family(frozenset({"conv1d", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"}),
+            (re.compile(r"\bmixed_qkv\s*=\s*self\.in_proj_qkv\(hidden_states\)"),
+             re.compile(r"\bz\s*=\s*self\.in_proj_z\(hidden_states\)"),
+             re.compile(r"\bb\s*=\s*self\.in_proj_b\(hidden_states\)"),
+             re.compile(r"\ba\s*=\s*self\.in_proj_a\(hidden_states\)")) + _QWEN_CORE,
+            _qwen3_5_inputs, lambda m: 1.0, "norm", "out_proj"),
+    _Family(frozenset({"conv1d", "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"}),
+            (re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\s*\[\s*self\.q_proj\(hidden_states\)\s*,\s*self\.k_proj\("
+                        r"hidden_states\)\s*,\s*self\.v_proj\(hidden_states\)\s*,?\s*\]\s*,\s*dim\s*=\s*-1\s*,?\s*\)"),
+             re.compile(r"\bcausal_conv1d_fn\(\s*mixed_qkv\s*,\s*weight\s*=\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*"
+                        r"bias\s*=\s*self\.conv1d\.bias\s*,\s*activation\s*=\s*self\.activation"),
+             re.compile(r"\bq\s*,\s*k\s*,\s*v\s*=\s*torch\.split\(\s*mixed_qkv\.transpose\(1\s*,\s*2\)\s*,\s*\[\s*self\."
+                        r"key_dim\s*,\s*self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
+             re.compile(r"\bbeta\s*=\s*self\.b_proj\(hidden_states\)\.sigmoid\(\)\s*if\s+self\.allow_neg_eigval\s*:\s*"
+                        r"beta\s*=\s*beta\s*\*\s*2\.0\b"),
+             re.compile(r"\bg\s*=\s*-self\.A_log\.float\(\)\.exp\(\)\s*\*\s*F\.softplus\(self\.a_proj\(hidden_states\)"
+                        r"\.float\(\)\s*\+\s*self\.dt_bias\)"),
+             re.compile(r"\bgate\s*=\s*self\.g_proj\(hidden_states\)"),
+             re.compile(r"\boutput\s*=\s*self\.o_norm\(output\s*,\s*gate\)"),
+             re.compile(r"\boutput\s*=\s*self\.o_proj\(output\)")),
+            _olmo_hybrid_inputs, lambda m: 2.0 if m.allow_neg_eigval else 1.0, "o_norm", "o_proj"),
 )
-"""(children, the projections' expression, how to compute q, k, v, z, b, a) per recognised family."""
+"""The recognised forms (Qwen3-Next, Qwen3.5, OLMo-hybrid); each form's expression includes the scan (``_SCAN``)."""
 
 
-def _family(m: nn.Module) -> Callable | None:
+def _family(m: nn.Module) -> _Family | None:
     children = {n for n, _ in m.named_children()}
     own = {n for n, _ in m.named_parameters(recurse=False)}
-    for names, form, inputs in _FAMILIES:
-        if children == names and own == {"dt_bias", "A_log"} and has_form(type(m), form + _CORE):
-            return inputs
-    return None
+    if own != {"dt_bias", "A_log"}:
+        return None
+    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), f.form + (_SCAN,))), None)
 
 
 def is_delta_net(m: nn.Module) -> bool:
@@ -130,7 +168,8 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     shards = shards_of(self)
     model_code = sys.modules[type(self).__module__]  # the model's own convolution and scan functions
     b, s, _ = hidden_states.shape
-    q, k, v, z, beta_in, a = _family(self)(self, hidden_states)
+    family = _family(self)
+    q, k, v, z, beta_in, a = family.inputs(self, hidden_states)
     hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
     batch = shards.inputs.batch
     ring = shards.ring(batch)
@@ -152,7 +191,7 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     q, k, v = mixed.split([ks, ks, vs], dim=-1)
     q, k, v = q.reshape(b, n, hk // p, dk), k.reshape(b, n, hk // p, dk), v.reshape(b, n, hv // p, dv)
     heads = slice(j * (hv // p), (j + 1) * (hv // p))
-    beta = beta_in[..., 0].sigmoid()
+    beta = beta_in[..., 0].sigmoid() * family.beta_scale(self)
     g = -self.A_log[heads].float().exp() * F.softplus(a[..., 0].float() + self.dt_bias[heads])
 
     def scan(q_, k_, v_, g_, beta_):
@@ -161,5 +200,5 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
 
     core = per_document(scan, runs, 1, q, k, v, g, beta)  # [B, N, Hv / P, dv]
     core = scatter_heads(core, ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
-    core = self.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, -1)
-    return self.out_proj(core)
+    core = getattr(self, family.norm)(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, -1)
+    return getattr(self, family.out)(core)

@@ -1,5 +1,5 @@
 """Gated delta-nets (Qwen3-Next: linear-attention layers with one fused projection, MoE; Qwen3.5: separate
-projections, dense) through the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the
+projections, dense; OLMo-hybrid: one projection per tensor, beta doubled) through the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the
 same HF model in one process with its own torch convolution and chunked scan: loss at every step and every
 parameter (the decay parameters and the convolution included) after the SGD steps, fp32, clipping off. Each rank
 scans 1 of 4 key heads and 2 of 8 value heads. Packed documents against each document run alone (transformers' torch
@@ -36,6 +36,11 @@ def tiny_delta_net(family: str = "qwen3_next") -> torch.nn.Module:
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
         return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kw)).train()
+    if family == "olmo_hybrid":  # separate projections, beta doubled (negative eigenvalues allowed)
+        from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+        return OlmoHybridForCausalLM(OlmoHybridConfig(**kw, linear_allow_neg_eigval=True, pad_token_id=0,
+                                                      eos_token_id=2)).train()
     raise ValueError(family)
 
 
@@ -46,6 +51,7 @@ CASES = [  # (family, wallfacer section, ZeRO stage, packed documents)
     ("qwen3_5", {"mode": "hybrid", "ulysses_degree": 2, "sharding": "balanced",
                  "mini_sequence": {"activation_checkpointing": "torch"}}, 3, True),
     ("qwen3_5", {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 1}, 1, True),
+    ("olmo_hybrid", {"mode": "hybrid", "ulysses_degree": 2}, 1, True),
 ]
 
 

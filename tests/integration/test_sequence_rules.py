@@ -70,6 +70,7 @@ def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_
 
 @pytest.mark.parametrize("model_type,cls", [
     ("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
+    ("olmo_hybrid", "OlmoHybridForCausalLM"),
     ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
 ])
 def test_recurrent_mixers_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
