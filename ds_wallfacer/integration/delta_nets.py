@@ -27,7 +27,8 @@ from ..mixers import gather_heads, scatter_heads
 from .mixer_shards import has_form, shards_of
 from .short_convs import causal_depthwise, refuse_cache
 
-__all__ = ["check_heads", "is_delta_net", "per_document", "read_parameters", "runs_of", "sharded_forward"]
+__all__ = ["check_heads", "convolve_channels", "is_delta_net", "per_document", "read_parameters", "runs_of",
+           "sharded_forward"]
 
 _SCAN = re.compile(r"\btorch_chunk_gated_delta_rule\(\s*\w+\s*,\s*\w+\s*,\s*\w+\s*,\s*g\s*=\s*g\s*,\s*beta\s*=\s*beta"
                    r"\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*output_final_state\s*=\s*[\w ]+,\s*"
@@ -161,6 +162,18 @@ def per_document(fn: Callable[..., torch.Tensor], runs: list[list[tuple[int, int
     return torch.cat(rows, dim=0)
 
 
+def convolve_channels(m: nn.Module, model_code: Any, x: torch.Tensor, spans: list[tuple[int, int]],
+                      runs: list[list[tuple[int, int]]] | None) -> torch.Tensor:
+    """x [B, N, C_j]: channels ``spans`` ([start, end) ranges, in order) of ``m.conv1d`` over the whole sequence ->
+    the model's own causal convolution and activation of them (``causal_conv1d_fn``), per document."""
+    chans = torch.cat([torch.arange(lo, hi) for lo, hi in spans]).to(x.device)
+    weight = m.conv1d.weight.squeeze(1).index_select(0, chans)
+    bias = None if m.conv1d.bias is None else m.conv1d.bias.index_select(0, chans)
+    out = per_document(lambda t: model_code.causal_conv1d_fn(t, weight, bias, activation=m.activation), runs, 2,
+                       x.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
 def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                     attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
     """The layer's forward on this rank's shard (hidden_states [B, S_l, D])."""
@@ -180,14 +193,10 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     n = q.shape[1]
     runs = runs_of(batch, b, n)
     # this rank's channels of the convolution: its key heads of q and of k, its value heads of v
-    ks, vs = self.key_dim // p, self.value_dim // p
-    chans = torch.cat([torch.arange(j * ks, (j + 1) * ks), torch.arange(self.key_dim + j * ks, self.key_dim + (j + 1) * ks),
-                       torch.arange(2 * self.key_dim + j * vs, 2 * self.key_dim + (j + 1) * vs)]).to(q.device)
-    weight = self.conv1d.weight.squeeze(1).index_select(0, chans)
-    bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, chans)
-    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)  # [B, C / P, N]
-    mixed = per_document(lambda x: model_code.causal_conv1d_fn(x, weight, bias, activation=self.activation),
-                          runs, 2, mixed).transpose(1, 2)
+    ks, vs, kd = self.key_dim // p, self.value_dim // p, self.key_dim
+    mixed = convolve_channels(self, model_code, torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1),
+                              [(j * ks, (j + 1) * ks), (kd + j * ks, kd + (j + 1) * ks),
+                               (2 * kd + j * vs, 2 * kd + (j + 1) * vs)], runs)
     q, k, v = mixed.split([ks, ks, vs], dim=-1)
     q, k, v = q.reshape(b, n, hk // p, dk), k.reshape(b, n, hk // p, dk), v.reshape(b, n, hv // p, dv)
     heads = slice(j * (hv // p), (j + 1) * (hv // p))

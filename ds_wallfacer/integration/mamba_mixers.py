@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..mixers import gather_heads, scatter_heads
-from .delta_nets import per_document, runs_of
+from .delta_nets import convolve_channels, per_document, runs_of
 from .mixer_shards import has_form, shards_of
 from .short_convs import causal_depthwise, refuse_cache
 
@@ -158,14 +158,9 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     # this rank's channels of the convolution: x of its heads, B and C of the groups they read
     xs, gl = inter // p, max(g // p, 1)
     g0 = j * g // p if g >= p else j // rep
-    chans = torch.cat([torch.arange(j * xs, (j + 1) * xs),
-                       torch.arange(inter + g0 * n_state, inter + (g0 + gl) * n_state),
-                       torch.arange(inter + (g + g0) * n_state, inter + (g + g0 + gl) * n_state)]).to(x.device)
-    weight = self.conv1d.weight.squeeze(1).index_select(0, chans)
-    bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, chans)
-    mixed = torch.cat([x.flatten(2), bm.flatten(2), cm.flatten(2)], dim=-1).transpose(1, 2)  # [B, C / P, N]
-    mixed = per_document(lambda t: model_code.causal_conv1d_fn(t, weight, bias, activation=self.activation),
-                         runs, 2, mixed).transpose(1, 2)
+    mixed = convolve_channels(self, model_code, torch.cat([x.flatten(2), bm.flatten(2), cm.flatten(2)], dim=-1),
+                              [(j * xs, (j + 1) * xs), (inter + g0 * n_state, inter + (g0 + gl) * n_state),
+                               (inter + (g + g0) * n_state, inter + (g + g0 + gl) * n_state)], runs)
     x, bm, cm = mixed.split([xs, gl * n_state, gl * n_state], dim=-1)
     heads = slice(j * (h // p), (j + 1) * (h // p))
 
