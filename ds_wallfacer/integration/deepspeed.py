@@ -38,7 +38,7 @@ from .packing import PackedBatches
 from .positional import scales_by_position
 from .rope import RopeLength, wrap_rotary
 from .self_check import check_length, run_self_check
-from .mixer_layers import attach_mixers, mixer_layers
+from .mixer_layers import attach_mixers, mixer_head_counts, mixer_layers
 from .parallel import (SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch,
                        mixer_shards)
 
@@ -144,6 +144,7 @@ def cluster_preset() -> str:
 
 
 def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanInputs:
+    heads, groups = mixer_head_counts(model)
     return PlanInputs(
         model=text_config(model),
         seq_len=seq_len,
@@ -154,6 +155,8 @@ def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanI
         elem_bytes=run.elem_bytes,
         activation_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
         default_cluster=cluster_preset(),
+        whole_heads=heads,
+        head_groups=groups,
     )
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from . import delta_nets, mamba_mixers, short_convs
 from .mixer_shards import ATTR, MixerShards
 
-__all__ = ["MixerShards", "attach_mixers", "mixer_layers", "model_forwards"]
+__all__ = ["MixerShards", "attach_mixers", "mixer_head_counts", "mixer_layers", "model_forwards"]
 
 def _no_check(name: str, m: nn.Module, *, sp_size: int) -> None:
     """Short convolutions run on any number of ranks (the operator checks the piece length)."""
@@ -64,6 +64,20 @@ def attach_mixers(model: nn.Module, shards: MixerShards) -> list[str]:
             for p in partitioned:
                 register_external_parameter(m, p)
     return [n for n, _ in layers]
+
+
+def mixer_head_counts(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(head counts that P must divide, Mamba-2 group counts that must divide P or be divisible by it) of the
+    model's head-parallel layers: what the planner needs to choose a P they run on."""
+    heads: set[int] = set()
+    groups: set[int] = set()
+    for _, m in mixer_layers(model):
+        if delta_nets.is_delta_net(m):
+            heads |= {int(m.num_k_heads), int(m.num_v_heads)}
+        elif mamba_mixers.is_mamba_mixer(m):
+            heads.add(int(m.num_heads))
+            groups.add(int(m.n_groups))
+    return tuple(sorted(heads)), tuple(sorted(groups))
 
 
 @contextlib.contextmanager

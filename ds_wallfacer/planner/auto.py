@@ -85,6 +85,10 @@ class PlanInputs:
     """The preset whose hardware figures ``"cluster": "auto"`` means (``initialize`` picks it by accelerator)."""
     environ: Mapping[str, str] | None = None
     """Launch environment for ``planner.from_env`` and LOCAL_WORLD_SIZE (None: ``os.environ``)."""
+    whole_heads: tuple[int, ...] = ()
+    """Head counts of the model's layers that scan whole heads per rank (``Workload.whole_heads``)."""
+    head_groups: tuple[int, ...] = ()
+    """Group counts of its Mamba-2 mixers (``Workload.head_groups``)."""
 
 
 def _ranks_per_node(cfg: WallFacerConfig, given: int | None, environ: Mapping[str, str]) -> int | None:
@@ -180,8 +184,9 @@ def resolve_auto(
                             num_kv_heads=num_kv_heads, rpn=rpn, environ=environ, notes=notes)
             if setup is not None:
                 return setup
+    heads = (planner_inputs.whole_heads, planner_inputs.head_groups) if planner_inputs is not None else ((), ())
     setup = _safe_rule(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, rpn=rpn,
-                      notes=notes)
+                      notes=notes, mixer_heads=heads)
     if world_size == 1:
         setup = replace(setup, notes=tuple(notes[:1]))
     seq_len = cfg.seq_len or (planner_inputs.seq_len if planner_inputs is not None else None)
@@ -231,7 +236,8 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
     # the loader pads each sequence to a multiple of 2P; plan for a length every P <= world size accepts
     n = padded_length(seq_len, world_size)
     workload = pl.Workload(seq_len=n, batch=inputs.micro_batch, elem_bytes=inputs.elem_bytes, zero_stage=inputs.zero_stage,
-                       offload_optimizer=inputs.offload_optimizer, offload_checkpoints=inputs.offload_checkpoints)
+                       offload_optimizer=inputs.offload_optimizer, offload_checkpoints=inputs.offload_checkpoints,
+                       whole_heads=inputs.whole_heads, head_groups=inputs.head_groups)
     model = pl.get_model(inputs.model)
     what = (f"cluster {cluster.name} ({cluster.nodes} x {cluster.ranks_per_node} ranks), model {model.name}, "
             f"seq_len {n}" + (f" (padded from {seq_len})" if n != seq_len else ""))
@@ -256,12 +262,20 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
 
 
 def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_heads: int, rpn: int | None,
-               notes: list[str]) -> ParallelSetup:
-    """The safe rule: valid values that keep teams and Ulysses groups inside a node."""
+               notes: list[str], mixer_heads: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> ParallelSetup:
+    """The safe rule: valid values that keep teams and Ulysses groups inside a node. ``mixer_heads``: the head and
+    group counts of layers that scan whole heads per rank (``PlanInputs.whole_heads``, ``head_groups``)."""
     node = rpn or world_size
     p = world_size if cfg.sequence_parallel_size == "auto" else int(cfg.sequence_parallel_size)
     if cfg.sequence_parallel_size == "auto":
-        notes.append(f"sequence_parallel_size = {p} (the world size)")
+        from ..planner.candidate import Workload  # pure, like this module
+
+        splits = Workload(seq_len=1, whole_heads=mixer_heads[0], head_groups=mixer_heads[1]).splits_heads
+        p = max(d for d in divisors(world_size) if splits(d))
+        why = "the world size" if p == world_size else (
+            f"the largest divisor of the world size over which the linear-attention / state-space heads "
+            f"{list(mixer_heads[0])} (groups {list(mixer_heads[1])}) split")
+        notes.append(f"sequence_parallel_size = {p} ({why})")
     mode = cfg.mode
     if mode == "auto":
         mode = "wallfacer"

@@ -108,6 +108,15 @@ class Workload:
     """MsT "auto" LM-head rule: one mini-sequence's fp32 logits within this budget."""
     mem_headroom: float = 0.1
     """Fraction of the device memory kept free for fragmentation."""
+    whole_heads: tuple[int, ...] = ()
+    """Head counts of layers that scan whole heads on each rank (gated delta-nets, Mamba-2 mixers): P must divide
+    each."""
+    head_groups: tuple[int, ...] = ()
+    """Group counts of Mamba-2 mixers: each must divide P or be divisible by it."""
+
+    def splits_heads(self, p: int) -> bool:
+        """Whether P ranks can each scan whole heads of every such layer."""
+        return all(h % p == 0 for h in self.whole_heads) and all(g % p == 0 or p % g == 0 for g in self.head_groups)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch < 1:

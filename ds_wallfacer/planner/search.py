@@ -162,6 +162,11 @@ def _sequence_splits(
     for p in divisors(world_size):
         if not _free(fixed, "sp_size") and p != fixed["sp_size"]:
             continue
+        if not workload.splits_heads(p):
+            if p == world_size:
+                skipped.append(f"P={p}: the linear-attention / state-space heads {list(workload.whole_heads)} (groups "
+                               f"{list(workload.head_groups)}) do not split over {p} ranks")
+            continue
         for u in divisors(p):
             if not _free(fixed, "ulysses_degree") and u != fixed["ulysses_degree"]:
                 continue

@@ -168,3 +168,20 @@ def test_one_rank_says_so_in_one_line() -> None:
     lay = _resolve({"mini_sequence": {}}, world=1, rpn=1)
     assert lay.notes == ("one rank: no sequence parallelism (attention over the whole sequence on this rank)",)
     assert (lay.dims.sp_size, lay.dims.ring_count, lay.dims.ulysses_degree) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("seq_len", [4096, None], ids=["planner", "safe rule"])
+def test_auto_sizes_let_layers_scan_whole_heads(seq_len: int | None) -> None:
+    """Gated delta-nets with 4 key / 8 value heads and Mamba-2 mixers in 2 groups on 8 ranks: every P chosen for
+    "auto" splits the heads (P divides 4) and the groups (divides 2 or is a multiple); the safe rule says why it
+    took less than the world."""
+    lay = _resolve({"mode": "wallfacer", "cluster": "h100x8"}, seq_len=seq_len, whole_heads=(4, 8),
+                   head_groups=(2,))
+    p = lay.dims.sp_size
+    assert 4 % p == 0 and (2 % p == 0 or p % 2 == 0), p
+    if seq_len is None:
+        assert p == 4 and any("sequence_parallel_size = 4 (the largest divisor" in n for n in lay.notes), lay.notes
+    from ds_wallfacer.planner.candidate import Workload
+
+    w = Workload(seq_len=1, whole_heads=(16, 32), head_groups=(1,))
+    assert [p for p in (1, 2, 4, 8, 16, 32) if w.splits_heads(p)] == [1, 2, 4, 8, 16]
