@@ -63,7 +63,8 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     ``activation_checkpointing`` (the Trainer's layer checkpointing), ``pretrained`` (a model folder for
     ``from_pretrained``, instead of the tiny model built here), ``lora`` (a LoRA model from ``get_peft_model``),
     ``alst`` (DeepSpeed's top-level sequence-parallel keys: ``WallfacerTrainer`` even without a section),
-    ``predict`` (also ``predict()`` the held-out set, loss only)."""
+    ``predict`` (also ``predict()`` the held-out set, loss only), ``family`` ("qwen3_5", "lfm2": a tiny recurrent
+    hybrid of the parity tests instead of the tiny Llama)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tests.models import tiny_model
@@ -86,6 +87,14 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         # zero.Init sizes the partitions by DeepSpeed's world; TrainingArguments(use_cpu=True) does not start it
         deepspeed.init_distributed(dist_backend="gloo")
         model = AutoModelForCausalLM.from_pretrained(opts["pretrained"]).train()
+    elif opts.get("family") == "qwen3_5":  # gated delta-nets (head-parallel)
+        from tests.integration.test_delta_net_parity import tiny_delta_net
+
+        model = tiny_delta_net("qwen3_5")
+    elif opts.get("family") == "lfm2":  # short convolutions (halo)
+        from tests.integration.test_short_conv_parity import tiny_lfm2
+
+        model = tiny_lfm2("lfm2")
     else:
         model = tiny_model("llama", seed=0)
     if opts.get("lora"):
