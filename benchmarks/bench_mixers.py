@@ -91,9 +91,9 @@ def _rank(rank: int, world: int, spec: dict) -> dict:
     from ds_wallfacer.integration.mixer_shards import shards_of
 
     model = build(spec["family"]).train()
+    section = {**MODES[spec["mode"]], "sequence_parallel_size": world, "self_check": False}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 1},
-              "zero_allow_untested_optimizer": True, "wallfacer": {**MODES[spec["mode"]], "sequence_parallel_size": world,
-                                                          "self_check": False}}
+              "zero_allow_untested_optimizer": True, "wallfacer": section}
     engine, sp = initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
                             seq_len=spec["seq_len"])
     ids = torch.randint(1, 256, (1, spec["seq_len"]), generator=torch.Generator().manual_seed(1))
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = run(args)
     print_table([("family", "s"), ("mode", "s"), ("seq_len", "d"), ("halo_bytes", "d"), ("heads_bytes", "d"),
-                 ("formula_bytes", "d"), ("attention_bytes", "d"), ("mixer_over_attention", ".3f"), ("per_layer", ".3f"),
-                 ("step_s", ".3f")],
+                 ("formula_bytes", "d"), ("attention_bytes", "d"), ("mixer_over_attention", ".3f"),
+                 ("per_layer", ".3f"), ("step_s", ".3f")],
                 [[r[k] for k in ("family", "mode", "seq_len", "halo_bytes", "heads_bytes", "formula_bytes",
                                  "attention_bytes", "mixer_over_attention", "per_layer", "step_s")] for r in rows],
                 title=f"bytes per rank and training step, {args.ranks} ranks (mixers: 3 layers; attention: 1 layer)")

@@ -83,7 +83,8 @@ class _Family:
 
 _FAMILIES = (
     _Family(frozenset({"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"}),
-            (re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*projected_states_ba\s*\)"),
+            (re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*"
+                        r"projected_states_ba\s*\)"),
              re.compile(r"\bprojected_states_qkvz\s*=\s*self\.in_proj_qkvz\(hidden_states\)"),
              re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\(query\s*,\s*key\s*,\s*value\)\s*,\s*dim\s*=\s*-1\)"))
             + _QWEN_CORE, _qwen3_next_inputs, lambda m: 1.0, "norm", "out_proj"),
@@ -98,8 +99,8 @@ _FAMILIES = (
                         r"hidden_states\)\s*,\s*self\.v_proj\(hidden_states\)\s*,?\s*\]\s*,\s*dim\s*=\s*-1\s*,?\s*\)"),
              re.compile(r"\bcausal_conv1d_fn\(\s*mixed_qkv\s*,\s*weight\s*=\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*"
                         r"bias\s*=\s*self\.conv1d\.bias\s*,\s*activation\s*=\s*self\.activation"),
-             re.compile(r"\bq\s*,\s*k\s*,\s*v\s*=\s*torch\.split\(\s*mixed_qkv\.transpose\(1\s*,\s*2\)\s*,\s*\[\s*self\."
-                        r"key_dim\s*,\s*self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
+             re.compile(r"\bq\s*,\s*k\s*,\s*v\s*=\s*torch\.split\(\s*mixed_qkv\.transpose\(1\s*,\s*2\)\s*,\s*"
+                        r"\[\s*self\.key_dim\s*,\s*self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
              re.compile(r"\bbeta\s*=\s*self\.b_proj\(hidden_states\)\.sigmoid\(\)\s*if\s+self\.allow_neg_eigval\s*:\s*"
                         r"beta\s*=\s*beta\s*\*\s*2\.0\b"),
              re.compile(r"\bg\s*=\s*-self\.A_log\.float\(\)\.exp\(\)\s*\*\s*F\.softplus\(self\.a_proj\(hidden_states\)"

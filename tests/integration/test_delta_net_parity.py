@@ -1,10 +1,10 @@
 """Gated delta-nets (Qwen3-Next: linear-attention layers with one fused projection, MoE; Qwen3.5: separate
-projections, dense; OLMo-hybrid: one projection per tensor, beta doubled) through the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the
-same HF model in one process with its own torch convolution and chunked scan: loss at every step and every
-parameter (the decay parameters and the convolution included) after the SGD steps, fp32, clipping off. Each rank
-scans 1 of 4 key heads and 2 of 8 value heads. Packed documents against each document run alone (transformers' torch
-scan ignores document boundaries). Every mode, P = 1, MsT, balanced sharding, ZeRO 1/2/3. The training loop and the
-packed reference are test_packed.py's."""
+projections, dense; OLMo-hybrid: one projection per tensor, beta doubled) through the real integration
+(``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one process with its own torch
+convolution and chunked scan: loss at every step and every parameter (the decay parameters and the convolution
+included) after the SGD steps, fp32, clipping off. Each rank scans 1 of 4 key heads and 2 of 8 value heads. Packed
+documents against each document run alone (transformers' torch scan ignores document boundaries). Every mode,
+P = 1, MsT, balanced sharding, ZeRO 1/2/3. The training loop and the packed reference are test_packed.py's."""
 from __future__ import annotations
 
 import torch
