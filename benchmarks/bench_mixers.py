@@ -59,18 +59,20 @@ def build(family: str) -> Any:
 
 def expected_bytes(model: Any, shards: Any, *, tokens: int, sp_size: int) -> dict[str, int]:
     """The mixers' bytes per rank and step (forward + backward) by the formulas, by kind."""
+    from ds_wallfacer.integration.delta_nets import is_delta_net
     from ds_wallfacer.integration.mixer_layers import mixer_layers
+    from ds_wallfacer.integration.short_convs import is_short_conv
     from ds_wallfacer.mixers import halo_bytes, head_parallel_bytes
 
     ring = shards.ring(None)
     out = {"halo": 0, "heads": 0}
     for _, m in mixer_layers(model):
-        if hasattr(m, "conv_kernel_size") and hasattr(m, "in_proj") and not hasattr(m, "num_heads"):  # short conv
+        if is_short_conv(m):
             k = m.conv.kernel_size[0]
             out["halo"] += sum(halo_bytes(ring, rows=1, channels=m.conv.in_channels, kernel=k, element_size=4,
                                           phase=phase) for phase in ("forward", "backward"))
             continue
-        if hasattr(m, "num_v_heads"):  # gated delta-net: q, k, v, b, a in; the core out
+        if is_delta_net(m):  # q, k, v, b, a in; the core out
             width_in, width_out = 2 * m.key_dim + m.value_dim + 2 * m.num_v_heads, m.value_dim
         else:  # Mamba-2: x, B and C of the groups (sent to every rank reading them), dt in; y out
             groups = max(m.n_groups, sp_size)

@@ -12,7 +12,7 @@ from functools import cached_property
 from .layout import RankLayout, check_ring_count
 
 __all__ = ["MODES", "PLACEMENTS", "ParallelDims", "check_heads", "check_mode", "check_placement", "check_sp_size",
-           "check_ulysses_degree", "divisors", "ring_offset", "valid_ulysses_degrees"]
+           "check_ulysses_degree", "divisors", "ring_offset", "splits_heads", "valid_ulysses_degrees"]
 
 MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
 """Attention across ranks once resolved: WallFacer (U = 1), Ulysses (U = P) or both (the config also accepts
@@ -102,6 +102,13 @@ def _ulysses_fits(u: int, num_heads: int, num_kv_heads: int) -> bool:
 def valid_ulysses_degrees(sp_size: int, num_heads: int, num_kv_heads: int) -> list[int]:
     """Degrees U that divide P and the query heads, and divide or are a multiple of the kv heads."""
     return [u for u in divisors(sp_size) if _ulysses_fits(u, num_heads, num_kv_heads)]
+
+
+def splits_heads(sp_size: int, whole_heads: tuple[int, ...] = (), head_groups: tuple[int, ...] = ()) -> bool:
+    """Whether ``sp_size`` ranks can each scan whole heads of the layers that do (gated delta-nets, Mamba-2
+    mixers): every count of ``whole_heads`` divides by P, every count of ``head_groups`` divides P or by it."""
+    return all(h % sp_size == 0 for h in whole_heads) and all(g % sp_size == 0 or sp_size % g == 0
+                                                              for g in head_groups)
 
 
 def check_heads(num_heads: int, num_kv_heads: int, *, ulysses_degree: int, sp_size: int) -> None:

@@ -22,13 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.documents import SequenceBatch
 from ..mixers import gather_heads, scatter_heads
-from .mixer_shards import has_form, shards_of
-from .short_convs import causal_depthwise, refuse_cache
+from .mixer_shards import causal_depthwise, convolve_channels, has_form, per_document, refuse_cache, runs_of, shards_of
 
-__all__ = ["check_heads", "convolve_channels", "is_delta_net", "per_document", "read_parameters", "runs_of",
-           "sharded_forward"]
+__all__ = ["SETTINGS", "head_counts", "is_delta_net", "read_parameters", "sharded_forward"]
 
 _SCAN = re.compile(r"\btorch_chunk_gated_delta_rule\(\s*\w+\s*,\s*\w+\s*,\s*\w+\s*,\s*g\s*=\s*g\s*,\s*beta\s*=\s*beta"
                    r"\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*output_final_state\s*=\s*[\w ]+,\s*"
@@ -134,45 +131,13 @@ def read_parameters(m: nn.Module) -> list[nn.Parameter]:
     return list(m.conv1d.parameters())
 
 
-def check_heads(name: str, m: nn.Module, *, sp_size: int) -> None:
-    """Raise unless both head counts divide by P (each rank scans whole heads)."""
-    for what, n in (("key", m.num_k_heads), ("value", m.num_v_heads)):
-        if n % sp_size:
-            raise ValueError(
-                f"{name} ({type(m).__name__}): its {n} linear-attention {what} heads (config.linear_num_{what}_heads) "
-                f"do not divide by the {sp_size} sequence-parallel ranks, which scan whole heads each: use a "
-                "sequence_parallel_size that divides both linear_num_key_heads and linear_num_value_heads")
+def head_counts(m: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(key heads, value heads): both divide by P (each rank scans whole heads)."""
+    return (int(m.num_k_heads), int(m.num_v_heads)), ()
 
 
-def runs_of(batch: SequenceBatch | None, rows: int, n: int) -> list[list[tuple[int, int]]] | None:
-    """Per row, the [start, end) of each document; None when every row is one sequence."""
-    if batch is None or batch.documents is None:
-        return None
-    docs = batch.documents
-    return [list(zip(docs.starts[r], (*docs.starts[r][1:], n))) for r in range(rows)]
-
-
-def per_document(fn: Callable[..., torch.Tensor], runs: list[list[tuple[int, int]]] | None, dim: int,
-                  *xs: torch.Tensor) -> torch.Tensor:
-    """``fn`` over each document of each row (``xs`` cut along ``dim``, rows along dim 0), joined back."""
-    if runs is None:
-        return fn(*xs)
-    rows = []
-    for r, spans in enumerate(runs):
-        rows.append(torch.cat([fn(*(x[r:r + 1].narrow(dim, s, e - s) for x in xs)) for s, e in spans], dim=dim))
-    return torch.cat(rows, dim=0)
-
-
-def convolve_channels(m: nn.Module, model_code: Any, x: torch.Tensor, spans: list[tuple[int, int]],
-                      runs: list[list[tuple[int, int]]] | None) -> torch.Tensor:
-    """x [B, N, C_j]: channels ``spans`` ([start, end) ranges, in order) of ``m.conv1d`` over the whole sequence ->
-    the model's own causal convolution and activation of them (``causal_conv1d_fn``), per document."""
-    chans = torch.cat([torch.arange(lo, hi) for lo, hi in spans]).to(x.device)
-    weight = m.conv1d.weight.squeeze(1).index_select(0, chans)
-    bias = None if m.conv1d.bias is None else m.conv1d.bias.index_select(0, chans)
-    out = per_document(lambda t: model_code.causal_conv1d_fn(t, weight, bias, activation=m.activation), runs, 2,
-                       x.transpose(1, 2))
-    return out.transpose(1, 2)
+SETTINGS = "linear_num_key_heads and linear_num_value_heads"
+"""The config keys ``head_counts`` reads, for the message when P does not split them."""
 
 
 def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
@@ -192,7 +157,7 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
         [q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), beta_in[..., None], a[..., None]],
         ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
     n = q.shape[1]
-    runs = runs_of(batch, b, n)
+    runs = runs_of(batch)
     # this rank's channels of the convolution: its key heads of q and of k, its value heads of v
     ks, vs, kd = self.key_dim // p, self.value_dim // p, self.key_dim
     mixed = convolve_channels(self, model_code, torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1),

@@ -23,11 +23,9 @@ import torch
 from torch import nn
 
 from ..mixers import gather_heads, scatter_heads
-from .delta_nets import convolve_channels, per_document, runs_of
-from .mixer_shards import has_form, shards_of
-from .short_convs import causal_depthwise, refuse_cache
+from .mixer_shards import causal_depthwise, convolve_channels, has_form, per_document, refuse_cache, runs_of, shards_of
 
-__all__ = ["check_heads", "is_mamba_mixer", "read_parameters", "sharded_forward"]
+__all__ = ["SETTINGS", "head_counts", "is_mamba_mixer", "read_parameters", "sharded_forward"]
 
 _CONV_SPLIT = (
     re.compile(r"\bA\s*=\s*-torch\.exp\(self\.A_log\.float\(\)\)"),
@@ -117,15 +115,14 @@ def read_parameters(m: nn.Module) -> list[nn.Parameter]:
     return list(m.conv1d.parameters())
 
 
-def check_heads(name: str, m: nn.Module, *, sp_size: int) -> None:
-    """Raise unless the heads divide by P and the groups divide P or by it (each rank scans whole heads and holds
-    the groups they read)."""
-    h, g = m.num_heads, m.n_groups
-    if h % sp_size or (g % sp_size and sp_size % g):
-        raise ValueError(
-            f"{name} ({type(m).__name__}): its {h} heads in {g} groups cannot be split over {sp_size} "
-            "sequence-parallel ranks, which scan whole heads each: use a sequence_parallel_size that divides the "
-            "number of heads and divides, or is a multiple of, n_groups")
+def head_counts(m: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(heads,), (groups,): the heads divide by P and the groups divide P or by it (each rank scans whole heads and
+    holds the groups they read)."""
+    return (int(m.num_heads),), (int(m.n_groups),)
+
+
+SETTINGS = "the mixer's heads (num_heads / mamba_n_heads) and n_groups"
+"""What ``head_counts`` reads, for the message when P does not split it."""
 
 
 def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
@@ -154,7 +151,7 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     x, bm, cm, dt = gather_heads([x.reshape(b, s, h, hd), bm, cm, dt[..., None]], ring=ring,
                                  group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
     n = x.shape[1]
-    runs = runs_of(batch, b, n)
+    runs = runs_of(batch)
     # this rank's channels of the convolution: x of its heads, B and C of the groups they read
     xs, gl = inter // p, max(g // p, 1)
     g0 = j * g // p if g >= p else j // rep

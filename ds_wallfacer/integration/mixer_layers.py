@@ -1,5 +1,5 @@
-"""Sequence mixers other than attention, run on shards: LFM2's short convolutions (``short_convs.py``) and gated
-delta-nets (``delta_nets.py``).
+"""Sequence mixers other than attention, run on shards: LFM2's short convolutions (``short_convs.py``), gated
+delta-nets (``delta_nets.py``) and Mamba-2 mixers (``mamba_mixers.py``).
 
 transformers computes these layers with free functions called inside ``forward`` (a convolution, a chunked scan),
 with no hook to take them over, so each recognised layer gets a forward of its own: an instance attribute, the
@@ -14,56 +14,79 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from torch import nn
 
+from ..comm.dims import splits_heads
 from . import delta_nets, mamba_mixers, short_convs
 from .mixer_shards import ATTR, MixerShards
 
 __all__ = ["MixerShards", "attach_mixers", "mixer_head_counts", "mixer_layers", "model_forwards"]
 
-def _no_check(name: str, m: nn.Module, *, sp_size: int) -> None:
-    """Short convolutions run on any number of ranks (the operator checks the piece length)."""
+
+class _Kind(NamedTuple):
+    """One kind of mixer layer, as its module provides it."""
+
+    recognise: Callable[[nn.Module], bool]
+    forward: Callable
+    """The sharded forward."""
+    reads: Callable[[nn.Module], list[nn.Parameter]]
+    """The parameters the forward reads without calling their module."""
+    head_counts: Callable[[nn.Module], tuple[tuple[int, ...], tuple[int, ...]]]
+    """(counts P must divide, counts that must divide P or be divisible by it): ``comm.dims.splits_heads``."""
+    settings: str
+    """What those counts are, in the user's words."""
 
 
-_KINDS: tuple[tuple[Callable, Callable, Callable, Callable], ...] = (
-    (short_convs.is_short_conv, short_convs.sharded_forward, short_convs.read_parameters, _no_check),
-    (delta_nets.is_delta_net, delta_nets.sharded_forward, delta_nets.read_parameters, delta_nets.check_heads),
-    (mamba_mixers.is_mamba_mixer, mamba_mixers.sharded_forward, mamba_mixers.read_parameters,
-     mamba_mixers.check_heads),
+_KINDS = (
+    _Kind(short_convs.is_short_conv, short_convs.sharded_forward, short_convs.read_parameters,
+          short_convs.head_counts, ""),
+    _Kind(delta_nets.is_delta_net, delta_nets.sharded_forward, delta_nets.read_parameters, delta_nets.head_counts,
+          delta_nets.SETTINGS),
+    _Kind(mamba_mixers.is_mamba_mixer, mamba_mixers.sharded_forward, mamba_mixers.read_parameters,
+          mamba_mixers.head_counts, mamba_mixers.SETTINGS),
 )
-"""(recognise, the sharded forward, the parameters the forward reads without calling their module, the check of
-the number of ranks) per kind of layer."""
 
 
-def _kind(m: nn.Module):
-    return next((k for k in _KINDS if k[0](m)), None)
+def _kind(m: nn.Module) -> _Kind | None:
+    return next((k for k in _KINDS if k.recognise(m)), None)
+
+
+def _layers(model: nn.Module) -> list[tuple[str, nn.Module, _Kind]]:
+    return [(n, m, k) for n, m in model.named_modules() if (k := _kind(m)) is not None]
 
 
 def mixer_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's recognised mixer layers (pure)."""
-    return [(n, m) for n, m in model.named_modules() if _kind(m) is not None]
+    return [(n, m) for n, m, _ in _layers(model)]
 
 
 def attach_mixers(model: nn.Module, shards: MixerShards) -> list[str]:
     """Give every recognised mixer layer its sharded forward; returns their names. Raises when a layer cannot run
     on this many ranks (e.g. heads that do not divide by P). Under ZeRO-3 the parameters a forward reads without
     calling their module are registered with the layer."""
-    layers = mixer_layers(model)
-    for name, m in layers:
-        _kind(m)[3](name, m, sp_size=len(shards.peers))
-    for _, m in layers:
-        _, forward, reads, _ = _kind(m)
+    p = len(shards.peers)
+    layers = _layers(model)
+    for name, m, kind in layers:  # every layer checked before any is changed
+        heads, groups = kind.head_counts(m)
+        if not splits_heads(p, heads, groups):
+            grouped = f" in groups {list(groups)}" if groups else ""
+            rule = "divides the heads" + (", and divides or is a multiple of the groups" if groups else "")
+            raise ValueError(
+                f"{name} ({type(m).__name__}): its heads {list(heads)}{grouped} cannot be split over {p} "
+                f"sequence-parallel ranks, which scan whole heads each: use a sequence_parallel_size that splits "
+                f"{kind.settings} ({rule})")
+    for _, m, kind in layers:
         m.__dict__[ATTR] = shards
-        m.forward = types.MethodType(forward, m)
-        partitioned = [p for p in reads(m) if hasattr(p, "ds_id")]
+        m.forward = types.MethodType(kind.forward, m)
+        partitioned = [q for q in kind.reads(m) if hasattr(q, "ds_id")]
         if partitioned:
             from deepspeed.zero import register_external_parameter
 
-            for p in partitioned:
-                register_external_parameter(m, p)
-    return [n for n, _ in layers]
+            for q in partitioned:
+                register_external_parameter(m, q)
+    return [n for n, _, _ in layers]
 
 
 def mixer_head_counts(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -71,12 +94,10 @@ def mixer_head_counts(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...
     model's head-parallel layers: what the planner needs to choose a P they run on."""
     heads: set[int] = set()
     groups: set[int] = set()
-    for _, m in mixer_layers(model):
-        if delta_nets.is_delta_net(m):
-            heads |= {int(m.num_k_heads), int(m.num_v_heads)}
-        elif mamba_mixers.is_mamba_mixer(m):
-            heads.add(int(m.num_heads))
-            groups.add(int(m.n_groups))
+    for _, m, kind in _layers(model):
+        h, g = kind.head_counts(m)
+        heads |= set(h)
+        groups |= set(g)
     return tuple(sorted(heads)), tuple(sorted(groups))
 
 

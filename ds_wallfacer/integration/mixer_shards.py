@@ -1,11 +1,14 @@
-"""Where a mixer layer's pieces sit (``MixerShards``) and how a layer is recognised by the expression in its code;
-shared by ``short_convs.py`` and ``delta_nets.py`` (``mixer_layers.py`` attaches them)."""
+"""What the mixer layers (``short_convs.py``, ``delta_nets.py``, ``mamba_mixers.py``; ``mixer_layers.py`` attaches
+them) share: where their pieces sit (``MixerShards``, ``MixerInputs``), how a layer is recognised by the expression
+in its code and its causal depthwise convolution, and how a head-parallel layer runs the model's own convolution
+and scan per document."""
 from __future__ import annotations
 
 import inspect
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -15,7 +18,8 @@ from ..attention.documents import SequenceBatch
 from ..comm import CommLayer
 from ..mixers import ChunkRing
 
-__all__ = ["ATTR", "MixerInputs", "MixerShards", "has_form", "shards_of"]
+__all__ = ["ATTR", "MixerInputs", "MixerShards", "causal_depthwise", "convolve_channels", "has_form", "per_document",
+           "refuse_cache", "runs_of", "shards_of"]
 
 ATTR = "_wallfacer_mixer"
 
@@ -79,3 +83,50 @@ def has_form(cls: type, patterns: tuple[re.Pattern, ...]) -> bool:
 def shards_of(m: nn.Module) -> MixerShards:
     """The ``MixerShards`` ``attach_mixers`` gave layer ``m``."""
     return m.__dict__[ATTR]
+
+
+def causal_depthwise(conv: Any, channels: int | None = None) -> bool:
+    """Whether ``conv`` is a depthwise causal Conv1d (padding K - 1, stride and dilation 1), of ``channels``."""
+    if not isinstance(conv, nn.Conv1d):
+        return False
+    d, k = conv.in_channels, conv.kernel_size[0]
+    return (conv.out_channels == d and conv.groups == d and conv.stride == (1,) and conv.dilation == (1,)
+            and conv.padding == (k - 1,) and conv.padding_mode == "zeros" and channels in (None, d))
+
+
+def refuse_cache(m: nn.Module, cache: Any, attention_mask: Any) -> None:
+    if cache is not None or attention_mask is not None:
+        what = "a generation cache" if cache is not None else "an attention mask"
+        raise ValueError(f"{type(m).__name__} got {what} under sequence parallelism; only training on right-padded "
+                         "sequences from the sequence-parallel loader is supported")
+
+
+def runs_of(batch: SequenceBatch | None) -> list[list[tuple[int, int]]] | None:
+    """Per row, the [start, end) of each document; None when every row is one sequence."""
+    if batch is None or batch.documents is None:
+        return None
+    docs = batch.documents
+    return [list(zip(starts, (*starts[1:], docs.seq_len))) for starts in docs.starts]
+
+
+def per_document(fn: Callable[..., torch.Tensor], runs: list[list[tuple[int, int]]] | None, dim: int,
+                  *xs: torch.Tensor) -> torch.Tensor:
+    """``fn`` over each document of each row (``xs`` cut along ``dim``, rows along dim 0), joined back."""
+    if runs is None:
+        return fn(*xs)
+    rows = []
+    for r, spans in enumerate(runs):
+        rows.append(torch.cat([fn(*(x[r:r + 1].narrow(dim, s, e - s) for x in xs)) for s, e in spans], dim=dim))
+    return torch.cat(rows, dim=0)
+
+
+def convolve_channels(m: nn.Module, model_code: Any, x: torch.Tensor, spans: list[tuple[int, int]],
+                      runs: list[list[tuple[int, int]]] | None) -> torch.Tensor:
+    """x [B, N, C_j]: channels ``spans`` ([start, end) ranges, in order) of ``m.conv1d`` over the whole sequence ->
+    the model's own causal convolution and activation of them (``causal_conv1d_fn``), per document."""
+    chans = torch.cat([torch.arange(lo, hi) for lo, hi in spans]).to(x.device)
+    weight = m.conv1d.weight.squeeze(1).index_select(0, chans)
+    bias = None if m.conv1d.bias is None else m.conv1d.bias.index_select(0, chans)
+    out = per_document(lambda t: model_code.causal_conv1d_fn(t, weight, bias, activation=m.activation), runs, 2,
+                       x.transpose(1, 2))
+    return out.transpose(1, 2)

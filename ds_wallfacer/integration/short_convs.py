@@ -16,24 +16,15 @@ import torch
 from torch import nn
 
 from ..mixers import sharded_causal_conv1d
-from .mixer_shards import has_form, shards_of
+from .mixer_shards import causal_depthwise, has_form, refuse_cache, shards_of
 
-__all__ = ["is_short_conv", "read_parameters", "refuse_cache", "sharded_forward"]
+__all__ = ["head_counts", "is_short_conv", "read_parameters", "sharded_forward"]
 
 _FORM = (re.compile(r"\bB\s*,\s*C\s*,\s*x\s*=\s*BCx\.chunk\(\s*3\s*,\s*dim\s*=\s*-2\s*\)"),
          re.compile(r"\bB\s*\*\s*x\b"), re.compile(r"\bC\s*\*\s*hidden_states\b"),
          re.compile(r"\bcausal_conv1d_fn\(\s*hidden_states\s*,\s*self\.conv\.weight\.squeeze\(1\)\s*,\s*self\.conv"
                     r"\.bias"))
 """The expression of the layer's forward: in_proj split three ways, B * x convolved, C times the result."""
-
-
-def causal_depthwise(conv: Any, channels: int | None = None) -> bool:
-    """Whether ``conv`` is a depthwise causal Conv1d (padding K - 1, stride and dilation 1), of ``channels``."""
-    if not isinstance(conv, nn.Conv1d):
-        return False
-    d, k = conv.in_channels, conv.kernel_size[0]
-    return (conv.out_channels == d and conv.groups == d and conv.stride == (1,) and conv.dilation == (1,)
-            and conv.padding == (k - 1,) and conv.padding_mode == "zeros" and channels in (None, d))
 
 
 def is_short_conv(m: nn.Module) -> bool:
@@ -54,11 +45,9 @@ def read_parameters(m: nn.Module) -> list[nn.Parameter]:
     return list(m.conv.parameters())
 
 
-def refuse_cache(m: nn.Module, cache: Any, attention_mask: Any) -> None:
-    if cache is not None or attention_mask is not None:
-        what = "a generation cache" if cache is not None else "an attention mask"
-        raise ValueError(f"{type(m).__name__} got {what} under sequence parallelism; only training on right-padded "
-                         "sequences from the sequence-parallel loader is supported")
+def head_counts(m: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """No heads to split: a short convolution runs on any number of ranks (the operator checks piece lengths)."""
+    return (), ()
 
 
 def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..comm.dims import ParallelDims, check_sp_size, divisors, valid_ulysses_degrees
+from ..comm.dims import ParallelDims, check_sp_size, divisors, splits_heads, valid_ulysses_degrees
 from ..comm.layout import valid_ring_counts
 from ..config.schema import WallFacerConfig
 from ..data.chunks import check_divisible, padded_length
@@ -268,10 +268,7 @@ def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_
     node = rpn or world_size
     p = world_size if cfg.sequence_parallel_size == "auto" else int(cfg.sequence_parallel_size)
     if cfg.sequence_parallel_size == "auto":
-        from ..planner.candidate import Workload  # pure, like this module
-
-        splits = Workload(seq_len=1, whole_heads=mixer_heads[0], head_groups=mixer_heads[1]).splits_heads
-        p = max(d for d in divisors(world_size) if splits(d))
+        p = max(d for d in divisors(world_size) if splits_heads(d, *mixer_heads))
         why = "the world size" if p == world_size else (
             f"the largest divisor of the world size over which the linear-attention / state-space heads "
             f"{list(mixer_heads[0])} (groups {list(mixer_heads[1])}) split")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.dims import PLACEMENTS, check_placement, check_ulysses_degree
+from ..comm.dims import PLACEMENTS, check_placement, check_ulysses_degree, splits_heads
 from ..comm.layout import check_ring_count
 from ..mst.config import DEFAULT_LOGITS_BUDGET_MIB
 
@@ -115,8 +115,8 @@ class Workload:
     """Group counts of Mamba-2 mixers: each must divide P or be divisible by it."""
 
     def splits_heads(self, p: int) -> bool:
-        """Whether P ranks can each scan whole heads of every such layer."""
-        return all(h % p == 0 for h in self.whole_heads) and all(g % p == 0 or p % g == 0 for g in self.head_groups)
+        """Whether P ranks can each scan whole heads of every such layer (``comm.dims.splits_heads``)."""
+        return splits_heads(p, self.whole_heads, self.head_groups)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch < 1:

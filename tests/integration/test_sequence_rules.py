@@ -180,3 +180,21 @@ def test_lora_passes_and_adapters_that_change_the_sequence_are_refused() -> None
                                                                       alora_invocation_tokens=[5, 6]))
     found = _findings(alora)
     assert any("activated LoRA (alora_invocation_tokens)" in f for f in found), found
+
+
+@pytest.mark.parametrize("model_type,cls,words", [
+    ("qwen3_next", "Qwen3NextForCausalLM", ["heads [4, 8]", "over 3 sequence-parallel", "linear_num_key_heads"]),
+    ("mamba2", "Mamba2ForCausalLM", ["in groups [", "over 3 sequence-parallel", "n_groups"]),
+])
+def test_heads_that_do_not_split_over_the_ranks_are_refused_before_any_layer_changes(model_type: str, cls: str,
+                                                                                      words: list[str]) -> None:
+    from ds_wallfacer.integration.mixer_layers import MixerShards, attach_mixers, mixer_layers
+    from ds_wallfacer.integration.mixer_shards import MixerInputs
+
+    model = build_tiny(model_type, cls, check=False)
+    shards = MixerShards(group=None, comm=None, peers=(0, 1, 2), index=0, sharding="zigzag", ulysses_degree=1,
+                         group_shards=(0, 1, 2), group_rank=0, inputs=MixerInputs())
+    with pytest.raises(ValueError) as err:
+        attach_mixers(model, shards)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert not any("forward" in m.__dict__ for _, m in mixer_layers(model))
