@@ -8,6 +8,8 @@ Position-wise blocks run over mini-sequences of the (local) sequence so no full-
 - ``mini_sequence_causal_lm_loss(model, hidden_states, labels, *, chunk_tokens=None, ignore_index=-100)
   -> (loss_sum, token_count)`` on already-shifted labels; never materialises full logits.
 - ``mini_sequence_lm_loss(model, *, labels=None | shift_labels=None, ..., **backbone_kwargs) -> token-mean loss``.
+- ``lean_rms_norm`` / ``norm_form``: transformers' RMSNorms in chunks of rows, saving only their input and one fp32
+  factor per row (``apply_mini_sequence`` installs it on every recognised norm).
 - ``MiniSequenceConfig`` (``"wallfacer": {"mini_sequence": {...}}``) and ``resolve_sizes`` for "auto".
 """
 from .._lazy import lazy_exports
@@ -26,6 +28,8 @@ _EXPORTS = {
     "MiniSequenceMLPFunction": ".mlp",
     "check_position_wise": ".mlp",
     "mini_sequence_mlp": ".mlp",
+    "lean_rms_norm": ".norm",
+    "norm_form": ".norm",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,6 +17,7 @@ from .checkpointing import MlpRecomputeFlag, RecomputeState, disable_layer_check
 from .config import MiniSequenceConfig, ResolvedSizes, resolve_sizes
 from .lm_head import _MST_ATTR, chunked_linear_cross_entropy
 from .mlp import check_position_wise, mini_sequence_mlp
+from .norm import LeanNormForward, norm_form
 
 __all__ = ["MiniSequenceHandle", "apply_mini_sequence", "find_decoder_layers"]
 
@@ -86,6 +87,8 @@ class MiniSequenceHandle:
     """Auto-detected candidates left alone, with the reason (e.g. not position-wise)."""
     lm_head: str | None = None
     """Qualified name of the wrapped LM head (None when mini_sequence.lm_head is false)."""
+    norm_modules: list[str] = field(default_factory=list)
+    """Qualified names of the RMSNorms now run lean (``mst/norm.py``)."""
 
     def remove(self) -> None:
         """Restore the original forwards and turn layer checkpointing off again (if it was turned on here)."""
@@ -93,13 +96,15 @@ class MiniSequenceHandle:
             mod = self.model.get_submodule(name)
             if "forward" in mod.__dict__:
                 del mod.forward
+        for name in self.norm_modules:
+            self.model.get_submodule(name).__dict__.pop("forward", None)
         if self.lm_head is not None:
             head = self.model.get_submodule(self.lm_head)
             head.__dict__.pop("forward", None)
             head.__dict__.pop(_MST_ATTR, None)
         if self.config.activation_checkpointing != "none":
             disable_layer_checkpointing(self.model)
-        self.mlp_modules, self.lm_head = [], None
+        self.mlp_modules, self.norm_modules, self.lm_head = [], [], None
 
 
 def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -181,6 +186,8 @@ def apply_mini_sequence(
         _wrap_mlps(model, config, handle, state, hidden=hidden)
     if config.lm_head:
         handle.lm_head = _wrap_lm_head(model, head, sizes.lm_head_chunk_tokens)
+    if config.norm:
+        handle.norm_modules = _wrap_norms(model)
     enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config, state=state,
                                keep_attention=config.keep_attention)
     return handle
@@ -217,6 +224,20 @@ def _wrap_mlps(
             _mark_zero3_leaf(qual, mod)
             mod.forward = _MlpForward(mod.forward, handle.sizes.mlp_chunk_tokens, state)
             handle.mlp_modules.append(qual)
+
+
+def _wrap_norms(model: nn.Module) -> list[str]:
+    """Run every recognised RMSNorm of ``model`` lean; returns their qualified names."""
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m.__dict__.get("forward"), LeanNormForward):
+            names.append(name)  # applied twice
+            continue
+        form = norm_form(m)
+        if form is not None:
+            m.forward = LeanNormForward(m, form)
+            names.append(name)
+    return names
 
 
 def _wrap_lm_head(model: nn.Module, head: Any, chunk_tokens: int) -> str:

@@ -61,13 +61,16 @@ class MiniSequenceConfig:
     torch's non-reentrant one, or none."""
     mlp_module_names: tuple[str, ...] | None = None
     """Force these decoder-layer child names as MLPs (checked position-wise, error if not); None = auto-detect."""
+    norm: bool = True
+    """Run the model's RMSNorms lean (``mst/norm.py``): in chunks of rows, saving only the input and one fp32
+    factor per row instead of fp32 copies of the input and of the normalised rows."""
     keep_attention: bool = True
     """With layer checkpointing: keep attention's output and log-sum-exp (Ulysses: also what its all-to-alls
     received) at the first forward, so the layer recompute in backward runs no attention kernel and no attention
     communication (``attention/residuals.py``); costs about one layer input per layer (Ulysses about 3.5)."""
 
     def __post_init__(self) -> None:
-        for key in ("mlp", "lm_head", "keep_attention"):
+        for key in ("mlp", "lm_head", "norm", "keep_attention"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(
                     f"wallfacer.mini_sequence.{key} = {getattr(self, key)!r} is invalid: allowed is true or false"
