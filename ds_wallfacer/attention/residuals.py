@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from .volume import kept_bytes_per_layer
+
 __all__ = [
     "CheckpointFrame",
     "KeepAttention",
@@ -271,26 +273,3 @@ def residual_stats(model: torch.nn.Module) -> ResidualStats:
             for k, v in stats.as_dict().items():
                 setattr(total, k, getattr(total, k) + v)
     return total
-
-
-def kept_bytes_per_layer(
-    *, batch: int, local_tokens: int, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
-    ulysses_degree: int = 1, ring_size: int = 1, ring_count: int = 1, keep_team_q: bool = False,
-    value_dim: int | None = None,
-) -> int:
-    """Pure: bytes one attention call keeps per rank from a checkpointed layer's first forward to its backward
-    (the formulas of Note [Attention once under layer checkpointing] in docs/design.md §5). ``local_tokens``: S_l,
-    this rank's tokens; ``ring_size``: R, the WallFacer ranks (1: local attention inside); ``keep_team_q``:
-    WallFacer's option, whose team q (C x the local q) is then kept too; ``value_dim``: v's and the output's head dim
-    (None: ``head_dim``); log-sum-exps are fp32."""
-    b, sl, hq, d, e, u = batch, local_tokens, q_heads, head_dim, elem_bytes, ulysses_degree
-    dv = d if value_dim is None else value_dim
-    lse_per_row = 4 * (ring_count if ring_size > 1 else 1)  # WallFacer keeps the team's lse: C x its own rows
-    inner = b * hq * sl * (dv * e + lse_per_row)  # output + lse: hq/U heads over U*S_l tokens
-    if keep_team_q and ring_size > 1:
-        inner += ring_count * b * hq * sl * d * e
-    if u == 1:
-        return inner
-    # head-sharded q, k, v (kv replicated when hk < U)
-    received = b * sl * e * (hq * d + max(kv_heads, u) * (d + dv))
-    return inner + received + b * sl * hq * dv * e  # + the output back in sequence shards

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "AttnShape", "DEFAULT_SUM_DTYPES", "SumDtypes", "wallfacer_bytes", "ulysses_bytes", "paper_ring_bytes",
-    "paper_wallfacer_bytes",
+    "paper_wallfacer_bytes", "kept_bytes_per_layer",
 ]
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -145,3 +145,26 @@ def paper_wallfacer_bytes(shape: AttnShape, *, sp_size: int, ring_count: int) ->
     n_q, n_kv, _ = shape.per_rank(p)
     s = shape.elem_bytes
     return {"collective": 4 * (c - 1) * n_q * s, "ring": (p // (c * c) - 1) * c * n_kv * s}
+
+
+def kept_bytes_per_layer(
+    *, batch: int, local_tokens: int, q_heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
+    ulysses_degree: int = 1, ring_size: int = 1, ring_count: int = 1, keep_team_q: bool = False,
+    value_dim: int | None = None,
+) -> int:
+    """Pure: bytes one attention call keeps per rank from a checkpointed layer's first forward to its backward
+    (the formulas of Note [Attention once under layer checkpointing] in docs/design.md §5). ``local_tokens``: S_l,
+    this rank's tokens; ``ring_size``: R, the WallFacer ranks (1: local attention inside); ``keep_team_q``:
+    WallFacer's option, whose team q (C x the local q) is then kept too; ``value_dim``: v's and the output's head dim
+    (None: ``head_dim``); log-sum-exps are fp32."""
+    b, sl, hq, d, e, u = batch, local_tokens, q_heads, head_dim, elem_bytes, ulysses_degree
+    dv = d if value_dim is None else value_dim
+    lse_per_row = 4 * (ring_count if ring_size > 1 else 1)  # WallFacer keeps the team's lse: C x its own rows
+    inner = b * hq * sl * (dv * e + lse_per_row)  # output + lse: hq/U heads over U*S_l tokens
+    if keep_team_q and ring_size > 1:
+        inner += ring_count * b * hq * sl * d * e
+    if u == 1:
+        return inner
+    # head-sharded q, k, v (kv replicated when hk < U)
+    received = b * sl * e * (hq * d + max(kv_heads, u) * (d + dv))
+    return inner + received + b * sl * hq * dv * e  # + the output back in sequence shards

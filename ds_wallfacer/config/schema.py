@@ -180,6 +180,12 @@ class RunConfig:
         return off.get("device", "none") in ("cpu", "nvme")
 
     @property
+    def offload_params(self) -> bool:
+        """ZeRO-3 parameters offloaded to the CPU (``zero_optimization.offload_param.device``)."""
+        off = (self.deepspeed.get("zero_optimization") or {}).get("offload_param") or {}
+        return off.get("device", "none") in ("cpu", "nvme") and self.zero_stage == 3
+
+    @property
     def cpu_checkpointing(self) -> bool:
         """Checkpointed activations kept on the CPU (``activation_checkpointing.cpu_checkpointing``)."""
         return bool((self.deepspeed.get("activation_checkpointing") or {}).get("cpu_checkpointing", False))

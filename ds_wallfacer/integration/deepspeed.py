@@ -152,6 +152,7 @@ def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanI
         zero_stage=run.zero_stage,
         offload_optimizer=run.offload_optimizer,
         offload_checkpoints=run.cpu_checkpointing,
+        offload_params=run.offload_params,
         elem_bytes=run.elem_bytes,
         activation_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
         default_cluster=cluster_preset(),

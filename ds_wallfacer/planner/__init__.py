@@ -44,6 +44,7 @@ _EXPORTS = {
     "PlanError": ".search",
     "Row": ".search",
     "enumerate_candidates": ".search",
+    "max_seq_len": ".search",
     "plan": ".search",
     "resolve": ".search",
 }

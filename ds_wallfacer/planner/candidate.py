@@ -43,6 +43,8 @@ class Candidate:
     lm_head_chunk_tokens: int = 0
     """Tokens per LM-head mini-sequence (0 when MsT is off)."""
     checkpointing: bool = True
+    keep_attention: bool = True
+    """With checkpointing: attention's results are kept for the backward (not recomputed)."""
     """Decoder-layer activation checkpointing (only each layer's input kept)."""
 
     def __post_init__(self) -> None:
@@ -79,7 +81,7 @@ class Candidate:
         if self.placement != "team-inner" and self.ring_count > 1 and self.group_size > 1:
             parts.append(f"[{self.placement}]")
         parts.append("mst" if self.mini_sequence else "no-mst")
-        parts.append("ac" if self.checkpointing else "no-ac")
+        parts.append(("ac" if self.keep_attention else "ac-recompute") if self.checkpointing else "no-ac")
         return " ".join(parts)
 
 
@@ -98,12 +100,12 @@ class Workload:
     """ZeRO optimizer state (and fp32 master weights) on the CPU."""
     offload_checkpoints: bool = False
     """Checkpointed layer inputs on the CPU (DeepSpeed ``cpu_checkpointing``)."""
+    offload_params: bool = False
+    """ZeRO-3 parameters on the CPU (``zero_optimization.offload_param``)."""
     kv_replication: bool = True
     """Allow a Ulysses degree above the kv-head count by replicating kv heads (U a multiple of kv heads)."""
     overlap: bool = True
     """Ring hops overlap block attention (double buffering) and ZeRO traffic overlaps backward."""
-    recompute_attention: bool = True
-    """Activation checkpointing recomputes attention (and its communication) in backward."""
     lm_head_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB
     """MsT "auto" LM-head rule: one mini-sequence's fp32 logits within this budget."""
     mem_headroom: float = 0.1
@@ -123,5 +125,7 @@ class Workload:
             raise ValueError(f"seq_len={self.seq_len} and batch={self.batch} must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage!r}; expected 0, 1, 2 or 3")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("offload_params needs ZeRO stage 3 (DeepSpeed offloads parameters only there)")
         if not 0 <= self.mem_headroom < 1:
             raise ValueError(f"mem_headroom={self.mem_headroom!r} must be in [0, 1)")

@@ -45,6 +45,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--intra-latency-us", type=float)
     g.add_argument("--inter-latency-us", type=float)
     g.add_argument("--mem-gib", type=float, help="device memory per rank")
+    g.add_argument("--host-mem-gib", type=float, help="host memory per node for offloaded state (0: unchecked)")
     g.add_argument("--tflops", type=float, help="peak dense bf16 TFLOP/s per rank")
     g.add_argument("--mfu", type=float)
     g = ap.add_argument_group("model fields (override the preset)")
@@ -54,10 +55,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch", type=int, default=1)
     g.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
     g.add_argument("--offload-optimizer", action="store_true")
-    g.add_argument("--offload-checkpoints", action="store_true")
+    g.add_argument("--offload-checkpoints", action="store_true", help="checkpointed layer inputs on the host")
+    g.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameters on the host")
     g.add_argument("--no-kv-replication", action="store_true", help="cap Ulysses at the kv-head count")
     g.add_argument("--no-overlap", action="store_true", help="ring hops do not overlap attention compute")
-    g.add_argument("--no-recompute-attention", action="store_true")
     g = ap.add_argument_group('fixed values (default: "auto", the planner chooses)')
     g.add_argument("--strategy", "--mode", dest="strategy", choices=STRATEGIES,
                    help="only this strategy (ring is WallFacer with C = 1; none is P = 1)")
@@ -69,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mlp-chunk-tokens", type=int)
     g.add_argument("--lm-head-chunk-tokens", type=int)
     g.add_argument("--ac", choices=("on", "off"), help="activation checkpointing")
+    g.add_argument("--keep-attention", choices=("on", "off"),
+                   help="with checkpointing: keep attention's results for the backward (off: recompute them)")
     g = ap.add_argument_group("output")
     g.add_argument("--top", type=int, default=12, help="ranked rows to print")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -83,7 +86,8 @@ def _cluster(a: argparse.Namespace):
     for key, flag, scale in (("nodes", "nodes", 1), ("ranks_per_node", "ranks_per_node", 1), ("intra_bw", "intra_bw", 1e9),
                              ("nic_bw", "nic_bw", 1e9 / 8), ("nics_per_node", "nics_per_node", 1),
                              ("intra_latency", "intra_latency_us", 1e-6), ("inter_latency", "inter_latency_us", 1e-6),
-                             ("mem_bytes", "mem_gib", GIB), ("flops", "tflops", 1e12), ("mfu", "mfu", 1)):
+                             ("mem_bytes", "mem_gib", GIB), ("host_mem_bytes", "host_mem_gib", GIB),
+                             ("flops", "tflops", 1e12), ("mfu", "mfu", 1)):
         value = getattr(a, flag)
         if value is not None:
             kw[key] = value * scale if scale != 1 else value
@@ -108,7 +112,7 @@ def _model(a: argparse.Namespace) -> ModelSpec:
 def _workload(a: argparse.Namespace, seq_len: int) -> Workload:
     return Workload(seq_len=seq_len, batch=a.batch, zero_stage=a.zero_stage, offload_optimizer=a.offload_optimizer,
                     offload_checkpoints=a.offload_checkpoints, kv_replication=not a.no_kv_replication,
-                    overlap=not a.no_overlap, recompute_attention=not a.no_recompute_attention)
+                    overlap=not a.no_overlap, offload_params=a.offload_params)
 
 
 def _fixed(a: argparse.Namespace) -> dict[str, Any]:
@@ -117,6 +121,7 @@ def _fixed(a: argparse.Namespace) -> dict[str, Any]:
         "mode": a.strategy, "sp_size": a.sp_size, "ring_count": a.ring_count, "ulysses_degree": a.ulysses_degree,
         "placement": a.placement, "mini_sequence": onoff[a.mst], "mlp_chunk_tokens": a.mlp_chunk_tokens,
         "lm_head_chunk_tokens": a.lm_head_chunk_tokens, "activation_checkpointing": onoff[a.ac],
+        "keep_attention": onoff[a.keep_attention],
     }.items() if v is not None}
 
 

@@ -46,6 +46,8 @@ class ClusterSpec:
     """Fraction of ``flops`` that matmuls and block-attention kernels achieve."""
     mem_reserved: float = 2 * GIB
     """Memory per rank that the framework holds before the model (CUDA context, NCCL buffers)."""
+    host_mem_bytes: float = 0.0
+    """Host memory per node for offloaded state (0: not checked)."""
     backend: str = "nccl"
 
     def __post_init__(self) -> None:
@@ -91,7 +93,8 @@ class ClusterSpec:
         return replace(self, nodes=world_size // self.ranks_per_node)
 
 
-_H100 = dict(intra_bw=450e9, intra_latency=3e-6, mem_bytes=80 * GIB, flops=989e12)
+_H100 = dict(intra_bw=450e9, intra_latency=3e-6, mem_bytes=80 * GIB, flops=989e12, host_mem_bytes=2048 * GIB)
+# DGX H100 / H200 nodes: 2 TiB of host memory per 8 GPUs
 
 CLUSTERS: dict[str, ClusterSpec] = {
     c.name: c
@@ -105,11 +108,13 @@ CLUSTERS: dict[str, ClusterSpec] = {
             "a100x32-eth", nodes=4, ranks_per_node=8, intra_bw=300e9, intra_latency=3e-6, nic_bw=12.5e9,
             nics_per_node=1, inter_latency=30e-6, mem_bytes=40 * GIB, flops=312e12,
         ),
-        # one H200 (141 GB HBM3e)
+        # one H200 (141 GB HBM3e), the only job on its DGX H200 node (2 TiB host memory)
         ClusterSpec(
             "h200x1", nodes=1, ranks_per_node=1, intra_bw=450e9, intra_latency=3e-6, nic_bw=50e9, nics_per_node=1,
-            inter_latency=8e-6, mem_bytes=141e9, flops=989e12,
+            inter_latency=8e-6, mem_bytes=141e9, flops=989e12, host_mem_bytes=2048 * GIB,
         ),
+        # one H100 80 GB, the only job on its DGX H100 node
+        ClusterSpec("h100x1", nodes=1, ranks_per_node=1, nic_bw=50e9, nics_per_node=1, inter_latency=8e-6, **_H100),
         # this development machine: 2 cores, gloo over shared memory, ~22 GiB RAM shared by the ranks
         ClusterSpec(
             "cpu", nodes=1, ranks_per_node=2, intra_bw=2e9, intra_latency=50e-6, nic_bw=1e9, nics_per_node=1,

@@ -182,7 +182,7 @@ def estimate(
     # and the MLP under MsT
     recompute, re_comm, re_bytes, re_compute = 0.0, 0.0, 0, 0.0
     if cand.checkpointing:
-        if workload.recompute_attention:
+        if not cand.keep_attention:
             recompute, re_comm, re_bytes, re_compute = layer_fwd, fwd_comm, sum(fb.values()), t.linear + t.attention
         else:
             recompute, re_compute = t.linear, t.linear

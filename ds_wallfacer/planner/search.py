@@ -22,13 +22,14 @@ from .memory import GIB, MemoryBreakdown, memory_breakdown
 from .model import ModelSpec, get_model
 from .placement import analyse_links
 
-__all__ = ["FIXED_KEYS", "Plan", "PlanChoice", "PlanError", "Row", "enumerate_candidates", "plan", "resolve"]
+__all__ = ["FIXED_KEYS", "Plan", "PlanChoice", "PlanError", "Row", "enumerate_candidates", "max_seq_len", "plan",
+           "resolve"]
 
 _RESOLUTION = 0.01
 """Predicted throughputs closer than this are not told apart (the model is not calibrated to better)."""
 
 FIXED_KEYS = ("mode", "sp_size", "ring_count", "ulysses_degree", "placement", "mini_sequence", "mlp_chunk_tokens",
-              "lm_head_chunk_tokens", "activation_checkpointing")
+              "lm_head_chunk_tokens", "activation_checkpointing", "keep_attention")
 """Keys of ``fixed``: a value, or "auto" / None for the planner to choose."""
 
 
@@ -61,7 +62,7 @@ class Row:
             "config": c.label, "strategy": c.strategy, "sp_size": c.sp_size, "ring_count": c.ring_count,
             "ulysses_degree": c.ulysses_degree, "placement": c.placement, "mini_sequence": c.mini_sequence,
             "mlp_chunk_tokens": c.mlp_chunk_tokens, "lm_head_chunk_tokens": c.lm_head_chunk_tokens,
-            "activation_checkpointing": c.checkpointing, "fits": self.fits, "reason": self.reason,
+            "activation_checkpointing": c.checkpointing, "keep_attention": c.keep_attention, "fits": self.fits, "reason": self.reason,
             "comm_bytes_per_step": k.step_bytes, "layer_fwd_bytes": k.fwd_bytes, "layer_bwd_bytes": k.bwd_bytes,
             "comm_s": k.comm_s, "compute_s": k.compute_s, "zero_s": k.zero_s, "step_s": k.step_s,
             "tokens_per_s": k.tokens_per_s, "attn_layer_s": k.attn_layer_s, "memory_bytes": m.total, "memory_usable_bytes": m.usable,
@@ -84,6 +85,7 @@ class PlanChoice:
     mlp_chunk_tokens: int
     lm_head_chunk_tokens: int
     activation_checkpointing: bool
+    keep_attention: bool
     step_s: float
     tokens_per_s: float
     memory_bytes: float
@@ -205,15 +207,18 @@ def enumerate_candidates(
     skipped: list[str] = []
     out: list[Candidate] = []
     mst_opts, ac_opts, mlp_chunk, head_chunk = _mini_sequence_options(model, workload, fixed)
+    keep_opts = [True, False] if _free(fixed, "keep_attention") else [bool(fixed["keep_attention"])]
     for p, u in _sequence_splits(model, cluster.world_size, workload, fixed, skipped):
         for c, pl in _ring_splits(p // u, fixed):
             for mst in mst_opts:
                 for ac in ac_opts:
-                    cand = Candidate(sp_size=p, ring_count=c, ulysses_degree=u, placement=pl, mini_sequence=mst,
-                                     mlp_chunk_tokens=mlp_chunk if mst else 0,
-                                     lm_head_chunk_tokens=head_chunk if mst else 0, checkpointing=ac)
-                    if _mode_ok(fixed.get("mode"), cand.strategy):
-                        out.append(cand)
+                    for keep in (keep_opts if ac else [True]):
+                        cand = Candidate(sp_size=p, ring_count=c, ulysses_degree=u, placement=pl, mini_sequence=mst,
+                                         mlp_chunk_tokens=mlp_chunk if mst else 0,
+                                         lm_head_chunk_tokens=head_chunk if mst else 0, checkpointing=ac,
+                                         keep_attention=keep)
+                        if _mode_ok(fixed.get("mode"), cand.strategy):
+                            out.append(cand)
     return out, skipped
 
 
@@ -276,7 +281,7 @@ def _bytes_vs_ring(fitting: list[Row]) -> tuple[list[Row], str | None]:
 def _rank_key(row: Row) -> tuple:
     c = row.candidate
     # ties: prefer ring traffic inside nodes, then the simpler setting
-    return (-row.cost.tokens_per_s, c.placement != "team-inner", c.mini_sequence, c.checkpointing)
+    return (-row.cost.tokens_per_s, c.placement != "team-inner", c.mini_sequence, c.checkpointing, not c.keep_attention)
 
 
 def plan(
@@ -357,6 +362,8 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
     if c.sp_size > 1 and smaller and _free(fixed, "sp_size"):
         reasons.append(f"SP size {c.sp_size} (data parallel {cluster.world_size // c.sp_size}): smaller SP groups "
                        "run out of memory or are slower")
+    if c.checkpointing and _free(fixed, "keep_attention") and not c.keep_attention:
+        reasons.append("attention recomputed in backward: its kept results do not fit")
     if _free(fixed, "mini_sequence"):
         reasons.append("MsT on: needed to fit, or no slower here" if c.mini_sequence else
                        "MsT off: fits without it and saves the MLP recomputation")
@@ -367,7 +374,7 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
         strategy=c.strategy, sp_size=c.sp_size, dp_size=cluster.world_size // c.sp_size, ring_count=c.ring_count,
         ulysses_degree=c.ulysses_degree, placement=c.placement, mini_sequence=c.mini_sequence,
         mlp_chunk_tokens=c.mlp_chunk_tokens, lm_head_chunk_tokens=c.lm_head_chunk_tokens,
-        activation_checkpointing=c.checkpointing, step_s=k.step_s, tokens_per_s=k.tokens_per_s,
+        activation_checkpointing=c.checkpointing, keep_attention=c.keep_attention, step_s=k.step_s, tokens_per_s=k.tokens_per_s,
         memory_bytes=best.memory.total, reasons=tuple(reasons), candidate=c,
     )
 
@@ -409,20 +416,29 @@ def _fits_any(model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed:
     return any(memory_breakdown(model, cluster, c, workload).fits for c in cands)
 
 
-def _nearest_fitting(model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed: Mapping[str, Any]) -> list[str]:
-    """The longest sequence that fits at this world size, and the smallest world size that fits this one."""
-    out = []
-    w, n = cluster.world_size, workload.seq_len
-    unit = 2 * w
-    lo, hi = 0, n // unit  # multiples of 2W tokens: valid for every SP size
+def max_seq_len(model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed: Mapping[str, Any] | None = None,
+                *, below: int = 1 << 26) -> int:
+    """The longest sequence (a multiple of 2W tokens, valid for every SP size; at most ``below``) for which some
+    configuration allowed by ``fixed`` fits memory, by bisection over the memory model; 0 when none does."""
+    fixed = dict(fixed or {})
+    unit = 2 * cluster.world_size
+    lo, hi = 0, below // unit
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _fits_any(model, cluster, replace(workload, seq_len=mid * unit), fixed):
             lo = mid
         else:
             hi = mid - 1
-    if lo:
-        out.append(f"seq_len <= {lo * unit} fits on these {w} ranks")
+    return lo * unit
+
+
+def _nearest_fitting(model: ModelSpec, cluster: ClusterSpec, workload: Workload, fixed: Mapping[str, Any]) -> list[str]:
+    """The longest sequence that fits at this world size, and the smallest world size that fits this one."""
+    out = []
+    w, n = cluster.world_size, workload.seq_len
+    longest = max_seq_len(model, cluster, workload, fixed, below=n)
+    if longest:
+        out.append(f"seq_len <= {longest} fits on these {w} ranks")
     step = cluster.ranks_per_node if cluster.nodes > 1 else 1
     for x in (w * 2**k for k in range(1, 7)):
         x = -(-x // step) * step
@@ -431,8 +447,11 @@ def _nearest_fitting(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
                 out.append(f"{x} ranks ({x // cluster.ranks_per_node if cluster.nodes > 1 else 1} nodes) fit "
                            f"seq_len {n}")
                 break
-    if not workload.offload_optimizer or not workload.offload_checkpoints:
-        out.append("offloading the optimizer state / checkpointed activations to the CPU lowers the need")
+    off = [name for name, on in (("--offload-optimizer", workload.offload_optimizer),
+                                  ("--offload-checkpoints", workload.offload_checkpoints),
+                                  ("--offload-params", workload.offload_params or workload.zero_stage < 3)) if not on]
+    if off:
+        out.append(f"offloading to the host ({', '.join(off)}) lowers the need")
     if fixed:
         out.append(f"or drop the fixed values {dict(fixed)}")
     return out

@@ -90,11 +90,35 @@ def test_memory_terms():
         assert mem.team_copies == 3 * (c - 1) * 131072 * m.hidden // 64 * 2
     on = memory_breakdown(m, cl, Candidate(sp_size=8, ring_count=1, mini_sequence=True, mlp_chunk_tokens=4096, lm_head_chunk_tokens=512), w)
     off = memory_breakdown(m, cl, Candidate(sp_size=8, ring_count=1, mini_sequence=False), w)
-    assert on.lm_head < off.lm_head and on.layer < off.layer
-    # MsT's LM-head term: fp32 logits of 16K local tokens x 32K vocab, about 3 copies
-    assert off.lm_head > 3 * 16384 * 32000 * 4
+    assert on.lm_head < off.lm_head and on.total <= off.total  # here the ring's attention point is the peak
+    one = Workload(seq_len=16384)
+    assert (memory_breakdown(m, cl, Candidate(sp_size=1, mini_sequence=True, mlp_chunk_tokens=4096,
+                                              lm_head_chunk_tokens=512), one).total
+            < memory_breakdown(m, cl, Candidate(sp_size=1, mini_sequence=False), one).total)
+    # without MsT the LM-head term holds the fp32 logits of 16K local tokens x 32K vocab and their bf16 cast
+    assert off.lm_head > 16384 * 32000 * (4 + 2)
     no_ac = memory_breakdown(m, cl, Candidate(sp_size=8, ring_count=1, checkpointing=False), w)
     assert no_ac.checkpoints > 5 * off.checkpoints
+    # kept attention: every layer's output and lse; recomputing it instead moves one layer's into the working set
+    keep = memory_breakdown(m, cl, Candidate(sp_size=1), Workload(seq_len=65536))
+    again = memory_breakdown(m, cl, Candidate(sp_size=1, keep_attention=False), Workload(seq_len=65536))
+    per_layer = 65536 * m.heads * (m.head_dim * 2 + 4)
+    assert keep.kept == m.layers * per_layer and again.kept == 0
+    assert again.attention - keep.attention == per_layer
+
+
+def test_offloads_move_state_to_the_host():
+    m, cl = MODELS["llama3-8b"], CLUSTERS["h200x1"]
+    cand = Candidate(sp_size=1)
+    base = memory_breakdown(m, cl, cand, Workload(seq_len=262144))
+    off = memory_breakdown(m, cl, cand, Workload(seq_len=262144, offload_optimizer=True, offload_checkpoints=True,
+                                                 offload_params=True))
+    x = 262144 * m.hidden * 2
+    assert base.host == 0 and off.optimizer == 0 and off.weights < base.weights / 5
+    assert base.checkpoints - off.checkpoints == (m.layers - 2) * x
+    assert off.host == 16 * m.params + 2 * m.params + m.layers * x  # optimizer state, parameters, checkpoints
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        Workload(seq_len=1024, zero_stage=2, offload_params=True)
 
 
 def test_direction_matches_paper():
