@@ -171,7 +171,7 @@ class _LocalFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *sinks = ctx.saved_tensors
-        dout = dout.to(q.dtype).contiguous()
+        dout = dout.to(q.dtype)  # its layout as it comes: the kernels take strided tensors (no copy of dO)
         dsinks = sink_grad(dout, out, lse, sinks[0]) if sinks else None
         with torch.no_grad():
             if ctx.calls is None:

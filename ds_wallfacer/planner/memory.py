@@ -128,13 +128,13 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
     kept = model.layers * kept_layer if keep else 0.0
     rotary = 2 * tokens * d * s  # cos and sin
 
-    # attention's own backward working set: dq, dk, dv and a contiguous copy of the output's gradient (P = 1, or
-    # Ulysses alone: its all-to-all buffers too); the parallel modes' formula otherwise
+    # attention's own backward working set: dq, dk, dv (P = 1, or Ulysses alone: its all-to-all buffers too; dO is
+    # passed to the kernel in the layout it arrives in); the parallel modes' formula otherwise
     team_copies = 0.0
     qkv = q + k + vv
     a2a = 3 * qkv if cand.ulysses_degree > 1 else 0.0  # in/out buffers of q, k, v (or dO, dq, dk, dv)
     if cand.ring_size == 1:
-        attention = a2a + qkv + o
+        attention = a2a + qkv
     else:
         a_out, a_dq, a_ring, a_home = DEFAULT_SUM_DTYPES.nbytes(s)
         e_q, e_kv = q / s, (k + vv) / s  # elements
@@ -154,7 +154,8 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
     mlp_tokens = min(tokens, cand.mlp_chunk_tokens) if cand.mini_sequence else tokens
     mlp_chunk = (model.mlp_matrices * 2) * mlp_tokens * i * s + mlp_tokens * h * s  # intermediates, their grads
     if cand.checkpointing:
-        checkpoints = (2 if workload.offload_checkpoints else model.layers) * x + rotary
+        # offloaded (DeepSpeed's cpu_checkpointing): only the input of the layer being recomputed comes back
+        checkpoints = (1 if workload.offload_checkpoints else model.layers) * x + rotary
         if workload.offload_checkpoints:
             host += model.layers * x
         # the arriving gradient, the layer's normalised input, q, k, v (rotated), the recomputed output, the
