@@ -189,7 +189,7 @@ def apply_mini_sequence(
     if config.norm:
         handle.norm_modules = _wrap_norms(model)
     enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config, state=state,
-                               keep_attention=config.keep_attention)
+                               keep_attention=config.keep_attention, offload=config.offload_checkpoints)
     return handle
 
 

@@ -175,17 +175,23 @@ def enable_layer_checkpointing(
     ds_config: dict[str, Any] | None = None,
     state: RecomputeState | None = None,
     keep_attention: bool = True,
+    offload: bool = False,
 ) -> None:
     """Checkpoint every decoder layer of an HF model with ``mode`` ("deepspeed" | "torch"); "none" does nothing.
 
     ``state``: shared with the model's mini-sequence MLPs, lets DeepSpeed's recompute skip their forward.
     ``keep_attention``: the recompute reuses attention's first-forward results (``attention/residuals.py``).
+    ``offload``: the layer inputs wait in host memory until their recompute (``mst/offload.py``).
     """
     if mode == "none":
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing of its decoder layers")
     func: Callable = _DeepSpeedCheckpoint(ds_config, state) if mode == "deepspeed" else _torch_checkpoint()
+    if offload:
+        from .offload import OffloadInputs
+
+        func = OffloadInputs(func)
     if keep_attention:
         from ..attention.residuals import KeepAttention
 

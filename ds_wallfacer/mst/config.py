@@ -61,6 +61,9 @@ class MiniSequenceConfig:
     torch's non-reentrant one, or none."""
     mlp_module_names: tuple[str, ...] | None = None
     """Force these decoder-layer child names as MLPs (checked position-wise, error if not); None = auto-detect."""
+    offload_checkpoints: bool = False
+    """With layer checkpointing: each layer input waits in host memory (pinned, copied on a side stream) from its
+    layer's forward to its recompute in backward (``mst/offload.py``); the device holds one at a time."""
     norm: bool = True
     """Run the model's RMSNorms lean (``mst/norm.py``): in chunks of rows, saving only the input and one fp32
     factor per row instead of fp32 copies of the input and of the normalised rows."""
@@ -70,11 +73,16 @@ class MiniSequenceConfig:
     communication (``attention/residuals.py``); costs about one layer input per layer (Ulysses about 3.5)."""
 
     def __post_init__(self) -> None:
-        for key in ("mlp", "lm_head", "norm", "keep_attention"):
+        for key in ("mlp", "lm_head", "norm", "keep_attention", "offload_checkpoints"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(
                     f"wallfacer.mini_sequence.{key} = {getattr(self, key)!r} is invalid: allowed is true or false"
                 )
+        if self.offload_checkpoints and self.activation_checkpointing == "none":
+            raise ValueError(
+                'wallfacer.mini_sequence.offload_checkpoints = true needs layer checkpointing: set '
+                'mini_sequence.activation_checkpointing to "torch" or "deepspeed"'
+            )
         _check_size("mlp_chunk_tokens", self.mlp_chunk_tokens)
         _check_size("lm_head_chunk_tokens", self.lm_head_chunk_tokens)
         budget = self.lm_head_logits_budget_mib

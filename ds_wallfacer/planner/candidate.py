@@ -45,6 +45,9 @@ class Candidate:
     checkpointing: bool = True
     keep_attention: bool = True
     """With checkpointing: attention's results are kept for the backward (not recomputed)."""
+    reentrant: bool = True
+    """With checkpointing: DeepSpeed's reentrant checkpointing, which holds the recomputed layer output through the
+    layer's backward; False: torch's non-reentrant one, which does not (config ``activation_checkpointing``)."""
     """Decoder-layer activation checkpointing (only each layer's input kept)."""
 
     def __post_init__(self) -> None:
@@ -81,7 +84,10 @@ class Candidate:
         if self.placement != "team-inner" and self.ring_count > 1 and self.group_size > 1:
             parts.append(f"[{self.placement}]")
         parts.append("mst" if self.mini_sequence else "no-mst")
-        parts.append(("ac" if self.keep_attention else "ac-recompute") if self.checkpointing else "no-ac")
+        if self.checkpointing:
+            parts.append("ac" + ("" if self.reentrant else "-torch") + ("" if self.keep_attention else "-recompute"))
+        else:
+            parts.append("no-ac")
         return " ".join(parts)
 
 
@@ -102,6 +108,7 @@ class Workload:
     """Checkpointed layer inputs on the CPU (DeepSpeed ``cpu_checkpointing``)."""
     offload_params: bool = False
     """ZeRO-3 parameters on the CPU (``zero_optimization.offload_param``)."""
+
     kv_replication: bool = True
     """Allow a Ulysses degree above the kv-head count by replicating kv heads (U a multiple of kv heads)."""
     overlap: bool = True

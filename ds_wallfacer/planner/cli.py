@@ -70,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mlp-chunk-tokens", type=int)
     g.add_argument("--lm-head-chunk-tokens", type=int)
     g.add_argument("--ac", choices=("on", "off"), help="activation checkpointing")
+    g.add_argument("--checkpointing", choices=("deepspeed", "torch"),
+                   help="layer checkpointing: DeepSpeed's (reentrant) or torch's non-reentrant one")
     g.add_argument("--keep-attention", choices=("on", "off"),
                    help="with checkpointing: keep attention's results for the backward (off: recompute them)")
     g = ap.add_argument_group("output")
@@ -122,6 +124,7 @@ def _fixed(a: argparse.Namespace) -> dict[str, Any]:
         "placement": a.placement, "mini_sequence": onoff[a.mst], "mlp_chunk_tokens": a.mlp_chunk_tokens,
         "lm_head_chunk_tokens": a.lm_head_chunk_tokens, "activation_checkpointing": onoff[a.ac],
         "keep_attention": onoff[a.keep_attention],
+        "reentrant": {"deepspeed": True, "torch": False, None: None}[a.checkpointing],
     }.items() if v is not None}
 
 

@@ -158,11 +158,12 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
         checkpoints = (1 if workload.offload_checkpoints else model.layers) * x + rotary
         if workload.offload_checkpoints:
             host += model.layers * x
-        # the arriving gradient, the layer's normalised input, q, k, v (rotated), the recomputed output, the
-        # residual branch's gradient and the output projection's input gradient
-        layer_attn = 4 * x + qkv + o
+        # the arriving gradient, the layer's normalised input, q, k, v (rotated), the recomputed output (reentrant
+        # checkpointing holds it), the residual branch's gradient and the output projection's input gradient
+        held = x if cand.reentrant else 0.0  # the recomputed output, which reentrant ones hold
+        layer_attn = 3 * x + held + qkv + o
         # during the MLP's backward: also the attention half's sum and its normalised copy, the input gradient
-        layer_mlp = 6 * x + qkv + (0 if keep else o + lse) + mlp_chunk
+        layer_mlp = 5 * x + held + qkv + (0 if keep else o + lse) + mlp_chunk
         layer = max(layer_attn, layer_mlp - attention)
     else:
         per_layer = 4 * x + qkv + o + lse  # input, normalised input, q, k, v, out, lse, mid sum, its norm

@@ -29,7 +29,7 @@ _RESOLUTION = 0.01
 """Predicted throughputs closer than this are not told apart (the model is not calibrated to better)."""
 
 FIXED_KEYS = ("mode", "sp_size", "ring_count", "ulysses_degree", "placement", "mini_sequence", "mlp_chunk_tokens",
-              "lm_head_chunk_tokens", "activation_checkpointing", "keep_attention")
+              "lm_head_chunk_tokens", "activation_checkpointing", "keep_attention", "reentrant")
 """Keys of ``fixed``: a value, or "auto" / None for the planner to choose."""
 
 
@@ -62,7 +62,8 @@ class Row:
             "config": c.label, "strategy": c.strategy, "sp_size": c.sp_size, "ring_count": c.ring_count,
             "ulysses_degree": c.ulysses_degree, "placement": c.placement, "mini_sequence": c.mini_sequence,
             "mlp_chunk_tokens": c.mlp_chunk_tokens, "lm_head_chunk_tokens": c.lm_head_chunk_tokens,
-            "activation_checkpointing": c.checkpointing, "keep_attention": c.keep_attention, "fits": self.fits, "reason": self.reason,
+            "activation_checkpointing": c.checkpointing, "keep_attention": c.keep_attention,
+            "reentrant": c.reentrant, "fits": self.fits, "reason": self.reason,
             "comm_bytes_per_step": k.step_bytes, "layer_fwd_bytes": k.fwd_bytes, "layer_bwd_bytes": k.bwd_bytes,
             "comm_s": k.comm_s, "compute_s": k.compute_s, "zero_s": k.zero_s, "step_s": k.step_s,
             "tokens_per_s": k.tokens_per_s, "attn_layer_s": k.attn_layer_s, "memory_bytes": m.total, "memory_usable_bytes": m.usable,
@@ -86,6 +87,7 @@ class PlanChoice:
     lm_head_chunk_tokens: int
     activation_checkpointing: bool
     keep_attention: bool
+    reentrant: bool
     step_s: float
     tokens_per_s: float
     memory_bytes: float
@@ -208,15 +210,17 @@ def enumerate_candidates(
     out: list[Candidate] = []
     mst_opts, ac_opts, mlp_chunk, head_chunk = _mini_sequence_options(model, workload, fixed)
     keep_opts = [True, False] if _free(fixed, "keep_attention") else [bool(fixed["keep_attention"])]
+    reentrant_opts = [True, False] if _free(fixed, "reentrant") else [bool(fixed["reentrant"])]
+    ckpt_opts = [(k, r) for k in keep_opts for r in reentrant_opts]
     for p, u in _sequence_splits(model, cluster.world_size, workload, fixed, skipped):
         for c, pl in _ring_splits(p // u, fixed):
             for mst in mst_opts:
                 for ac in ac_opts:
-                    for keep in (keep_opts if ac else [True]):
+                    for keep, reentrant in (ckpt_opts if ac else [(True, True)]):
                         cand = Candidate(sp_size=p, ring_count=c, ulysses_degree=u, placement=pl, mini_sequence=mst,
                                          mlp_chunk_tokens=mlp_chunk if mst else 0,
                                          lm_head_chunk_tokens=head_chunk if mst else 0, checkpointing=ac,
-                                         keep_attention=keep)
+                                         keep_attention=keep, reentrant=reentrant)
                         if _mode_ok(fixed.get("mode"), cand.strategy):
                             out.append(cand)
     return out, skipped
@@ -281,7 +285,8 @@ def _bytes_vs_ring(fitting: list[Row]) -> tuple[list[Row], str | None]:
 def _rank_key(row: Row) -> tuple:
     c = row.candidate
     # ties: prefer ring traffic inside nodes, then the simpler setting
-    return (-row.cost.tokens_per_s, c.placement != "team-inner", c.mini_sequence, c.checkpointing, not c.keep_attention)
+    return (-row.cost.tokens_per_s, c.placement != "team-inner", c.mini_sequence, c.checkpointing, not c.keep_attention,
+            not c.reentrant)
 
 
 def plan(
@@ -364,6 +369,9 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
                        "run out of memory or are slower")
     if c.checkpointing and _free(fixed, "keep_attention") and not c.keep_attention:
         reasons.append("attention recomputed in backward: its kept results do not fit")
+    if c.checkpointing and _free(fixed, "reentrant") and not c.reentrant:
+        reasons.append('torch\'s non-reentrant checkpointing (activation_checkpointing "torch"): DeepSpeed\'s '
+                       "holds one more layer output in backward and does not fit")
     if _free(fixed, "mini_sequence"):
         reasons.append("MsT on: needed to fit, or no slower here" if c.mini_sequence else
                        "MsT off: fits without it and saves the MLP recomputation")
@@ -374,7 +382,8 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
         strategy=c.strategy, sp_size=c.sp_size, dp_size=cluster.world_size // c.sp_size, ring_count=c.ring_count,
         ulysses_degree=c.ulysses_degree, placement=c.placement, mini_sequence=c.mini_sequence,
         mlp_chunk_tokens=c.mlp_chunk_tokens, lm_head_chunk_tokens=c.lm_head_chunk_tokens,
-        activation_checkpointing=c.checkpointing, keep_attention=c.keep_attention, step_s=k.step_s, tokens_per_s=k.tokens_per_s,
+        activation_checkpointing=c.checkpointing, keep_attention=c.keep_attention, reentrant=c.reentrant,
+        step_s=k.step_s, tokens_per_s=k.tokens_per_s,
         memory_bytes=best.memory.total, reasons=tuple(reasons), candidate=c,
     )
 
