@@ -139,8 +139,8 @@ def _check_fixed(fixed: Mapping[str, Any]) -> None:
 
 
 def _mode_ok(fixed_mode: Any, strategy: str) -> bool:
-    # "wallfacer" includes C = 1 (plain ring is WallFacer with one ring)
-    return fixed_mode in (None, "auto", strategy) or (fixed_mode == "wallfacer" and strategy == "ring")
+    # "wallfacer" includes C = 1 (plain ring is WallFacer with one ring) and P = 1 (one rank: no ring at all)
+    return fixed_mode in (None, "auto", strategy) or (fixed_mode == "wallfacer" and strategy in ("ring", "none"))
 
 
 def _mini_sequence_options(
