@@ -68,7 +68,8 @@ class _Parked:
         if device.type == "cuda":
             torch.cuda.current_stream(device).wait_event(self.event)
             return self.host.to(device, non_blocking=True)
-        return self.host.clone()
+        # CPU: a copy of its own, as on a device (the buffer goes back to the pool after the backward)
+        return self.host.clone() if device.type == "cpu" else self.host.to(device)
 
     def done(self) -> None:
         """The input's gradient has been handed on: the host buffer can serve another input."""
