@@ -147,7 +147,7 @@ class _LeanRMSNorm(torch.autograd.Function):
             else:  # y = weight * n.to(dtype): the multiply's gradients in the weight's dtype, as autograd forms them
                 if dw is not None:
                     dw += (g * n32.to(x.dtype)).to(torch.float32).sum(0)
-                dn = (g * weight).to(torch.float32)
+                dn = (g * weight).to(x.dtype).to(torch.float32)  # autograd rounds it to the cast's dtype first
             if dx is None:
                 continue
             # x * rsqrt(mean(x^2) + eps): the two paths of autograd's graph, summed

@@ -104,3 +104,16 @@ def test_applied_to_every_norm_of_a_model_and_removed() -> None:
     assert off.norm_modules == []
     handle.remove()
     assert not any("forward" in model.get_submodule(n).__dict__ for n in norms)
+
+
+def test_fp32_weight_over_bf16_rows() -> None:
+    """Weights kept in fp32 under 16-bit activations: the output and the input's gradient still bitwise."""
+    m = _norm(LlamaRMSNorm, torch.float32)
+    x = torch.randn(2, 40, WIDTH, dtype=torch.bfloat16, requires_grad=True)
+    ref = m(x)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    dx, x.grad = x.grad, None
+    out = lean_rms_norm(x, m.weight, m.variance_epsilon, norm_form(m), rows_per_chunk=16)
+    out.backward(g)
+    assert out.dtype == torch.float32 and torch.equal(out, ref) and torch.equal(x.grad, dx)
