@@ -122,7 +122,8 @@ def test_shipped_examples_are_the_defaults_and_found_by_name(tmp_path: Path, cap
     assert parse_args(["--deepspeed_config", "hybrid.json"]).deepspeed_config == args.deepspeed_config
     assert examples.find_config("./hybrid") is None  # a path, not a name
     err = _refusal(capsys, "--deepspeed_config", "hybird", "--output_dir", str(tmp_path))
-    assert "--deepspeed_config 'hybird' does not exist (nor is it a shipped example: hybrid, main," in err
+    assert ("--deepspeed_config 'hybird' does not exist (nor is it a shipped example: hybrid, llama3_8b_h100_800k, "
+            "llama3_8b_h200_1p5m, main,") in err
 
 
 def test_refusal_exits_non_zero_with_one_line(tmp_path: Path) -> None:
