@@ -16,12 +16,12 @@ _ATTENTION_PEAK = {**_CHUNK, "lm_head_logits_budget_mib": 1}  # with 8 kv heads 
 # (tokens, dtype, kv heads, mini_sequence section)
 CASES = [
     (2048, "fp32", 2, _CHUNK),
-    (4096, "bf16", 2, {}),
-    (4096, "bf16", 2, {**_CHUNK, "keep_attention": False}),
+    (4096, "bf16", 2, _CHUNK),
+    (2048, "bf16", 2, {**_CHUNK, "keep_attention": False}),
     (2048, "fp32", 2, {**_CHUNK, "activation_checkpointing": "none"}),
     (2048, "bf16", 2, {"mlp_chunk_tokens": 2048}),
-    (4096, "bf16", 8, _ATTENTION_PEAK),
-    (4096, "bf16", 8, {**_ATTENTION_PEAK, "activation_checkpointing": "torch"}),
+    (2048, "bf16", 8, _ATTENTION_PEAK),
+    (2048, "bf16", 8, {**_ATTENTION_PEAK, "activation_checkpointing": "torch"}),
 ]
 
 
