@@ -154,13 +154,14 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
     mlp_tokens = min(tokens, cand.mlp_chunk_tokens) if cand.mini_sequence else tokens
     mlp_chunk = (model.mlp_matrices * 2) * mlp_tokens * i * s + mlp_tokens * h * s  # intermediates, their grads
     if cand.checkpointing:
-        # offloaded (DeepSpeed's cpu_checkpointing): only the input of the layer being recomputed comes back
+        # offloaded (mini_sequence.offload_checkpoints, or DeepSpeed's cpu_checkpointing): only the input of the
+        # layer being recomputed comes back
         checkpoints = (1 if workload.offload_checkpoints else model.layers) * x + rotary
         if workload.offload_checkpoints:
             host += model.layers * x
         # the arriving gradient, the layer's normalised input, q, k, v (rotated), the recomputed output (reentrant
         # checkpointing holds it), the residual branch's gradient and the output projection's input gradient
-        held = x if cand.reentrant else 0.0  # the recomputed output, which reentrant ones hold
+        held = x if cand.reentrant else 0.0
         layer_attn = 3 * x + held + qkv + o
         # during the MLP's backward: also the attention half's sum and its normalised copy, the input gradient
         layer_mlp = 5 * x + held + qkv + (0 if keep else o + lse) + mlp_chunk
