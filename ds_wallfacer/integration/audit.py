@@ -19,7 +19,7 @@ from .moe import RouterAuxLoss, router_aux_loss
 from .rope import rope_problems
 from .sequence_rules import sequence_findings
 
-__all__ = ["ModelAudit", "RefusedModel", "audit_model", "audit_sequence", "refusal"]
+__all__ = ["ModelAudit", "RefusedModel", "audit_model", "audit_sequence", "reentrant_checkpointing", "refusal"]
 
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 _SOFTCAP_KEYS = ("attn_logit_softcapping",)
@@ -72,7 +72,8 @@ def _attention_problems(model: nn.Module, text: Any, seq_len: int | None, kernel
     return out
 
 
-def _reentrant_checkpointing(model: nn.Module) -> bool:
+def reentrant_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' own layer checkpointing is on and reentrant."""
     # transformers installs functools.partial(checkpoint, **kwargs) on each checkpointed layer
     for m in model.modules():
         fn = m.__dict__.get("_gradient_checkpointing_func")
@@ -90,7 +91,7 @@ def _moe_problems(model: nn.Module, mini_sequence: Any) -> tuple[RouterAuxLoss |
             "output_router_logits=False in the model config to train without it"
         ]
     problems = []
-    if spec is not None and _reentrant_checkpointing(model):
+    if spec is not None and reentrant_checkpointing(model):
         problems.append(
             "the MoE router aux loss needs the router logits' gradient, which reentrant activation checkpointing "
             "drops: call model.activation_checkpointing_enable(activation_checkpointing_kwargs="

@@ -32,7 +32,7 @@ from ..data.loader import SequenceParallelLoader, prepare_batch
 from ..hf_config import text_config
 from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto
 from . import hf
-from .audit import RefusedModel, audit_model, audit_sequence
+from .audit import RefusedModel, audit_model, audit_sequence, reentrant_checkpointing
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
 from .positional import scales_by_position
@@ -155,6 +155,7 @@ def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanI
         offload_params=run.offload_params,
         elem_bytes=run.elem_bytes,
         activation_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+        reentrant_checkpointing=reentrant_checkpointing(model),
         default_cluster=cluster_preset(),
         whole_heads=heads,
         head_groups=groups,

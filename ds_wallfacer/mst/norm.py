@@ -29,7 +29,6 @@ __all__ = ["LeanNormForward", "NormForm", "chunk_rows", "lean_rms_norm", "norm_f
 class NormForm:
     """How a recognised RMSNorm applies its weight to the fp32 normalised rows ``n``."""
 
-    name: str
     eps_attr: str
     """The attribute holding epsilon."""
     scale: str
@@ -48,16 +47,18 @@ class NormForm:
         return 1.0 + weight.float() if self.scale == "one-plus" else weight.float()
 
 
-_CORE = r"variance=hidden_states\.pow\(2\)\.mean\(-1,keepdim=True\)hidden_states=hidden_states\*torch\.rsqrt\(variance\+self\.variance_epsilon\)"
+_CORE = (r"variance=hidden_states\.pow\(2\)\.mean\(-1,keepdim=True\)"
+         r"hidden_states=hidden_states\*torch\.rsqrt\(variance\+self\.variance_epsilon\)")
 _LLAMA_HEAD = r"input_dtype=hidden_states\.dtypehidden_states=hidden_states\.to\(torch\.float32\)"
 _FORMS: tuple[tuple[NormForm, re.Pattern], ...] = (
-    (NormForm("cast", "variance_epsilon", "cast"),
+    (NormForm("variance_epsilon", "cast"),
      re.compile(_LLAMA_HEAD + _CORE + r"returnself\.weight\*hidden_states\.to\(input_dtype\)")),
-    (NormForm("promote", "variance_epsilon", "promote"),
+    (NormForm("variance_epsilon", "promote"),
      re.compile(_LLAMA_HEAD + _CORE + r"return\(self\.weight\*hidden_states\)\.to\(input_dtype\)")),
-    (NormForm("fp32", "variance_epsilon", "fp32"),
-     re.compile(_LLAMA_HEAD + _CORE + r"return\(self\.weight\.to\(torch\.float32\)\*hidden_states\)\.to\(input_dtype\)")),
-    (NormForm("one-plus", "eps", "one-plus"),
+    (NormForm("variance_epsilon", "fp32"),
+     re.compile(_LLAMA_HEAD + _CORE
+                + r"return\(self\.weight\.to\(torch\.float32\)\*hidden_states\)\.to\(input_dtype\)")),
+    (NormForm("eps", "one-plus"),
      re.compile(r"output=self\._norm\(x\.float\(\)\)output=output\*\(1\.0\+self\.weight\.float\(\)\)"
                 r"returnoutput\.type_as\(x\)")),
 )
@@ -135,11 +136,11 @@ class _LeanRMSNorm(torch.autograd.Function):
         dx = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         width = rows.shape[-1]
+        factor = form.factor(weight) if form.fp32_scale else None  # once, not per chunk
         for i in range(0, rows.shape[0], chunk):
             x32, r, g = rows[i:i + chunk].to(torch.float32), rstd[i:i + chunk], grows[i:i + chunk]
             n32 = x32 * r
-            if form.fp32_scale:  # y = (factor * n).to(dtype): the multiply in the promoted dtype
-                factor = form.factor(weight)
+            if factor is not None:  # y = (factor * n).to(dtype): the multiply in the promoted dtype
                 gp = g.to(torch.promote_types(factor.dtype, n32.dtype))
                 if dw is not None:
                     dw += (gp * n32).to(torch.float32).sum(0)

@@ -1,8 +1,9 @@
 """Checkpointed layer inputs parked in host memory between a layer's forward and its recompute (``OffloadInputs``).
 
-``OffloadInputs(inner)`` wraps a non-reentrant checkpoint function (``torch.utils.checkpoint`` with
-``use_reentrant=False``). The layer input goes to host memory when the layer's forward has run; the checkpoint keeps
-only a zero-element token in its place, and the layer function, recomputed in backward, takes the input back. On CUDA
+``OffloadInputs(inner)`` wraps a layer checkpoint function: torch's non-reentrant one or DeepSpeed's reentrant one
+(``mst/checkpointing.py``). The layer input goes to host memory when the layer's forward has run; the checkpoint
+keeps only a zero-element token in its place, and the layer function, recomputed in backward, takes the input back.
+On CUDA
 the copy out runs on a side stream into pinned memory (the device tensor is released once the copy is done, which
 the caching allocator learns from ``record_stream``) and the copy back is issued on the compute stream after the copy
 out completed; on CPU "host memory" is a second buffer, so the same bookkeeping runs (and is tested) there.
@@ -107,8 +108,8 @@ class _Unpark(torch.autograd.Function):
 
 
 class OffloadInputs:
-    """A checkpoint function (``inner(function, *args, **kwargs)``, non-reentrant) whose first positional argument,
-    the layer input, waits in host memory between the forward and the recompute."""
+    """A checkpoint function (``inner(function, *args, **kwargs)``, reentrant or not) whose first positional
+    argument, the layer input, waits in host memory between the forward and the recompute."""
 
     def __init__(self, inner: Callable) -> None:
         self.inner = inner
@@ -138,7 +139,6 @@ class OffloadInputs:
         def run(token: torch.Tensor, *rest: Any, **kw: Any) -> Any:
             return function(_Unpark.apply(token, parked, device), *rest, **kw)
 
-        del x
         try:
             return self.inner(run, token, *args[1:], **kwargs)
         finally:

@@ -79,8 +79,8 @@ class PlanInputs:
     """Checkpointed activations on the CPU."""
     offload_params: bool = False
     """ZeRO-3 parameters on the CPU."""
-    reentrant_checkpointing: bool = True
-    """Layer checkpointing outside Mini-Sequence is reentrant (transformers' default)."""
+    reentrant_checkpointing: bool = False
+    """transformers' layer checkpointing (outside Mini-Sequence) is reentrant; its default is not."""
     elem_bytes: int = 2
     """Bytes per weight / activation element (2 for bf16 / fp16, 4 for fp32)."""
     activation_checkpointing: bool = False
@@ -244,9 +244,9 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
     # the loader pads each sequence to a multiple of 2P; plan for a length every P <= world size accepts
     n = padded_length(seq_len, world_size)
     workload = pl.Workload(seq_len=n, batch=inputs.micro_batch, elem_bytes=inputs.elem_bytes, zero_stage=inputs.zero_stage,
-                       offload_optimizer=inputs.offload_optimizer,
-                       offload_params=inputs.offload_params, whole_heads=inputs.whole_heads, head_groups=inputs.head_groups,
-                       offload_checkpoints=inputs.offload_checkpoints or (ms is not None and ms.offload_checkpoints))
+                       offload_optimizer=inputs.offload_optimizer, offload_params=inputs.offload_params,
+                       offload_checkpoints=inputs.offload_checkpoints or (ms is not None and ms.offload_checkpoints),
+                       whole_heads=inputs.whole_heads, head_groups=inputs.head_groups)
     model = pl.get_model(inputs.model)
     what = (f"cluster {cluster.name} ({cluster.nodes} x {cluster.ranks_per_node} ranks), model {model.name}, "
             f"seq_len {n}" + (f" (padded from {seq_len})" if n != seq_len else ""))
