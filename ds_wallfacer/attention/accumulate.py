@@ -15,7 +15,7 @@ import torch
 
 from .merge import merge_
 
-__all__ = ["call_spans", "fill_plan", "fresh_accumulator", "land", "land_merged"]
+__all__ = ["call_spans", "fill_plan", "fill_untouched", "fresh_accumulator", "land", "land_merged"]
 
 
 def _gaps(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -90,7 +90,12 @@ def land_merged(
 def fresh_accumulator(shape, device, plan, *, fill: float = 0.0, dim: int = 2) -> torch.Tensor:
     """An fp32 accumulator: uninitialised except the ranges (along ``dim``) ``plan`` leaves untouched, or filled
     with ``fill`` throughout when there is no plan."""
-    acc = torch.empty(shape, dtype=torch.float32, device=device)
+    return fill_untouched(torch.empty(shape, dtype=torch.float32, device=device), plan, fill, dim=dim)
+
+
+def fill_untouched(acc: torch.Tensor, plan, fill: float = 0.0, *, dim: int = 2) -> torch.Tensor:
+    """``acc`` with the ranges (along ``dim``) that ``plan`` leaves untouched set to ``fill``, or all of it when
+    there is no plan."""
     if plan is None:
         return acc.fill_(fill)
     for a, b in plan[1]:

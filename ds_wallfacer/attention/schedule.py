@@ -5,6 +5,10 @@ A team of C consecutive ranks holds two contiguous runs of chunks (zigzag) or on
 index, every (query team, key team) pair needs at most one block call: full, causal-diagonal or skipped
 (docs/design.md §2.2). With packed documents or a sliding window a block call splits into one kernel call per
 document segment and window tile (``documents.py``), and a window may cut the ring short (``ring_steps``).
+
+The runtime plans its calls per pair of team members (query rows of member a against the keys of member b of the
+held block), so that a call can start as soon as its two shards have arrived and a member's rows are final as soon
+as its calls are done, in the order ``RingSchedule.plan`` gives (Note [Pipelined team exchanges]).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from .documents import BatchDocuments, SequenceBatch, buffer_runs, global_ranges
 
 __all__ = [
     "BlockCall", "KernelCall", "RingSchedule", "attention_work", "block_calls", "call_work", "kernel_calls",
-    "ring_schedule", "ring_steps", "team_chunk_order",
+    "pipeline_order", "ring_schedule", "ring_steps", "team_chunk_order",
 ]
 
 
@@ -92,22 +96,26 @@ class KernelCall:
     causal: bool
     mask: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None
     work: int
+    qm: int = 0
+    """The team member whose query rows the call reads (``qs`` are positions in that member's shard)."""
+    km: int = 0
+    """The member of the held k/v block whose keys the call reads (``ks`` are positions in its shard)."""
 
 
 @dataclass(frozen=True)
 class RingSchedule:
-    """Static facts of one call on this rank: chunk orders, peers, kernel calls per ring step."""
+    """Static facts of one call on this rank: the kernel calls of every ring step, per pair of team members, in the
+    order they run, and where the last step sends each member's finished rows (Note [Pipelined team exchanges])."""
 
-    perm: list[int]
-    kv_perm: list[int]
-    """``perm`` of the first k/v team (teams differ under a balanced assignment; zigzag's are all alike)."""
-    home_perm: list[int]
-    """``perm`` of the team whose k/v block is held after the last step run (where dk/dv go home)."""
     steps: list[list[KernelCall]]
-    """Kernel calls of every ring step that runs (a sliding window may cut the ring short: ``ring_steps``)."""
+    """Kernel calls of every ring step that runs (a sliding window may cut the ring short: ``ring_steps``), slices
+    relative to one member's shard (``KernelCall.qm`` / ``km``)."""
     chunk_len: int
     home: tuple[tuple[int, ...], tuple[int, ...]]
     """(dests, sources) of the final dk/dv send home after the last step that runs (``RankLayout.home_peers``)."""
+    sends_after: tuple[int, ...] = ()
+    """For t = 1..C-1: how many calls of the last step run before the rows of member local + t are final (then
+    they are sent to it: the forward's partial output, the backward's dq)."""
 
     @classmethod
     def plan(
@@ -116,22 +124,34 @@ class RingSchedule:
     ) -> "RingSchedule":
         """The schedule of sequence-parallel rank ``index`` for ``rows`` batch rows of ``local_len`` tokens per
         rank, the documents and chunk assignment of ``batch``, and a sliding ``window`` (None: full)."""
-        q_chunks, perm, k_steps = _ring_chunks(layout, index, sharding=sharding, assignment=batch.assignment)
-        m = len(perm) // layout.ring_count
+        c, g, p = layout.ring_count, layout.group_size, layout.sp_size
+        place = layout.places[index]
+        members = lambda team: [_member_chunks(team * c + m, p, sharding, batch.assignment)  # noqa: E731
+                                for m in range(c)]
+        q_members = members(place.team)
+        m = len(q_members[0])
         if local_len % m:
             raise ValueError(f"{local_len} local tokens cannot be cut into the {m} chunks each rank holds")
         L = local_len // m
-        steps = [
-            kernel_calls(q_chunks, k, block_calls(q_chunks, k, causal=causal), chunk_len=L, rows=rows,
-                         docs=batch.documents, window=window)
-            for k, _ in k_steps
-        ]
-        n_steps = len(steps)
+        n_steps = g
         if window is not None and batch.documents is None:
             n_steps = ring_steps(layout, sharding=sharding, causal=causal, window=window, chunk_len=L,
                                  assignment=batch.assignment)
-        return cls(perm=perm, kv_perm=k_steps[0][1], home_perm=k_steps[n_steps - 1][1], steps=steps[:n_steps],
-                   chunk_len=L, home=layout.home_peers(index, n_steps))
+        kv_group = (place.group + place.local) % c
+        self_kv = place.local if kv_group == place.group else None  # my own shard is piece ``local`` of step 0
+        steps, sends_after = [], ()
+        for s in range(n_steps):
+            k_members = members(kv_group * g + (place.pos - s) % g)
+            pairs = {}
+            for a, qc in enumerate(q_members):
+                for b, kc in enumerate(k_members):
+                    pairs[(a, b)] = kernel_calls(qc, kc, block_calls(qc, kc, causal=causal), chunk_len=L, rows=rows,
+                                                 docs=batch.documents, window=window, qm=a, km=b)
+            calls, after = pipeline_order(pairs, ring_count=c, local=place.local,
+                                          self_kv=self_kv if s == 0 else None, first=s == 0, last=s == n_steps - 1)
+            steps.append(calls)
+            sends_after = after or sends_after
+        return cls(steps=steps, chunk_len=L, home=layout.home_peers(index, n_steps), sends_after=sends_after)
 
     def only_call(self, n: int, rows: int) -> KernelCall | None:
         """The single kernel call of a one-rank group when it covers every row, query and key without a mask: the
@@ -142,7 +162,60 @@ class RingSchedule:
         full = slice(0, n)
         if call.mask is not None or call.rows != slice(0, rows) or call.qs != full or call.ks != full:
             return None
-        return call if self.perm == sorted(self.perm) else None
+        return call
+
+
+def _member_chunks(index: int, sp_size: int, scheme: str, assignment) -> tuple[int, ...]:
+    """The chunks rank ``index`` holds, in its local order (ascending: ``chunk_ids`` and balanced assignments)."""
+    chunks = tuple(assignment[index]) if assignment is not None else tuple(chunk_ids(index, sp_size, scheme))
+    if list(chunks) != sorted(chunks):
+        raise ValueError(f"rank {index} holds chunks {chunks} out of order; a shard's chunks must ascend")
+    return chunks
+
+
+def pipeline_order(
+    pairs: dict[tuple[int, int], list[KernelCall]], *, ring_count: int, local: int, self_kv: int | None, first: bool,
+    last: bool,
+) -> tuple[list[KernelCall], tuple[int, ...]]:
+    """Pure: the order of one ring step's calls (per (query member, key member) pair) and, in the last step, after
+    how many calls each other member's rows are final (Note [Pipelined team exchanges]).
+
+    At step 0 (``first``) the shards arrive one by one: the query shard of member local + t in team round t, the
+    k/v piece of member b in skew round b (``self_kv``: the piece that is this rank's own, at hand); a pair is
+    ready when both of its shards are. In the last step the other members' rows are finished first, member
+    local + 1 first (the order of the sends), this rank's own last, so its calls hide the sends; when the last step
+    is step 0 (G = 1) this rank's own rows against the first k/v piece come first, so that the first call waits for
+    one shard at most."""
+    c = ring_count
+    remote_kv = [b for b in range(c) if b != self_kv]
+    qpos = lambda a: (a - local) % c  # noqa: E731
+    kvpos = lambda b: 0 if (not first or b == self_kv) else 1 + remote_kv.index(b)  # noqa: E731
+    ready = lambda ab: max(qpos(ab[0]), kvpos(ab[1])) if first else 0  # noqa: E731
+    keys = sorted(pairs, key=lambda ab: (ready(ab), qpos(ab[0]), kvpos(ab[1])))
+    if not last or c == 1:
+        return [call for ab in keys for call in pairs[ab]], ()
+    order: list[KernelCall] = []
+    done: set[tuple[int, int]] = set()
+
+    def take(ab) -> None:
+        order.extend(pairs[ab])
+        done.add(ab)
+
+    if first:  # own rows against the first k/v piece (this rank's own, or the first to arrive): one wait at most
+        start = 0 if self_kv is not None else 1
+        for ab in keys:
+            if ab[0] == local and kvpos(ab[1]) == start:
+                take(ab)
+    after = []
+    for t in range(1, c):
+        for ab in keys:
+            if ab[0] == (local + t) % c and ab not in done:
+                take(ab)
+        after.append(len(order))
+    for ab in keys:
+        if ab not in done:
+            take(ab)
+    return order, tuple(after)
 
 
 def _ring_chunks(layout: RankLayout, index: int, *, sharding: str, assignment=None):
@@ -179,15 +252,17 @@ def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len
 
 def kernel_calls(
     q_chunks, k_chunks, calls: list[BlockCall], *, chunk_len: int, rows: int, docs: BatchDocuments | None,
-    window: int | None,
+    window: int | None, qm: int = 0, km: int = 0,
 ) -> list[KernelCall]:
     """The kernel calls of one ring step: one per block call, or, with packed documents or a sliding window,
-    one per document segment (and window tile) that has a visible pair (``documents.py``)."""
+    one per document segment (and window tile) that has a visible pair (``documents.py``); ``qm`` / ``km``: the
+    members they read (``KernelCall``)."""
     L, out = chunk_len, []
     if docs is None and window is None:
         for call in calls:
             out.append(KernelCall(slice(0, rows), slice(call.q_lo * L, call.q_hi * L),
-                                  slice(call.k_lo * L, call.k_hi * L), call.causal, None, rows * call_work(call, L)))
+                                  slice(call.k_lo * L, call.k_hi * L), call.causal, None, rows * call_work(call, L),
+                                  qm, km))
         return out
     docs = docs or BatchDocuments.single(seq_len=10**18, rows=rows)
     for call in calls:
@@ -201,14 +276,14 @@ def kernel_calls(
                 sq, sk = seg.q_hi - seg.q_lo, seg.k_hi - seg.k_lo
                 work = sq * (sq + 1) // 2 if seg.causal else sq * sk
                 out.append(KernelCall(r, slice(q0 + seg.q_lo, q0 + seg.q_hi), slice(k0 + seg.k_lo, k0 + seg.k_hi),
-                                      seg.causal, None, n_rows * work))
+                                      seg.causal, None, n_rows * work, qm, km))
                 continue
             for t in window_tiles(seg, q_runs, k_runs, window=window):
                 gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
                 mask = (tuple(gq), tuple(gk)) if t.masked else None
                 work = n_rows * (_masked_work(gq, gk, window) if t.masked else (t.q_hi - t.q_lo) * (t.k_hi - t.k_lo))
                 out.append(KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
-                                      False, mask, work))
+                                      False, mask, work, qm, km))
     return out
 
 

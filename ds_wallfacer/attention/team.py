@@ -1,81 +1,122 @@
-"""The team side of WallFacer attention: the C members' shards in team order and back, the skewed k/v
-all-gather of a team, and one all-gather for tensors of several dtypes.
+"""The team side of WallFacer attention: the C members' shards arriving one by one, point to point, so that the
+kernel calls on the shards already here run while the rest are in flight (Note [Pipelined team exchanges] in
+``wallfacer.py``).
 
-A team holds C ranks' shards; in team order its chunks ascend along the sequence (``perm``: the gathered chunks'
-positions, from ``schedule.RingSchedule``). Shapes as in ``wallfacer.py``.
+Every exchange here is a round that all ranks issue in the same order (the skewed k/v gather in C rounds, the
+team's all-gather and the sends of finished rows in C - 1 rounds each), so the rounds pair up whether the comm
+layer overlaps them or completes each one before it returns (``CommLayer.serial``). Shapes as in ``wallfacer.py``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..comm import CommLayer
-from .schedule import RingSchedule
+from ..comm import Pending
 
-__all__ = ["all_gather_packed", "from_team", "gather_kv", "own_rows", "split_kv", "team_kv", "to_team"]
-
-
-def to_team(g: torch.Tensor, perm: list[int]) -> torch.Tensor:
-    """Gathered [C, B, h, S_l, *r] (members in order, m chunks each) -> team order [B, h, S_t, *r] (chunks
-    ascending); ``perm`` has C * m entries."""
-    c, b, h, s = g.shape[:4]
-    rest = g.shape[4:]
-    m = len(perm) // c
-    if c == 1 and perm == sorted(perm):  # one member, chunks already ascending: a view
-        return g[0]
-    x = g.reshape(c, b, h, m, s // m, *rest).movedim(0, 2).reshape(b, h, m * c, s // m, *rest)
-    return x[:, :, perm].reshape(b, h, c * s, *rest)
+__all__ = ["Arrivals", "gather_kv", "gather_team", "pack", "send_rows", "split_kv", "unpack"]
 
 
-def from_team(x: torch.Tensor, perm: list[int], c: int) -> torch.Tensor:
-    """Inverse of ``to_team``: [B, h, S_t, *r] -> [C, B, h, S_l, *r]."""
-    b, h, st = x.shape[:3]
-    rest = x.shape[3:]
-    n = len(perm)
-    if c == 1 and perm == sorted(perm):
-        return x.unsqueeze(0)
-    inv = [0] * n
-    for i, p in enumerate(perm):
-        inv[p] = i
-    y = x.reshape(b, h, n, st // n, *rest)[:, :, inv]
-    return y.reshape(b, h, c, n // c, st // n, *rest).movedim(2, 0).reshape(c, b, h, st // c, *rest)
+@dataclass(eq=False)
+class Arrivals:
+    """Per member, its tensors: this rank's own at hand, the others behind a pending round each, waited on (once)
+    the first time they are asked for."""
+
+    items: list
+    pending: list[Pending | None]
+    unpack: list = field(default_factory=list)
+    """Per member: a function of the received buffer giving its tensors (None: the buffer is the item)."""
+    sends: list[Pending] = field(default_factory=list)
+    """Rounds that only send (their received piece is this rank's own, copied when issued): waited by ``wait_all``."""
+
+    def get(self, member: int):
+        p = self.pending[member]
+        if p is not None:
+            self.pending[member] = None
+            buf = p.wait()[0]
+            fn = self.unpack[member] if self.unpack else None
+            self.items[member] = buf if fn is None else fn(buf)
+        return self.items[member]
+
+    @property
+    def complete(self) -> bool:
+        return all(p is None for p in self.pending)
+
+    def wait_all(self) -> None:
+        for m in range(len(self.pending)):
+            self.get(m)
+        for p in self.sends:
+            p.wait()
+        self.sends = []
 
 
-def gather_kv(attn, k: torch.Tensor, v: torch.Tensor):
-    """Skewed all-gather: start receiving the C shards of this rank's first k/v team straight from its
-    members, and sending this rank's own shard to the C ranks (one per lane) whose first team is ours."""
-    place = attn.groups.place
+def gather_kv(attn, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Arrivals]:
+    """The skewed gather of this rank's first k/v block [C, B, hk, S_l, d + dv], in C rounds: in round r the member
+    of local index r of every team sends its own shard to the C ranks (one per lane) whose first block is its team,
+    and every rank receives member r of its block. Returns the block's buffer and its arrivals (member b's piece is
+    ``buf[b]``; a piece that is this rank's own is copied, not sent)."""
+    place, c = attn.groups.place, attn.groups.layout.ring_count
     own = torch.cat([k, v], dim=-1)  # [B, hk, S_l, d + dv]
-    bufs = torch.empty((len(place.kv_sources), *own.shape), dtype=own.dtype, device=own.device)
-    pending = attn.comm.exchange(
-        [(own, dst) for dst in place.kv_dests], list(zip(bufs, place.kv_sources)), kind="skew",
-        group=attn.groups.sp_group,
-    )
-    return pending, bufs
+    buf = torch.empty((c, *own.shape), dtype=own.dtype, device=own.device)
+    pending: list[Pending | None] = []
+    only_sends = []
+    for r in range(c):
+        sends = [(own, dst) for dst in place.kv_dests] if place.local == r else []
+        p = attn.comm.exchange(sends, [(buf[r], place.kv_sources[r])], kind="skew", group=attn.groups.sp_group)
+        if place.kv_sources[r] == place.rank:  # the piece is at hand already: no need to wait before using it
+            only_sends.append(p)
+            p = None
+        pending.append(p)
+    return buf, Arrivals(list(buf), pending, sends=only_sends)
 
 
-def team_kv(bufs: torch.Tensor, perm: list[int]) -> torch.Tensor:
-    """[C, B, hk, S_l, d + dv] member shards -> [B, hk, S_t, d + dv] in team order (one copy)."""
-    return to_team(bufs, perm)
+def gather_team(attn, own: torch.Tensor, *, out: torch.Tensor | None = None, unpack_fn=None) -> Arrivals:
+    """The team's all-gather of ``own`` in C - 1 rounds: in round r this rank sends ``own`` to member local - r and
+    receives member local + r's. ``out``: a [C, *own.shape] buffer to receive into (own copied in at ``local``);
+    ``unpack_fn``: applied to each member's buffer when it arrives and to ``own`` (a packed message)."""
+    place, c = attn.groups.place, attn.groups.layout.ring_count
+    me, team = place.local, place.team_ranks
+    items: list = [None] * c
+    pending: list[Pending | None] = [None] * c
+    if out is not None:
+        out[me].copy_(own)
+    items[me] = own if unpack_fn is None else unpack_fn(own)
+    for r in range(1, c):
+        src = (me + r) % c
+        recv = out[src] if out is not None else torch.empty_like(own)
+        pending[src] = attn.comm.exchange([(own, team[(me - r) % c])], [(recv, team[src])], kind="all_gather",
+                                          group=attn.groups.sp_group)
+    return Arrivals(items, pending, [unpack_fn] * c if unpack_fn is not None else [])
+
+
+def send_rows(attn, t: int, message: torch.Tensor) -> Pending:
+    """Round t (1..C-1) of the sends of finished rows: ``message`` (the rows of member local + t) goes to that
+    member, and member local - t's message for this rank's rows arrives (same size)."""
+    place, c = attn.groups.place, attn.groups.layout.ring_count
+    me, team = place.local, place.team_ranks
+    recv = torch.empty_like(message)
+    return attn.comm.exchange([(message, team[(me + t) % c])], [(recv, team[(me - t) % c])], kind="reduce_scatter",
+                              group=attn.groups.sp_group)
+
+
+def pack(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors of any dtypes as one flat byte tensor (one message)."""
+    return torch.cat([x.contiguous().view(-1).view(torch.uint8) for x in xs])
+
+
+def unpack(flat: torch.Tensor, like: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """Inverse of ``pack``: views of ``flat`` with the shapes and dtypes of ``like``."""
+    out, at = [], 0
+    for shape, dtype in like:
+        n = dtype.itemsize * torch.Size(shape).numel()
+        piece = flat[at:at + n]
+        if at % dtype.itemsize:  # not aligned for a view as ``dtype``
+            piece = piece.clone()
+        out.append(piece.view(dtype).view(shape))
+        at += n
+    return out
 
 
 def split_kv(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., d + dv] -> the k [..., d] and v [..., dv] views."""
     return kv[..., :d], kv[..., d:]
-
-
-def own_rows(attn, sched: RingSchedule, x: torch.Tensor) -> torch.Tensor:
-    """This rank's rows [B, h, S_l] of a team-order row tensor [B, h, S_t] (the team lse)."""
-    c = attn.groups.layout.ring_count
-    return from_team(x.unsqueeze(-1), sched.perm, c)[attn.groups.place.local].squeeze(-1)
-
-
-def all_gather_packed(comm: CommLayer, xs: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """One all-gather for tensors of any dtypes, packed as bytes: each [*s] -> [C, *s]."""
-    flat = torch.cat([x.contiguous().view(-1).view(torch.uint8) for x in xs])
-    g = comm.all_gather(flat, group)  # [C, total bytes]
-    out, at = [], 0
-    for x in xs:
-        n = x.numel() * x.element_size()
-        out.append(g[:, at:at + n].contiguous().view(x.dtype).view(g.shape[0], *x.shape))
-        at += n
-    return out

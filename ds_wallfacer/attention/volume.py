@@ -102,13 +102,13 @@ def wallfacer_bytes(
     n_o = shape.per_rank_out(p)
     kv_dests = c - (1 if local == 0 else 0)  # the skewed gather sends the own k/v shard to each lane
     home_dests = c - (1 if local == 0 and g == 1 else 0)  # dk/dv slices returned to the block's team
-    fwd = {
-        "all_gather": (c - 1) * (n_q * s + c * n_l * 4),
-        "reduce_scatter": (c - 1) * n_o * a_out,
+    fwd = {  # the team's q; each other member's rows: its partial output and their fp32 lse
+        "all_gather": (c - 1) * n_q * s,
+        "reduce_scatter": (c - 1) * (n_o * a_out + n_l * 4),
         "skew": kv_dests * n_kv * s,
         "ring": (g - 1) * c * n_kv * s,
     }
-    gathered = (0 if q_kept else n_q * s) + n_o * s + (n_o * s if gather_out else n_l * 4)
+    gathered = (0 if q_kept else n_q * s) + n_o * s + (n_o * s if gather_out else n_l * 4) + n_l * 4  # + lse
     bwd = {
         "all_gather": (c - 1) * gathered,
         "reduce_scatter": (c - 1) * n_q * a_dq,
@@ -159,8 +159,7 @@ def kept_bytes_per_layer(
     (None: ``head_dim``); log-sum-exps are fp32."""
     b, sl, hq, d, e, u = batch, local_tokens, q_heads, head_dim, elem_bytes, ulysses_degree
     dv = d if value_dim is None else value_dim
-    lse_per_row = 4 * (ring_count if ring_size > 1 else 1)  # WallFacer keeps the team's lse: C x its own rows
-    inner = b * hq * sl * (dv * e + lse_per_row)  # output + lse: hq/U heads over U*S_l tokens
+    inner = b * hq * sl * (dv * e + 4)  # output + fp32 lse of the own rows: hq/U heads over U*S_l tokens
     if keep_team_q and ring_size > 1:
         inner += ring_count * b * hq * sl * d * e
     if u == 1:

@@ -19,7 +19,7 @@ import torch
 
 from ..comm import CommLayer, WallFacerGroups
 from ..data.chunks import SHARDINGS
-from .accumulate import call_spans, fill_plan, fresh_accumulator, land, land_merged
+from .accumulate import call_spans, fill_plan, fill_untouched, land, land_merged
 from .checks import check_inputs_agree, local_error
 from .documents import SequenceBatch
 from .kernels import BlockKernel, get_kernel
@@ -28,7 +28,7 @@ from .kernels.value_dim import with_value_dim
 from .merge import merge_
 from .schedule import KernelCall, RingSchedule
 from .sinks import add_sink, sink_grad, sink_lse
-from .team import all_gather_packed, from_team, gather_kv, own_rows, split_kv, team_kv, to_team
+from .team import Arrivals, gather_kv, gather_team, pack, send_rows, split_kv, unpack
 from .volume import DEFAULT_SUM_DTYPES, SumDtypes
 
 __all__ = ["WallFacerAttention", "wallfacer_attention"]
@@ -224,11 +224,88 @@ def _block_grads(kernel: BlockKernel, expand: bool, do, q, k, v, out, lse, *, de
     return dq, dk, dv
 
 
+def _member_plans(calls: list[KernelCall], which: str, members: int, rows: int, n: int):
+    """(per member: the fill plan of its calls in order (Note [No zero fills]), per call: its index in its member's
+    list); ``which``: "qs" (accumulators of query rows, by ``qm``) or "ks" (of keys, by ``km``)."""
+    attr = "qm" if which == "qs" else "km"
+    per: list[list[KernelCall]] = [[] for _ in range(members)]
+    slot = []
+    for call in calls:
+        m = getattr(call, attr)
+        slot.append(len(per[m]))
+        per[m].append(call)
+    return [fill_plan(call_spans(x, which), rows, n) for x in per], slot
+
+
+def _accumulators(shape, device: torch.device, plans, *, fill: float = 0.0) -> torch.Tensor:
+    """fp32 accumulators [C, *member shape], member m's set where ``plans[m]`` leaves it untouched."""
+    acc = torch.empty(shape, dtype=torch.float32, device=device)
+    for m, plan in enumerate(plans):
+        fill_untouched(acc[m], plan, fill)
+    return acc
+
+
+def _local_block(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Arrivals]:
+    """One rank's k/v block [1, B, hk, S_l, d + dv] (no gather)."""
+    cur = torch.cat([k, v], dim=-1).unsqueeze(0)
+    return cur, Arrivals([cur[0]], [None])
+
+
+class _Ring:
+    """The k/v blocks of the ring steps: step 0's arrives member by member (``team.gather_kv``), each later one
+    whole from the previous rank; the next block is sent on as soon as the held one is complete."""
+
+    def __init__(self, attn, cur: torch.Tensor, first: Arrivals, steps: int) -> None:
+        self.attn, self.cur, self.first, self.steps = attn, cur, first, steps
+        self.step, self.next = 0, None
+
+    def _start_next(self) -> None:
+        if self.next is None and self.step + 1 < self.steps and self.first.complete:
+            place = self.attn.groups.place
+            nxt = torch.empty_like(self.cur)
+            self.next = self.attn.comm.exchange([(self.cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring",
+                                                group=self.attn.groups.sp_group)
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self._start_next()
+
+    def block(self, member: int) -> torch.Tensor:
+        """Member ``member``'s shard [B, hk, S_l, d + dv] of the held block (waited for if it is still coming)."""
+        if self.step > 0:
+            return self.cur[member]
+        x = self.first.get(member)
+        self._start_next()
+        return x
+
+    def end(self) -> None:
+        """After the step's calls: the held block complete, the next one received."""
+        if self.step == 0:
+            self.first.wait_all()
+            self._start_next()
+        if self.next is not None:
+            self.cur, self.next = self.next.wait()[0], None
+
+
+class _Marks:
+    """Runs ``fire(t)`` for t = 1..C-1 once ``sends_after[t - 1]`` calls of the step are done."""
+
+    def __init__(self, sends_after: tuple[int, ...], fire) -> None:
+        self.after, self.fire, self.t = sends_after, fire, 0
+        self(0)
+
+    def __call__(self, done: int) -> None:
+        while self.t < len(self.after) and self.after[self.t] <= done:
+            self.t += 1
+            self.fire(self.t)
+
+
 def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, scale: float, opts: _Options):
-    """(out [B, hq, S_l, dv], the team lse [B, hq, S_t], and the team's q with ``keep_team_q``); with ``sinks`` both
-    already include them (folded into the team lse once, after all blocks: Note [Attention sinks], design.md §2)."""
+    """(out [B, hq, S_l, dv], lse [B, hq, S_l] of this rank's rows, and the team's q [C, B, hq, S_l, d] with
+    ``keep_team_q``); with ``sinks`` both already include them (folded in once, after all blocks: Note [Attention
+    sinks], design.md §2)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
-    c, p = grp.layout.ring_count, grp.layout.sp_size
+    c, p, me = grp.layout.ring_count, grp.layout.sp_size, place.local
     b, hq, sl, d = q.shape
     dv = v.shape[-1]
     wire = attn.wire_dtypes(q.dtype)
@@ -239,188 +316,174 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
             attn.work["forward"] += call.work
             out, lse = kernel.forward(q, k, v, causal=call.causal, scale=scale, softcap=opts.softcap)
             return (out, lse) if sinks is None else add_sink(out, lse, sinks)
-        q_t = to_team(q.unsqueeze(0), sched.perm)
-        cur = team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
+        cur, first = _local_block(k, v)
+        team_q, q_buf = Arrivals([q], [None]), None
     else:
-        # 1-2. skewed gather of k/v (point-to-point, in flight); team all-gather of q [B, h, S_l, d] -> [B, h, S_t, d]
-        kv_pending, bufs = gather_kv(attn, k, v)
-        q_t = to_team(comm.all_gather(q, grp.team_group), sched.perm)
-        kv_pending.wait()
-        cur = team_kv(bufs, sched.kv_perm)  # [B, hk, S_t, d + dv]
-    # 3. ring steps, double-buffered; results land in fp32 accumulators (accumulate.py Note [No zero fills])
-    plan = fill_plan(call_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
-    acc_out = fresh_accumulator((b, hq, c * sl, dv), q.device, plan)
-    acc_lse = fresh_accumulator((b, hq, c * sl), q.device, plan, fill=float("-inf"))
+        # 1-2. the skewed k/v gather and the team's q, one round per member, all in flight (team.py)
+        cur, first = gather_kv(attn, k, v)
+        q_buf = torch.empty((c, *q.shape), dtype=q.dtype, device=q.device) if attn.keep_team_q else None
+        team_q = gather_team(attn, q.contiguous(), out=q_buf)
+    # 3. ring steps; each call waits only for its own two shards; results land in fp32 accumulators per member
+    calls = [call for step in sched.steps for call in step]
+    plans, slots = _member_plans(calls, "qs", c, b, sl)
+    acc_out = _accumulators((c, b, hq, sl, dv), q.device, plans)
+    acc_lse = _accumulators((c, b, hq, sl), q.device, plans, fill=float("-inf"))
+    ring = _Ring(attn, cur, first, len(sched.steps))
+    sends = []
+
+    def send(t: int) -> None:  # member local + t's rows are final: its partial output and lse go to it
+        m = (me + t) % c
+        sends.append(send_rows(attn, t, pack([acc_out[m].to(wire["out"]), acc_lse[m]])))
+
     i = 0
-    for s, calls in enumerate(sched.steps):
-        pending = None
-        if s + 1 < len(sched.steps):
-            nxt = torch.empty_like(cur)
-            pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
-        k_t, v_t = split_kv(cur, d)
-        for call in calls:
+    for s, step in enumerate(sched.steps):
+        ring.begin(s)
+        marks = _Marks(sched.sends_after if s == len(sched.steps) - 1 else (), send)
+        for j, call in enumerate(step):
+            q_m = team_q.get(call.qm)
+            k_b, v_b = split_kv(ring.block(call.km), d)
             out, lse = kernel.forward(
-                _block(q_t, call, call.qs), _block(k_t, call, call.ks), _block(v_t, call, call.ks),
+                _block(q_m, call, call.qs), _block(k_b, call, call.ks), _block(v_b, call, call.ks),
                 causal=call.causal, scale=scale, mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
             )
+            m, plan = call.qm, plans[call.qm]
             if plan is None:
-                merge_(acc_out[call.rows, :, call.qs], acc_lse[call.rows, :, call.qs], out, lse)
+                merge_(acc_out[m][call.rows, :, call.qs], acc_lse[m][call.rows, :, call.qs], out, lse)
             else:
-                land_merged(acc_out, acc_lse, out, lse, call.qs.start, plan[0][i])
+                land_merged(acc_out[m], acc_lse[m], out, lse, call.qs.start, plan[0][slots[i]])
             i += 1
             attn.work["forward"] += call.work
             comm.computed()
-        if pending is not None:
-            cur = pending.wait()[0]
-    if c == 1:  # a team of one: the accumulator is the output (and q_t is q)
-        if sinks is not None:
-            new = sink_lse(acc_lse, sinks)
-            acc_out.mul_(torch.exp(acc_lse - new).unsqueeze(-1))
-            acc_lse = new
-        return from_team(acc_out, sched.perm, 1)[0].to(q.dtype), acc_lse
-    # 4. lse-weighted reduce-scatter in the team: [B, hq, S_t, dv] -> [C, B, hq, S_l, dv] -> own [B, hq, S_l, dv]
-    lse_all = comm.all_gather(acc_lse, grp.team_group)  # [C, B, hq, S_t]
-    lse_team = torch.logsumexp(lse_all, dim=0)
-    if sinks is not None:  # the sink joins each row's normaliser once; the weights below then rescale by it
-        lse_team = sink_lse(lse_team, sinks)
-    finite = torch.where(torch.isinf(lse_team), torch.zeros_like(lse_team), lse_team)  # rows that see no key
-    part = acc_out.mul_(torch.exp(acc_lse - finite).unsqueeze(-1)).to(wire["out"])  # each <= the output's scale
-    out = comm.reduce_scatter(from_team(part, sched.perm, c), grp.team_group).to(q.dtype)
-    return (out, lse_team, q_t) if attn.keep_team_q else (out, lse_team)
-
-
-@dataclass(frozen=True, eq=False)
-class _TeamRows:
-    """The team's query-side tensors of a backward, in team order, that every kernel call slices its rows from."""
-
-    q: torch.Tensor
-    do: torch.Tensor
-    o: torch.Tensor
-    """out, or the fp32 delta = rowsum(dO * out) [B, hq, S_t] with ``delta_path`` (Note [Backward without out])."""
-    lse: torch.Tensor
-    delta_path: bool
-
-
-def _backward_inputs(attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse_team, q_team):
-    """(the team's rows, the first k/v block [B, hk, S_t, d + dv] of the ring) for the backward ring steps."""
-    delta_path = callable(getattr(kernel, "backward_delta", None))
-    if attn.groups.layout.sp_size == 1:
-        q_t, do_t = (to_team(x.unsqueeze(0), sched.perm) for x in (q, dout))
-        o_t = to_team(out.unsqueeze(0), sched.perm)
-        cur = team_kv(torch.cat([k, v], dim=-1).unsqueeze(0), sched.perm)
-        return _TeamRows(q_t, do_t, o_t, lse_team, delta_path=False), cur
-    # 1-2. skewed gather of k/v again; ONE team all-gather of q (unless kept), dO (the adjoint of the forward
-    # reduce-scatter) and out, or only the fp32 delta = rowsum(dO * out) [B, hq, S_l] for a kernel that takes it
-    kv_pending, bufs = gather_kv(attn, k, v)
-    last_piece = (dout.float() * out.float()).sum(-1) if delta_path else out
-    pieces = ([] if q_team is not None else [q]) + [dout, last_piece]
-    gathered = [to_team(x, sched.perm) for x in all_gather_packed(attn.comm, pieces, attn.groups.team_group)]
-    q_t = q_team if q_team is not None else gathered.pop(0)
-    do_t, o_t = gathered
-    kv_pending.wait()
-    return _TeamRows(q_t, do_t, o_t, lse_team, delta_path), team_kv(bufs, sched.kv_perm)
-
-
-def _step_grads(attn, kernel: BlockKernel, expand: bool, team: _TeamRows, cur, calls, dq_acc, dq_fills, scale: float,
-                opts: _Options) -> torch.Tensor:
-    """The fp32 dk/dv [B, hk, S_t, d + dv] of the held k/v block ``cur`` from one ring step's ``calls``; each
-    call's dq lands in ``dq_acc`` by its entry of ``dq_fills`` (the step's part of the dq fill plan; None: added)."""
-    d = team.q.shape[-1]
-    kv_plan = fill_plan(call_spans(calls, "ks"), team.q.shape[0], cur.shape[2])
-    dkv = fresh_accumulator(cur.shape, team.q.device, kv_plan)  # [B, hk, S_t, d + dv]
-    k_t, v_t = split_kv(cur, d)
-    dk_acc, dv_acc = split_kv(dkv, d)
-    for j, call in enumerate(calls):
-        qs, ks, rows = call.qs, call.ks, call.rows
-        dq, dk, dv = _block_grads(
-            kernel, expand, team.do[rows, :, qs], team.q[rows, :, qs], k_t[rows, :, ks], v_t[rows, :, ks],
-            None if team.delta_path else team.o[rows, :, qs], team.lse[rows, :, qs],
-            delta=team.o[rows, :, qs] if team.delta_path else None, causal=call.causal, scale=scale,
-            mask=_mask_of(call, opts, team.q.device), softcap=opts.softcap,
-        )
-        if dq_fills is None:
-            dq_acc[rows, :, qs] += dq
-        else:
-            land(dq_acc, dq, qs.start, dq_fills[j])
-        if kv_plan is None:
-            dk_acc[rows, :, ks] += dk
-            dv_acc[rows, :, ks] += dv
-        else:
-            land(dk_acc, dk, ks.start, kv_plan[0][j])
-            land(dv_acc, dv, ks.start, kv_plan[0][j])
-        attn.work["backward"] += call.work
-        attn.comm.computed()
-    return dkv
+            marks(j + 1)
+        ring.end()
+    team_q.wait_all()
+    # 4. the other members' partial (out, lse) of this rank's rows, merged by log-sum-exp in a fixed order
+    out, lse = acc_out[me], acc_lse[me]
+    for pending in sends:
+        got_out, got_lse = unpack(pending.wait()[0], [(out.shape, wire["out"]), (lse.shape, torch.float32)])
+        merge_(out, lse, got_out, got_lse)
+    if sinks is not None:  # the sink joins each row's normaliser once
+        new = sink_lse(lse, sinks)
+        out.mul_(torch.exp(lse - new).unsqueeze(-1))
+        lse = new
+    out = out.to(q.dtype)
+    return (out, lse, q_buf) if attn.keep_team_q and c > 1 else (out, lse)
 
 
 def _pass_dkv(attn, sched: RingSchedule, dkv: torch.Tensor, wire: dict[str, torch.dtype], *, home: bool):
-    """Send the held block's dk/dv on: one hop along the sub-ring, or after the last step (``home``) a skewed
-    reduce-scatter: each member of the block's team gets its slice, one per lane. Returns the pending exchange."""
-    grp, place, c = attn.groups, attn.groups.place, attn.groups.layout.ring_count
+    """Send the held block's dk/dv [C, B, hk, S_l, d + dv] on: one hop along the sub-ring, or after the last step
+    (``home``) a skewed send of member b's slice to member b of the block's team, one per lane. Returns the pending
+    exchange."""
+    grp, place = attn.groups, attn.groups.place
     if not home:
         send = dkv.to(wire["dkv_ring"])
         recv = torch.empty_like(send)
         return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
     send = dkv.to(wire["dkv_home"])
-    slices = from_team(send, sched.home_perm, c)
-    homes = torch.empty(slices.shape, dtype=slices.dtype, device=slices.device)  # [C, B, hk, S_l, d + dv]
-    return attn.comm.exchange(list(zip(slices, sched.home[0])), list(zip(homes, sched.home[1])), kind="skew",
+    homes = torch.empty(send.shape, dtype=send.dtype, device=send.device)  # [C, B, hk, S_l, d + dv]
+    return attn.comm.exchange(list(zip(send, sched.home[0])), list(zip(homes, sched.home[1])), kind="skew",
                               group=grp.sp_group)
 
 
 def _backward(
-    attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse_team, scale: float, opts: _Options,
+    attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse, scale: float, opts: _Options,
     q_team: torch.Tensor | None = None,
 ):
     """dq, dk, dv; ``q_team``: the team's q kept from the forward (``keep_team_q``), else gathered again. out and
-    lse_team include the sinks, if any: then this is the backward with them (Note [Attention sinks], design.md §2)."""
+    lse (this rank's rows) include the sinks, if any: then this is the backward with them (Note [Attention sinks],
+    design.md §2)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
-    c, p = grp.layout.ring_count, grp.layout.sp_size
+    c, p, me = grp.layout.ring_count, grp.layout.sp_size, place.local
     b, hq, sl, d = q.shape
     wire = attn.wire_dtypes(q.dtype)
     call = sched.only_call(sl, b) if p == 1 else None
     if call is not None:  # one rank: exactly the kernel on the whole sequence
         attn.work["backward"] += call.work
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse_team, causal=call.causal, scale=scale,
-                                     softcap=opts.softcap)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=call.causal, scale=scale, softcap=opts.softcap)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    team, cur = _backward_inputs(attn, kernel, sched, dout, q, k, v, out, lse_team, q_team)
+    # 1-2. the skewed k/v gather again; the team's rows in one message per member: q (unless kept), dO (the adjoint
+    # of the forward's sends), out, or only the fp32 delta = rowsum(dO * out) for a kernel that takes it, and lse
+    delta_path = p > 1 and callable(getattr(kernel, "backward_delta", None))
+    o_own = (dout.float() * out.float()).sum(-1) if delta_path else out
+    if p == 1:
+        cur, first = _local_block(k, v)
+        team = Arrivals([(q, dout, o_own, lse)], [None])
+    else:
+        cur, first = gather_kv(attn, k, v)
+        own = ([] if q_team is not None else [q]) + [dout, o_own, lse]
+        like = [(x.shape, x.dtype) for x in own]
+
+        def rows_of(flat: torch.Tensor):
+            got = unpack(flat, like)
+            return tuple(got) if q_team is None else (None, *got)
+
+        team = gather_team(attn, pack(own), unpack_fn=rows_of)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     expand = _expand_grads(kernel, q, k)
-    dq_plan = fill_plan(call_spans([call for calls in sched.steps for call in calls], "qs"), b, c * sl)
-    dq_acc = fresh_accumulator((b, hq, c * sl, d), q.device, dq_plan)
-    dkv_pending = None
+    calls = [call for step in sched.steps for call in step]
+    dq_plans, dq_slots = _member_plans(calls, "qs", c, b, sl)
+    dq_acc = _accumulators((c, b, hq, sl, d), q.device, dq_plans)
+    ring = _Ring(attn, cur, first, len(sched.steps))
+    sends, dkv_pending = [], None
+
+    def send(t: int) -> None:  # member local + t's dq is final: it goes to that member
+        sends.append(send_rows(attn, t, dq_acc[(me + t) % c].to(wire["dq"])))
+
     last = len(sched.steps) - 1
     i = 0
-    for s, calls in enumerate(sched.steps):
-        kv_pending = None
-        if s < last:
-            nxt = torch.empty_like(cur)
-            kv_pending = comm.exchange([(cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring", group=grp.sp_group)
-        dq_fills = None if dq_plan is None else dq_plan[0][i:i + len(calls)]
-        dkv = _step_grads(attn, kernel, expand, team, cur, calls, dq_acc, dq_fills, scale, opts)
-        i += len(calls)
+    for s, step in enumerate(sched.steps):
+        ring.begin(s)
+        kv_plans, kv_slots = _member_plans(step, "ks", c, b, sl)
+        dkv = _accumulators(cur.shape, q.device, kv_plans)  # [C, B, hk, S_l, d + dv]
+        marks = _Marks(sched.sends_after if s == last else (), send)
+        for j, call in enumerate(step):
+            q_m, do_m, o_m, lse_m = team.get(call.qm)
+            if q_team is not None:
+                q_m = q_team[call.qm]
+            k_b, v_b = split_kv(ring.block(call.km), d)
+            qs, ks, rows = call.qs, call.ks, call.rows
+            dq, dk, dv = _block_grads(
+                kernel, expand, do_m[rows, :, qs], q_m[rows, :, qs], k_b[rows, :, ks], v_b[rows, :, ks],
+                None if delta_path else o_m[rows, :, qs], lse_m[rows, :, qs],
+                delta=o_m[rows, :, qs] if delta_path else None, causal=call.causal, scale=scale,
+                mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
+            )
+            dq_plan, kv_plan = dq_plans[call.qm], kv_plans[call.km]
+            dk_acc, dv_acc = split_kv(dkv[call.km], d)
+            if dq_plan is None:
+                dq_acc[call.qm][rows, :, qs] += dq
+            else:
+                land(dq_acc[call.qm], dq, qs.start, dq_plan[0][dq_slots[i]])
+            if kv_plan is None:
+                dk_acc[rows, :, ks] += dk
+                dv_acc[rows, :, ks] += dv
+            else:
+                land(dk_acc, dk, ks.start, kv_plan[0][kv_slots[j]])
+                land(dv_acc, dv, ks.start, kv_plan[0][kv_slots[j]])
+            i += 1
+            attn.work["backward"] += call.work
+            comm.computed()
+            marks(j + 1)
+        ring.end()
         if p == 1:  # one step, nothing to send or receive
-            dk_own, dv_own = split_kv(from_team(dkv, sched.perm, 1)[0], d)
-            return from_team(dq_acc, sched.perm, 1)[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+            dk_own, dv_own = split_kv(dkv[0], d)
+            return dq_acc[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
         if dkv_pending is not None:
             dkv += dkv_pending.wait()[0]
         dkv_pending = _pass_dkv(attn, sched, dkv, wire, home=s == last)
-        if kv_pending is not None:
-            cur = kv_pending.wait()[0]
-    # 4. sum the lanes' dk/dv of this rank's shard in fp32; reduce-scatter dq in the team (adjoint of the all-gather)
+    team.wait_all()
+    # 4. sum the lanes' dk/dv of this rank's shard, and the other members' dq of its rows, in fp32 in a fixed order
     dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0, dtype=torch.float32)  # [B, hk, S_l, d + dv]
-    if c == 1:
-        dq = from_team(dq_acc, sched.perm, 1)[0]
-    else:
-        dq = comm.reduce_scatter(from_team(dq_acc.to(wire["dq"]), sched.perm, c), grp.team_group)
+    dq = dq_acc[me]
+    for pending in sends:
+        dq += pending.wait()[0]
     dk_own, dv_own = split_kv(dkv_own, d)
     return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
 class _WallFacerFn(torch.autograd.Function):
     """The autograd node of one WallFacer call. Inside a checkpointed layer (``residuals.py``) the first forward
-    keeps (out, lse_team, and the team's q with ``keep_team_q``) and the recompute returns them: no block kernel, no
+    keeps (out, lse, and the team's q with ``keep_team_q``) and the recompute returns them: no block kernel, no
     collective, nothing counted twice; q, k, v come from the layer's recompute either way (the same values)."""
 
     @staticmethod
@@ -434,29 +497,29 @@ class _WallFacerFn(torch.autograd.Function):
         slot = residual_slot("wallfacer", attn, tensor_key(q, k, v, *([sinks] if has_sinks else [])), causal, scale,
                              opts)
         if slot is not None and slot.replaying:
-            out, lse_team, *kept = slot.take()
+            out, lse, *kept = slot.take()
         else:
             with torch.no_grad(), attn.comm.phase("forward"):
-                out, lse_team, *kept = _forward(attn, kernel, sched, q, k, v, sinks, scale, opts)
+                out, lse, *kept = _forward(attn, kernel, sched, q, k, v, sinks, scale, opts)
             if slot is not None:
-                slot.keep(out, lse_team, *kept)
+                slot.keep(out, lse, *kept)
         # kept: the team's q (``keep_team_q``)
-        ctx.save_for_backward(q, k, v, out, lse_team, *([sinks] if has_sinks else []), *kept)
+        ctx.save_for_backward(q, k, v, out, lse, *([sinks] if has_sinks else []), *kept)
         ctx.attn, ctx.kernel, ctx.sched, ctx.scale, ctx.opts, ctx.slot = attn, kernel, sched, scale, opts, slot
         ctx.has_sinks = has_sinks
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse_team, *rest = ctx.saved_tensors
+        q, k, v, out, lse, *rest = ctx.saved_tensors
         sinks, kept = (rest[0], rest[1:]) if ctx.has_sinks else (None, rest)
         attn = ctx.attn
         dout = dout.to(q.dtype)
         with torch.no_grad(), attn.comm.phase("backward"):
-            dq, dk, dv = _backward(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse_team, ctx.scale, ctx.opts,
+            dq, dk, dv = _backward(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse, ctx.scale, ctx.opts,
                                    *kept)
             # the sink's gradient over this rank's own rows (Note [Attention sinks], docs/design.md §2)
-            dsinks = None if sinks is None else sink_grad(dout, out, own_rows(attn, ctx.sched, lse_team), sinks)
+            dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         if ctx.slot is not None:
             ctx.slot.done()
         return dq, dk, dv, dsinks, None, None, None, None

@@ -52,8 +52,8 @@ def test_latent_attention_counts_both_head_dims():
     fwd = layer_bytes(spec, cand, work)["forward"]
     rows = 128 * 8192 // 8  # heads x tokens per rank
     assert fwd["ring"] == (8 // 4 - 1) * 2 * rows * (192 + 128) * 2  # (G - 1) C (n_k + n_v) s
-    assert fwd["reduce_scatter"] == (2 - 1) * rows * 128 * 2  # (C - 1) n_o a_out
-    assert fwd["all_gather"] == (2 - 1) * (rows * 192 * 2 + 2 * rows * 4)  # q, then the team lse
+    assert fwd["reduce_scatter"] == (2 - 1) * rows * (128 * 2 + 4)  # (C - 1) (n_o a_out + the fp32 lse)
+    assert fwd["all_gather"] == (2 - 1) * rows * 192 * 2  # the team's q
     assert spec.layer_params > ModelSpec("same", layers=1, hidden=spec.hidden, heads=128, kv_heads=128,
                                          intermediate=spec.intermediate, vocab=spec.vocab, head_dim=128).layer_params
 
