@@ -288,10 +288,11 @@ class _Ring:
 
 
 class _Marks:
-    """Runs ``fire(t)`` for t = 1..C-1 once ``sends_after[t - 1]`` calls of the step are done."""
+    """Sends in a fixed order: ``fire(t)`` for t = 1..len(after) once ``after[t - 1]`` calls of the step are done
+    and every earlier one has fired (every rank issues them in the same order: Note [Pipelined team exchanges])."""
 
-    def __init__(self, sends_after: tuple[int, ...], fire) -> None:
-        self.after, self.fire, self.t = sends_after, fire, 0
+    def __init__(self, after: tuple[int, ...], fire) -> None:
+        self.after, self.fire, self.t = after, fire, 0
         self(0)
 
     def __call__(self, done: int) -> None:
@@ -370,19 +371,22 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
     return (out, lse, q_buf) if attn.keep_team_q and c > 1 else (out, lse)
 
 
-def _pass_dkv(attn, sched: RingSchedule, dkv: torch.Tensor, wire: dict[str, torch.dtype], *, home: bool):
-    """Send the held block's dk/dv [C, B, hk, S_l, d + dv] on: one hop along the sub-ring, or after the last step
-    (``home``) a skewed send of member b's slice to member b of the block's team, one per lane. Returns the pending
-    exchange."""
-    grp, place = attn.groups, attn.groups.place
-    if not home:
-        send = dkv.to(wire["dkv_ring"])
-        recv = torch.empty_like(send)
-        return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring", group=grp.sp_group)
-    send = dkv.to(wire["dkv_home"])
-    homes = torch.empty(send.shape, dtype=send.dtype, device=send.device)  # [C, B, hk, S_l, d + dv]
-    return attn.comm.exchange(list(zip(send, sched.home[0])), list(zip(homes, sched.home[1])), kind="skew",
-                              group=grp.sp_group)
+def _pass_dkv(attn, dkv: torch.Tensor, wire: dict[str, torch.dtype]):
+    """Send the held block's dk/dv [C, B, hk, S_l, d + dv] one hop along the sub-ring. Returns the pending exchange."""
+    place = attn.groups.place
+    send = dkv.to(wire["dkv_ring"])
+    recv = torch.empty_like(send)
+    return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring",
+                              group=attn.groups.sp_group)
+
+
+def _send_home(attn, sched: RingSchedule, m: int, slice_m: torch.Tensor, homes: torch.Tensor):
+    """Home round m after the last step: member m's dk/dv slice of the held block goes to member m of the block's
+    team (``sched.home[0][m]``); a rank of team position m receives its shard's slice from each of the C lanes into
+    ``homes`` [C, B, hk, S_l, d + dv]."""
+    dests, sources = sched.home
+    recvs = list(zip(homes, sources)) if attn.groups.place.local == m else []
+    return attn.comm.exchange([(slice_m, dests[m])], recvs, kind="skew", group=attn.groups.sp_group)
 
 
 def _backward(
@@ -424,10 +428,20 @@ def _backward(
     dq_plans, dq_slots = _member_plans(calls, "qs", c, b, sl)
     dq_acc = _accumulators((c, b, hq, sl, d), q.device, dq_plans)
     ring = _Ring(attn, cur, first, len(sched.steps))
-    sends, dkv_pending = [], None
+    sends, home_sends, dkv_pending = [], [], None
+    homes = torch.empty(cur.shape, dtype=wire["dkv_home"], device=q.device)  # [C, B, hk, S_l, d + dv]: the lanes'
 
-    def send(t: int) -> None:  # member local + t's dq is final: it goes to that member
-        sends.append(send_rows(attn, t, dq_acc[(me + t) % c].to(wire["dq"])))
+    def send(t: int) -> None:
+        """The last step's sends in their fixed order: t < C, member local + t's dq; then home round t - C."""
+        if t < c:
+            sends.append(send_rows(attn, t, dq_acc[(me + t) % c].to(wire["dq"])))
+            return
+        m = t - c
+        if dkv_pending is not None:  # the sub-ring's sum so far of this slice (sent after the previous step)
+            if not dkv_pending.done:
+                dkv_pending.wait()
+            dkv[m] += dkv_pending.recvs[0][m]
+        home_sends.append(_send_home(attn, sched, m, dkv[m].to(wire["dkv_home"]), homes))
 
     last = len(sched.steps) - 1
     i = 0
@@ -435,7 +449,14 @@ def _backward(
         ring.begin(s)
         kv_plans, kv_slots = _member_plans(step, "ks", c, b, sl)
         dkv = _accumulators(cur.shape, q.device, kv_plans)  # [C, B, hk, S_l, d + dv]
-        marks = _Marks(sched.sends_after if s == last else (), send)
+        if s == last:  # each member's slice of dk/dv goes home once the step's calls on its keys are done
+            done_at = [max([j + 1 for j, call in enumerate(step) if call.km == m], default=0) for m in range(c)]
+            after = list(sched.sends_after)
+            for m in range(c):
+                after.append(max(done_at[m], after[-1] if after else 0))
+            marks = _Marks(tuple(after), send)
+        else:
+            marks = _Marks((), send)
         for j, call in enumerate(step):
             q_m, do_m, o_m, lse_m = team.get(call.qm)
             if q_team is not None:
@@ -468,12 +489,15 @@ def _backward(
         if p == 1:  # one step, nothing to send or receive
             dk_own, dv_own = split_kv(dkv[0], d)
             return dq_acc[0].to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
-        if dkv_pending is not None:
-            dkv += dkv_pending.wait()[0]
-        dkv_pending = _pass_dkv(attn, sched, dkv, wire, home=s == last)
+        if s < last:
+            if dkv_pending is not None:
+                dkv += dkv_pending.wait()[0]
+            dkv_pending = _pass_dkv(attn, dkv, wire)
     team.wait_all()
     # 4. sum the lanes' dk/dv of this rank's shard, and the other members' dq of its rows, in fp32 in a fixed order
-    dkv_own = torch.stack(dkv_pending.wait()).sum(dim=0, dtype=torch.float32)  # [B, hk, S_l, d + dv]
+    for pending in home_sends:
+        pending.wait()
+    dkv_own = homes.sum(dim=0, dtype=torch.float32)  # [B, hk, S_l, d + dv]
     dq = dq_acc[me]
     for pending in sends:
         dq += pending.wait()[0]
