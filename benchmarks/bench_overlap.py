@@ -4,7 +4,9 @@
     python benchmarks/bench_overlap.py --ranks 8 --lengths 4096,8192 --iters 5
 
 WallFacer (``attention/wallfacer.py``) starts the next ring step's k/v exchange, runs the block kernel, then waits
-(``CommLayer.exchange`` returns a ``Pending``). For each ring count and sequence length, attention forward +
+(``CommLayer.exchange`` returns a ``Pending``); its team exchanges (the skewed k/v gather, the team's q and the
+backward's rows, the partial outputs, dq and dk/dv sent to their owners) go point to point in rounds, each waited on
+only by the first call that needs it (Note [Pipelined team exchanges]). For each ring count and sequence length, attention forward +
 backward is timed three ways on the same inputs, the modes interleaved per iteration (a shared machine drifts):
 
   overlapped    as trained: the exchange in flight while the kernel runs
@@ -24,8 +26,12 @@ disturbed on a shared machine; the medians are in the JSON). Reported:
   hidden_vs_blocked = (serial - overlapped) / blocked_serial, clipped: the same saving over the time the serial
       run spent blocked in communication (``CommLayer.blocked_s``, the slowest rank), a direct estimate.
 
-Also the seconds blocked in communication per rank in both modes, by kind. Prints a table, writes
-``runs/bench/overlap/`` (``--out``: result.json, and plot.png with matplotlib) and ends with one JSON line.
+  blocked_ratio = blocked overlapped / blocked serial (slowest rank, fastest iteration): the share of the time
+      blocked on communication that overlapping leaves.
+
+Also the seconds blocked in communication in both modes per exchange kind (mean over ranks). Prints the tables,
+writes ``runs/bench/overlap/`` (``--out``: result.json, and plot.png with matplotlib) and ends with one JSON line
+holding ``blocked_ratio`` per method and length.
 """
 from __future__ import annotations
 
@@ -127,8 +133,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
                 overlapped_median_s=med(slowest, "overlapped", 0), serial_median_s=med(slowest, "serial", 0),
                 compute_only_median_s=med(slowest, "serial", 1),
                 blocked_overlapped_mean_s=med(mean, "overlapped", 2), blocked_serial_mean_s=med(mean, "serial", 2),
-                blocked_by_kind_rank0={m: {k: statistics.median(d.get(k, 0.0) for d in blocked[m])
-                                           for k in sorted({k for d in blocked[m] for k in d})} for m in MODES},
+                blocked_by_kind=_mean_by_kind(blocked, world),
                 bytes_rank0=sent["overlapped"], same_bytes=sent["overlapped"] == sent["serial"],
                 kernel_calls=timed.calls,
             )
@@ -137,6 +142,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
             row["hidden_raw"] = saved / hideable if hideable > 0 else float("nan")
             row["hidden"] = min(1.0, max(0.0, row["hidden_raw"])) if hideable > 0 else float("nan")
             b = row["blocked_serial_s"]
+            row["blocked_ratio"] = row["blocked_overlapped_s"] / b if b > 0 else float("nan")
             row["hidden_vs_blocked_raw"] = saved / b if b > 0 else float("nan")
             row["hidden_vs_blocked"] = min(1.0, max(0.0, saved / b)) if b > 0 else float("nan")
             rows.append(row)
@@ -146,25 +152,52 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
     return rows if rank == 0 else None
 
 
+def _mean_by_kind(blocked: dict[str, list[dict]], world: int) -> dict[str, dict[str, float]]:
+    """Per mode and "phase/kind": the seconds blocked, median over the iterations, mean over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_wallfacer.comm import KINDS
+
+    keys = [f"{ph}/{kd}" for ph in ("forward", "backward") for kd in KINDS]
+    med = torch.tensor([[statistics.median(d.get(k, 0.0) for d in blocked[m]) for k in keys] for m in MODES],
+                       dtype=torch.float64)
+    dist.all_reduce(med)
+    med /= world
+    return {m: {k: med[i, j].item() for j, k in enumerate(keys) if med[:, j].any()} for i, m in enumerate(MODES)}
+
+
 # ----------------------------------------------------------------------------------------------- report
 def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
     print_table([("method", "<"), ("N", "d"), ("overlap", ".3f"), ("serial", ".3f"), ("kernels", ".3f"),
                  ("blk ovl", ".3f"), ("blk ser", ".3f"), ("hidden", ".2f"), ("(raw)", ".2f"), ("vs blk", ".2f"),
-                 ("MiB/rank", ".2f")],
+                 ("ratio", ".2f"), ("MiB/rank", ".2f")],
                 [[r["method"], r["seq_len"], r["overlapped_s"], r["serial_s"], r["compute_only_s"],
                   r["blocked_overlapped_s"], r["blocked_serial_s"], r["hidden"], r["hidden_raw"],
-                  r["hidden_vs_blocked"], sum(r["bytes_rank0"].values()) / 2**20] for r in rows],
+                  r["hidden_vs_blocked"], r["blocked_ratio"], sum(r["bytes_rank0"].values()) / 2**20] for r in rows],
                 title=f"\nattention fwd+bwd, P={args.ranks} CPU ranks (gloo, {args.threads} thread each), heads "
                       f"{args.heads}/{args.kv_heads}, d={args.head_dim}, fp32, kernel {args.kernel}; slowest rank, "
                       f"fastest of {args.iters}; seconds")
     print("hidden = (serial - overlapped) / (serial - kernels), clipped to [0, 1]; its denominator includes the "
           "local work around the kernels, which cannot be hidden (a lower bound). 'vs blk' = the same saving over the "
-          "serial run's blocked time. blk = seconds blocked in communication (slowest rank).")
+          "serial run's blocked time. blk = seconds blocked in communication (slowest rank); ratio = blk ovl / blk "
+          "ser.")
+    kinds = sorted({k for r in rows for m in MODES for k in r["blocked_by_kind"][m]})
+    print_table([("method", "<"), ("N", "d"), ("exchange", "<"), ("overlapped", ".4f"), ("serial", ".4f"),
+                 ("ratio", ".2f")],
+                [[r["method"], r["seq_len"], k, r["blocked_by_kind"]["overlapped"].get(k, 0.0),
+                  r["blocked_by_kind"]["serial"].get(k, 0.0),
+                  r["blocked_by_kind"]["overlapped"].get(k, 0.0) / r["blocked_by_kind"]["serial"][k]
+                  if r["blocked_by_kind"]["serial"].get(k) else float("nan")]
+                 for r in rows for k in kinds if k in r["blocked_by_kind"]["serial"]],
+                title="\nseconds blocked per exchange kind (phase/kind; median over iterations, mean over ranks)")
     save_plot(plot_path(args), lambda plt: _draw(rows, plt))
     emit(dict(bench="overlap", P=args.ranks, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
               kernel=args.kernel, threads=args.threads, iters=args.iters, wall_s=round(wall_s, 1),
+              blocked_ratio={m: {str(r["seq_len"]): round(r["blocked_ratio"], 3) for r in rows if r["method"] == m}
+                             for m in dict.fromkeys(r["method"] for r in rows)},
               results=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                        if k not in ("blocked_by_kind_rank0", "bytes_rank0")} for r in rows]),
+                        if k not in ("blocked_by_kind", "bytes_rank0")} for r in rows]),
          args.out / "result.json")
 
 

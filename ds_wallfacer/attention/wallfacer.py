@@ -5,8 +5,9 @@ planned in ``schedule.py``, how their results land in the fp32 accumulators in `
 
 Dimensions: B batch, hq / hk query / kv heads, d head dim of q and k, dv of v and the output (d except under
 multi-head latent attention), P ranks, C ring count (team size), G = P / C^2 ring steps, S_l = N / P tokens per rank
-(two chunks of L = S_l / 2), S_t = C * S_l per team; tensors are [B, h, S, d]. k and v travel together as one
-tensor [B, hk, S, d + dv] (k's columns, then v's): one message per exchange, each at its own size.
+(two chunks of L = S_l / 2); tensors are [B, h, S, d], a team's or a k/v block's C member shards stacked
+[C, B, h, S_l, d]. k and v travel together as one tensor [B, hk, S, d + dv] (k's columns, then v's): one message
+per exchange, each at its own size. Note [Pipelined team exchanges] below says how the team's shards flow.
 
 Design: docs/design.md §2 (forward, backward, costs; Note [Bytes as implemented]) and the in-code notes below.
 """
@@ -51,7 +52,7 @@ class WallFacerAttention:
     the default is measured, Note [Summed tensors on the wire]), one dtype for all, or None: the input dtype.
     Sums on a rank are fp32 whatever this says."""
     keep_team_q: bool = False
-    """Keep the team's gathered q [B, hq, C*S_l, d] from the forward for the backward instead of gathering it
+    """Keep the team's gathered q [C, B, hq, S_l, d] from the forward for the backward instead of gathering it
     again: (C-1) * B*hq*S_l*d elements fewer sent per rank and call, C x the local q held per layer from its forward
     to its backward (for every layer at once unless activation checkpointing recomputes the attention). Off by
     default: with hq = 4 hk and C = 4 that is 4 layer inputs' worth of q per layer."""
@@ -170,15 +171,35 @@ def _mask_of(call: KernelCall, opts: _Options, device: torch.device) -> torch.Te
 
 # -- forward / backward ----------------------------------------------------------------------------
 
+# Note [Pipelined team exchanges]: a team's C members each hold a shard of its query rows, and the k/v block a rank
+# holds at a ring step is made of C member shards too. Every kernel call is planned per pair (query member a, key
+# member b) with slices inside the two shards (``KernelCall.qm`` / ``km``; ``block_calls`` on the members' own chunk
+# lists, which are identical or disjoint), so nothing is ever permuted into a team-wide order, and a call needs
+# exactly two shards. At step 0 those arrive one round each: the skewed k/v gather in C rounds (round r: the member
+# of local index r of every team sends its shard to the C lanes that start with its team) and the team's q in C - 1
+# rounds (round r: to member local - r, from member local + r), all issued at once; a call waits only for its two
+# (``team.Arrivals``), and the next ring hop starts once the whole block is here. ``schedule.pipeline_order`` puts
+# the pairs in arrival order, starting with this rank's own rows against the first k/v piece (one wait at most),
+# and in the last step finishes the other members' rows first, member local + 1 first: its partial (out, lse)
+# (forward) or dq (backward) is sent to it while this rank computes the rest, and each rank merges what it receives
+# for its own rows in a fixed order (log-sum-exp for out, fp32 sums for dq). The backward's dk/dv go home a member's
+# slice at a time, after the dq sends, each as soon as the calls on its keys are done. Every rank issues all of
+# these exchanges in the same order (the rounds, the ring hop, the sends of finished rows, the home rounds): they
+# pair up whether they overlap or each completes before it returns (``CommLayer.serial``), and the order of
+# operations on a communicator is the same on every rank, as NCCL requires. What stays exposed is what has nothing
+# before it or after it: the first k/v piece on a rank whose first block is another team's (local != 0), and the
+# last home round (``tests/comm/test_overlap.py``). Bytes: ``volume.wallfacer_bytes``; the team's lse is not
+# all-gathered (each partial output carries its own), so the forward sends (C-1)*(C-1)*n_l*4 fewer bytes.
+#
 # Note [Summed tensors on the wire]: every sum on a rank is fp32 (block outputs merged by log-sum-exp; dq and the
 # dk/dv of a block summed over the block's calls, query heads and ring steps). What is rounded is what crosses
-# the wire: the lse-weighted partial outputs (forward reduce-scatter), the dq partials (backward reduce-scatter),
+# the wire: the partial outputs (forward, each member's rows sent to it), the dq partials (backward, likewise),
 # the dk/dv accumulators passed along the sub-ring, and each lane's final dk/dv slice sent home.
 # ``WallFacerAttention.accum_comm_dtype`` chooses each (``volume.SumDtypes``). The defaults were measured: bf16
 # inputs, 8/2 heads, causal zigzag, max abs error against float64 as a multiple of the same kernel's error on the
 # full sequence in one process (``benchmarks/bench_precision.py``); a tensor travels in the input dtype where that
-# stays within 2x, in fp32 where it does not. The partial outputs are weighted by exp(lse - lse_team) <= 1 before
-# they are rounded, so they are bounded by the output's scale; dq partials and home slices are rounded once each
+# stays within 2x, in fp32 where it does not. A partial output is normalised by its own lse before it is
+# rounded, so it is bounded by the output's scale, and the receiver weights it by exp(lse - lse_row) <= 1; dq partials and home slices are rounded once each
 # and summed once; only the ring accumulator is a running sum rounded again at every hop, so its error grows with
 # the ring length G and it stays fp32.
 #
