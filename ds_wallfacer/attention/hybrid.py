@@ -23,12 +23,13 @@ def sequence_parallel_attention(
     kernel: str = "auto",
     sharding: str = "zigzag",
     sp_group: dist.ProcessGroup | None = None,
+    ulysses_head_groups: int = 2,
 ) -> InnerAttention:
     """This rank's attention for any mode: Ulysses over ``ulysses_group`` (None: U = 1) around WallFacer over
     ``wallfacer_groups`` (None: R = 1, attention over the gathered sequence is local). Neither (P = 1: one
     rank per sequence, plain data parallelism or a single GPU) is local attention with the same kernels and no
     collective at all. ``sp_group``: all ranks of the sequence, whose inputs Ulysses checks agree (None: the
-    Ulysses group only)."""
+    Ulysses group only); ``ulysses_head_groups``: ``UlyssesAttention.head_groups``."""
     inner: InnerAttention = (
         LocalAttention(kernel=kernel)
         if wallfacer_groups is None
@@ -36,4 +37,5 @@ def sequence_parallel_attention(
     )
     if ulysses_group is None:
         return inner
-    return UlyssesAttention(group=ulysses_group, inner=inner, comm=comm, check_group=sp_group)
+    return UlyssesAttention(group=ulysses_group, inner=inner, comm=comm, check_group=sp_group,
+                            head_groups=ulysses_head_groups)

@@ -117,19 +117,17 @@ def heads_to_seq(
     return recv.reshape(u, b, h, sl, d).transpose(0, 1).reshape(b, u * h, sl, d)
 
 
-def _local_calls(q: torch.Tensor, causal: bool, batch: SequenceBatch | None, window: int | None):
-    """Kernel calls over the whole (gathered, in-order) sequence: one, or one per document segment / window
-    tile (None: the single plain call)."""
+def local_calls(rows: int, n: int, causal: bool, batch: SequenceBatch | None, window: int | None):
+    """Kernel calls over a whole (gathered, in-order) sequence of ``n`` tokens in ``rows`` batch rows: one, or one per
+    document segment / window tile (None: the single plain call)."""
     docs = batch.documents if batch is not None else None
     if docs is None and window is None:
         return None
-    n = q.shape[2]
-    return kernel_calls([0], [0], [BlockCall(0, 1, 0, 1, causal)], chunk_len=n, rows=q.shape[0], docs=docs,
-                        window=window)
+    return kernel_calls([0], [0], [BlockCall(0, 1, 0, 1, causal)], chunk_len=n, rows=rows, docs=docs, window=window)
 
 
 @torch.no_grad()
-def _local_forward(q, k, v, sinks, kernel, causal: bool, scale: float, calls, window, softcap: float):
+def local_forward(q, k, v, sinks, kernel, causal: bool, scale: float, calls, window, softcap: float):
     """(out, lse) over the whole sequence: one kernel call, or fp32-merged calls per document segment / window tile
     (rows that see nothing stay at lse -inf); with ``sinks``, added to the merged rows before they are rounded."""
     if calls is None:
@@ -160,7 +158,7 @@ class _LocalFn(torch.autograd.Function):
         if slot is not None and slot.replaying:
             out, lse = slot.take()
         else:
-            out, lse = _local_forward(q, k, v, sinks, kernel, causal, scale, calls, window, softcap)
+            out, lse = local_forward(q, k, v, sinks, kernel, causal, scale, calls, window, softcap)
             if slot is not None:
                 slot.keep(out, lse)
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if has_sinks else []))
@@ -173,27 +171,32 @@ class _LocalFn(torch.autograd.Function):
         q, k, v, out, lse, *sinks = ctx.saved_tensors
         dout = dout.to(q.dtype)  # its layout as it comes: the kernels take strided tensors (no copy of dO)
         dsinks = sink_grad(dout, out, lse, sinks[0]) if sinks else None
-        with torch.no_grad():
-            if ctx.calls is None:
-                dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
-                                                 softcap=ctx.softcap)
-            else:
-                dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-                dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-                for c in ctx.calls:
-                    mask = None if c.mask is None else window_mask(c.mask, ctx.window, q.device)
-                    gq, gk, gv = ctx.kernel.backward(
-                        dout[c.rows, :, c.qs], q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks],
-                        out[c.rows, :, c.qs], lse[c.rows, :, c.qs], causal=c.causal, scale=ctx.scale, mask=mask,
-                        softcap=ctx.softcap,
-                    )
-                    dq[c.rows, :, c.qs] += gq
-                    dk[c.rows, :, c.ks] += gk
-                    dv[c.rows, :, c.ks] += gv
+        dq, dk, dv = local_backward(dout, q, k, v, out, lse, ctx.kernel, ctx.causal, ctx.scale, ctx.calls, ctx.window,
+                                    ctx.softcap)
         if ctx.slot is not None:
             ctx.slot.done()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
+
+
+@torch.no_grad()
+def local_backward(dout, q, k, v, out, lse, kernel, causal: bool, scale: float, calls, window, softcap: float):
+    """(dq, dk, dv) in the inputs' dtypes of ``local_forward``'s attention (out and lse with the sinks, if any)."""
+    if calls is None:
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, softcap=softcap)
+    else:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for c in calls:
+            mask = None if c.mask is None else window_mask(c.mask, window, q.device)
+            gq, gk, gv = kernel.backward(
+                dout[c.rows, :, c.qs], q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks],
+                out[c.rows, :, c.qs], lse[c.rows, :, c.qs], causal=c.causal, scale=scale, mask=mask, softcap=softcap,
+            )
+            dq[c.rows, :, c.qs] += gq
+            dk[c.rows, :, c.ks] += gk
+            dv[c.rows, :, c.ks] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @dataclass(eq=False)
@@ -212,13 +215,18 @@ class LocalAttention:
     ) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         softcap = float(softcap or 0.0)
+        calls = local_calls(q.shape[0], q.shape[2], causal, batch, window)
+        return _LocalFn.apply(q, k, v, sinks, self.kernel_for(q, v, window, softcap), causal, scale, calls, window,
+                              softcap)
+
+    def kernel_for(self, q: torch.Tensor, v: torch.Tensor, window: int | None, softcap: float):
+        """The block kernel for q's device and dtype and what the layer needs, chosen once per combination."""
         value_dim = v.shape[-1] != q.shape[-1]
         key = (q.device.type, q.dtype, window is not None, bool(softcap), value_dim)
         if key not in self._kernels:
             self._kernels[key] = get_kernel(self.kernel, q, mask=window is not None, softcap=bool(softcap),
                                             value_dim=value_dim)
-        calls = _local_calls(q, causal, batch, window)
-        return _LocalFn.apply(q, k, v, sinks, self._kernels[key], causal, scale, calls, window, softcap)
+        return self._kernels[key]
 
 
 @dataclass(eq=False)
@@ -236,6 +244,10 @@ class UlyssesAttention:
     two Ulysses groups fails before the ring's collectives); None: ``group``."""
     check_inputs: bool = True
     """Validate shapes and dtypes across ranks (one small all-gather per new input signature)."""
+    head_groups: int = 2
+    """K: with local inner attention, the received heads are computed in K groups, each group's all-to-all in
+    flight while another computes (``ulysses_overlap.py``, Note [Ulysses in head groups]); 1, or heads that do not
+    split into K groups on every rank: one all-to-all each way."""
     _checked: set = field(default_factory=set, repr=False)
 
     @property
@@ -259,6 +271,19 @@ class UlyssesAttention:
             opts["sinks"] = sinks.narrow(0, dist.get_rank(self.group) * per, per)
         m = len(batch.assignment[0]) if batch is not None and batch.assignment is not None else 2  # pieces per rank
         k, v = _replicate_kv(k, u), _replicate_kv(v, u)
+        if isinstance(self.inner, LocalAttention):
+            from .ulysses_overlap import head_groups, overlapped_ulysses
+
+            groups = head_groups(self.head_groups, q_heads=q.shape[1], kv_heads=k.shape[1], degree=u)
+            if groups > 1:
+                softcap = float(softcap or 0.0)
+                return overlapped_ulysses(
+                    q, k, v, opts.get("sinks"), group=self.group, comm=self.comm,
+                    kernel=self.inner.kernel_for(q, v, window, softcap), k_groups=groups, pieces=m, causal=causal,
+                    scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+                    calls=local_calls(q.shape[0], u * q.shape[2], causal, batch, window), window=window,
+                    softcap=softcap,
+                )
         qh, kh, vh = seq_to_heads([q, k, v], group=self.group, comm=self.comm, degree=u, pieces=m)
         out = self.inner(qh, kh, vh, **opts)  # [B, hq/U, U*S_l, d]
         return heads_to_seq(out, group=self.group, comm=self.comm, degree=u, pieces=m)

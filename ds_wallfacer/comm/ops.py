@@ -273,6 +273,22 @@ class CommLayer:
         self._count(kind, (n - 1) * _nbytes(x) // n)
         return out
 
+    def all_to_all_start(self, x: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_to_all") -> Pending:
+        """``all_to_all`` started and not waited on: ``wait()`` returns [the result]. Every rank of ``group`` must
+        start its all-to-alls in the same order. With ``serial`` set it completes here, like ``exchange``."""
+        n = dist.get_world_size(group)
+        self.check_device("all_to_all", group, x)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if n == 1:
+            return Pending(works=[], recvs=[out.copy_(x)], keep=[])
+        work = dist.all_to_all_single(out, x, group=group, async_op=True)
+        self._count(kind, (n - 1) * _nbytes(x) // n)
+        pending = Pending(works=[work], recvs=[out], keep=[x], on_wait=self._blocked((self._phase, kind)))
+        if self.serial:
+            pending = Pending(works=[], recvs=pending.wait(), keep=[])
+        return pending
+
     def exchange(
         self,
         sends: Sequence[tuple[torch.Tensor, int]],

@@ -73,6 +73,10 @@ class WallFacerConfig:
     (packed documents: more, smaller chunks assigned by attention work per batch; zigzag without documents)."""
     kernel: str = "auto"
     """Block-attention kernel backend (``ds_wallfacer.attention.KERNELS``) or "auto" (by device and dtype)."""
+    ulysses_head_groups: int = 2
+    """K: Ulysses alone computes the heads it receives in K groups, each group's all-to-all in flight while another
+    computes (same results and bytes; 1: one all-to-all each way). Used when K divides the query and kv heads each
+    rank holds after the all-to-all."""
     ranks_per_node: AutoInt = "auto"
     """Ranks per node, for keeping teams / Ulysses groups inside a node; "auto" = LOCAL_WORLD_SIZE (torchrun) or
     LOCAL_SIZE (the deepspeed launcher)."""
@@ -123,6 +127,9 @@ class WallFacerConfig:
         if self.seq_len is not None and not _is_pos_int(self.seq_len):
             raise ValueError(f"wallfacer.seq_len = {self.seq_len!r} is invalid: allowed is a positive integer or null")
         _check_choice("kernel", self.kernel, ("auto", *KERNEL_NAMES))
+        if not _is_pos_int(self.ulysses_head_groups):
+            raise ValueError(f"wallfacer.ulysses_head_groups = {self.ulysses_head_groups!r} is invalid: allowed is a "
+                             "positive integer (1: no overlap)")
         if not isinstance(self.self_check, bool):
             raise ValueError(f"wallfacer.self_check = {self.self_check!r} is invalid: allowed are true and false")
         _check_auto_int("self_check_tokens", self.self_check_tokens)

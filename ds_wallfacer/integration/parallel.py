@@ -96,7 +96,7 @@ def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> Any:
     """This rank's sequence-parallel attention object (``attn(q, k, v, causal=, scale=)``)."""
     return sequence_parallel_attention(
         ulysses_group=groups.ulysses_group, wallfacer_groups=groups.wallfacer, comm=comm, kernel=groups.setup.kernel,
-        sharding=groups.setup.sharding, sp_group=groups.sp_group,
+        sharding=groups.setup.sharding, sp_group=groups.sp_group, ulysses_head_groups=groups.setup.ulysses_head_groups,
     )
 
 

@@ -27,6 +27,8 @@ class ParallelSetup:
     """Chunk layout over the ring dimension (``data.chunks.SHARDINGS``)."""
     kernel: str = "auto"
     """Block-attention kernel name."""
+    ulysses_head_groups: int = 2
+    """Head groups Ulysses alone pipelines its all-to-alls over (``UlyssesAttention.head_groups``)."""
     ranks_per_node: int | None = None
     """Ranks per node (None: unknown)."""
     notes: tuple[str, ...] = ()
@@ -265,7 +267,8 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
                         ring_count=choice.ring_count, placement=choice.placement, mode=choice.mode,
                         num_heads=num_heads, num_kv_heads=num_kv_heads)
     return ParallelSetup(
-        dims, sharding=cfg.sharding, kernel=cfg.kernel, ranks_per_node=rpn, notes=tuple(notes),
+        dims, sharding=cfg.sharding, kernel=cfg.kernel, ulysses_head_groups=cfg.ulysses_head_groups,
+        ranks_per_node=rpn, notes=tuple(notes),
         planner_choice=choice.as_dict() | {"cluster": cluster.name, "model": model.name, "seq_len": n},
     )
 
@@ -314,4 +317,5 @@ def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_
     dims = ParallelDims(world_size=world_size, sp_size=p, ulysses_degree=u, ring_count=c, mode=mode,
                         placement="team-inner" if cfg.placement == "auto" else cfg.placement, num_heads=num_heads,
                         num_kv_heads=num_kv_heads)
-    return ParallelSetup(dims, sharding=cfg.sharding, kernel=cfg.kernel, ranks_per_node=rpn, notes=tuple(notes))
+    return ParallelSetup(dims, sharding=cfg.sharding, kernel=cfg.kernel, ulysses_head_groups=cfg.ulysses_head_groups,
+                         ranks_per_node=rpn, notes=tuple(notes))
