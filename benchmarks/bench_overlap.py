@@ -27,7 +27,11 @@ disturbed on a shared machine; the medians are in the JSON). Reported:
       run spent blocked in communication (``CommLayer.blocked_s``, the slowest rank), a direct estimate.
 
   blocked_ratio = blocked overlapped / blocked serial (slowest rank, fastest iteration): the share of the time
-      blocked on communication that overlapping leaves.
+      blocked on communication that overlapping leaves. On a CPU with fewer cores than ranks a rank blocked in a
+      wait also waits for its peers' turn on a core, so this is noisy;
+  exposed_share = the share of the bytes moved (sent and received) in exchanges that no kernel call overlapped, from
+      one recorded run (``comm.exposed_share``, Note [Which transfers are exposed]): the schedule's figure, the same
+      on every run and machine.
 
 Also the seconds blocked in communication in both modes per exchange kind (mean over ranks). Prints the tables,
 writes ``runs/bench/overlap/`` (``--out``: result.json, and plot.png with matplotlib) and ends with one JSON line
@@ -79,22 +83,33 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
 
     from ds_wallfacer.attention import WallFacerAttention
     from ds_wallfacer.attention.kernels import get_kernel
-    from ds_wallfacer.comm import CommLayer, RankLayout, build_groups, valid_ring_counts
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.attention.ulysses import LocalAttention, UlyssesAttention
+    from ds_wallfacer.comm import CommLayer, RankLayout, build_groups, exposed_share, valid_ring_counts
+    from ds_wallfacer.data import shard, shard_sequence
 
     rows = []
     counts = [c for c in args.ring_counts if c in valid_ring_counts(world)]
     groups = {c: build_groups([RankLayout(tuple(range(world)), c)]) for c in counts}
+    methods = [("ring C=1" if c == 1 else f"wallfacer C={c}", c) for c in counts]
+    methods += [(f"ulysses K={k}", -k) for k in args.ulysses_head_groups]
     for n in args.lengths:
         gen = torch.Generator().manual_seed(n)
-        q, do = (torch.randn(1, args.heads, n, args.head_dim, generator=gen) for _ in range(2))
-        k, v = (torch.randn(1, args.kv_heads, n, args.head_dim, generator=gen) for _ in range(2))
-        q, k, v, do = (shard(x, dim=2, index=rank, sp_size=world, scheme="zigzag").contiguous() for x in (q, k, v, do))
-        for c in counts:
+        full = [torch.randn(1, h, n, args.head_dim, generator=gen)
+                for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)]
+        ring_shards = [shard(x, dim=2, index=rank, sp_size=world, scheme="zigzag").contiguous() for x in full]
+        uly_shards = [shard_sequence(x, dim=2, index=rank, sp_size=world, ulysses_degree=world,
+                                     scheme="zigzag").contiguous() for x in full]
+        for method, c in methods:
             comm = CommLayer(device="cpu")
-            attn = WallFacerAttention(groups[c], comm=comm, kernel=args.kernel, check_inputs=False)
+            q, k, v, do = ring_shards if c > 0 else uly_shards
             timed = TimedKernel(get_kernel(args.kernel, q))
-            attn.block_kernel = lambda *_a, _t=timed, **_kw: _t  # every block-kernel call goes through the timer
+            if c > 0:
+                attn = WallFacerAttention(groups[c], comm=comm, kernel=args.kernel, check_inputs=False)
+                attn.block_kernel = lambda *_a, _t=timed, **_kw: _t  # every block-kernel call goes through the timer
+            else:
+                inner = LocalAttention(args.kernel)
+                inner.kernel_for = lambda *_a, _t=timed, **_kw: _t
+                attn = UlyssesAttention(dist.group.WORLD, inner, comm=comm, check_inputs=False, head_groups=-c)
             per_mode: dict[str, list[list[float]]] = {m: [] for m in MODES}
             blocked: dict[str, list[dict]] = {m: [] for m in MODES}
             sent: dict[str, dict] = {}
@@ -115,6 +130,13 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
                     per_mode[mode].append([wall, timed.seconds, wait])
                     blocked[mode].append({f"{ph}/{kd}": s for (ph, kd), s in comm.blocked_s.items()})
                     sent[mode] = {f"{ph}/{kd}": b for (ph, kd), b in comm.sent.items()}
+            # the schedule's figure: the share of the bytes moved in exchanges no compute overlapped (one recorded run)
+            comm.serial = False
+            with comm.recording() as timeline:
+                ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+                attn(ql, kl, vl, causal=True).backward(do)
+            share = torch.tensor([exposed_share(timeline)], dtype=torch.float64)
+            dist.all_reduce(share)
             # [iters, 3] per mode -> the slowest rank per iteration (max over ranks), then over iterations
             stats = torch.tensor([per_mode[m] for m in MODES], dtype=torch.float64)  # [modes, iters, 3]
             slowest = stats.clone()
@@ -126,7 +148,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
             best = lambda t, m, j: min(t[MODES.index(m), :, j].tolist())  # noqa: E731
             med = lambda t, m, j: statistics.median(t[MODES.index(m), :, j].tolist())  # noqa: E731
             row = dict(
-                method="ring C=1" if c == 1 else f"wallfacer C={c}", ring_count=c, seq_len=n, P=world,
+                method=method, ring_count=max(c, 1), seq_len=n, P=world, exposed_share=share.item() / world,
                 overlapped_s=best(slowest, "overlapped", 0), serial_s=best(slowest, "serial", 0),
                 compute_only_s=best(slowest, "serial", 1), compute_only_overlapped_s=best(slowest, "overlapped", 1),
                 blocked_overlapped_s=best(slowest, "overlapped", 2), blocked_serial_s=best(slowest, "serial", 2),
@@ -171,17 +193,19 @@ def _mean_by_kind(blocked: dict[str, list[dict]], world: int) -> dict[str, dict[
 def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
     print_table([("method", "<"), ("N", "d"), ("overlap", ".3f"), ("serial", ".3f"), ("kernels", ".3f"),
                  ("blk ovl", ".3f"), ("blk ser", ".3f"), ("hidden", ".2f"), ("(raw)", ".2f"), ("vs blk", ".2f"),
-                 ("ratio", ".2f"), ("MiB/rank", ".2f")],
+                 ("ratio", ".2f"), ("exposed", ".2f"), ("MiB/rank", ".2f")],
                 [[r["method"], r["seq_len"], r["overlapped_s"], r["serial_s"], r["compute_only_s"],
                   r["blocked_overlapped_s"], r["blocked_serial_s"], r["hidden"], r["hidden_raw"],
-                  r["hidden_vs_blocked"], r["blocked_ratio"], sum(r["bytes_rank0"].values()) / 2**20] for r in rows],
+                  r["hidden_vs_blocked"], r["blocked_ratio"], r["exposed_share"], sum(r["bytes_rank0"].values()) / 2**20]
+                 for r in rows],
                 title=f"\nattention fwd+bwd, P={args.ranks} CPU ranks (gloo, {args.threads} thread each), heads "
                       f"{args.heads}/{args.kv_heads}, d={args.head_dim}, fp32, kernel {args.kernel}; slowest rank, "
                       f"fastest of {args.iters}; seconds")
     print("hidden = (serial - overlapped) / (serial - kernels), clipped to [0, 1]; its denominator includes the "
           "local work around the kernels, which cannot be hidden (a lower bound). 'vs blk' = the same saving over the "
           "serial run's blocked time. blk = seconds blocked in communication (slowest rank); ratio = blk ovl / blk "
-          "ser.")
+          "ser; exposed = share of the bytes moved in exchanges that no kernel call overlapped, by the schedule "
+          "(mean over ranks; serial: 1).")
     kinds = sorted({k for r in rows for m in MODES for k in r["blocked_by_kind"][m]})
     print_table([("method", "<"), ("N", "d"), ("exchange", "<"), ("overlapped", ".4f"), ("serial", ".4f"),
                  ("ratio", ".2f")],
@@ -195,6 +219,8 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
     emit(dict(bench="overlap", P=args.ranks, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
               kernel=args.kernel, threads=args.threads, iters=args.iters, wall_s=round(wall_s, 1),
               blocked_ratio={m: {str(r["seq_len"]): round(r["blocked_ratio"], 3) for r in rows if r["method"] == m}
+                             for m in dict.fromkeys(r["method"] for r in rows)},
+              exposed_share={m: {str(r["seq_len"]): round(r["exposed_share"], 3) for r in rows if r["method"] == m}
                              for m in dict.fromkeys(r["method"] for r in rows)},
               results=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                         if k not in ("blocked_by_kind", "bytes_rank0")} for r in rows]),
@@ -226,6 +252,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=4, help="spawned CPU ranks (gloo)")
     p.add_argument("--lengths", default="1024,2048,4096", help="full sequence lengths, comma-separated")
     p.add_argument("--ring-counts", default="1,2", help="C values; those with C*C not dividing P are skipped")
+    p.add_argument("--ulysses-head-groups", default="1,2",
+                   help="Ulysses (U = P) with these head-group counts K (1: one all-to-all each way); empty: none")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8, help="default: as many as query heads (the most k/v bytes)")
     p.add_argument("--head-dim", type=int, default=64)
@@ -238,6 +266,7 @@ def main() -> None:
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.ring_counts = [int(x) for x in args.ring_counts.split(",")]
+    args.ulysses_head_groups = [int(x) for x in args.ulysses_head_groups.split(",") if x]
     bad = [n for n in args.lengths if n % (2 * args.ranks)]
     if bad:
         raise SystemExit(f"sequence lengths {bad} are not divisible by 2P = {2 * args.ranks}")

@@ -8,6 +8,7 @@ from .._lazy import lazy_exports
 
 _EXPORTS = {
     "CommLayer": ".ops", "KINDS": ".ops", "OpRecord": ".ops", "Pending": ".ops", "exposed": ".ops",
+    "exposed_share": ".ops",
     "WallFacerGroups": ".groups", "build_groups": ".groups",
     "RankLayout": ".layout", "RankPlace": ".layout", "check_ring_count": ".layout", "valid_ring_counts": ".layout",
     "MODES": ".dims", "PLACEMENTS": ".dims", "ParallelDims": ".dims", "divisors": ".dims", "ring_offset": ".dims",

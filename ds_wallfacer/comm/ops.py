@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "backend_device_types", "exposed"]
+__all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "backend_device_types", "exposed", "exposed_share"]
 
 KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "halo", "heads", "check")
 """What the comm layer counts bytes by: the collectives, ring and skew hops of attention, Ulysses all-to-alls,
@@ -58,6 +58,8 @@ class OpRecord:
     kind: str
     issued: int
     waited: int
+    moved: int = 0
+    """Bytes this rank sent and received in it."""
 
     @property
     def hidden(self) -> bool:
@@ -69,6 +71,14 @@ def exposed(records: Sequence[OpRecord], *, skip: Sequence[str] = ("check",)) ->
     """(phase, kind) of each recorded communication that no compute overlapped, in order; ``skip``: kinds left out
     (the batch checks, which run before any attention)."""
     return [(r.phase, r.kind) for r in records if not r.hidden and r.kind not in skip]
+
+
+def exposed_share(records: Sequence[OpRecord], *, skip: Sequence[str] = ("check",)) -> float:
+    """The share of the bytes moved (sent and received) in communications that no compute overlapped: a property of
+    the schedule, the same on every run (0 when nothing moved)."""
+    kept = [r for r in records if r.kind not in skip]
+    total = sum(r.moved for r in kept)
+    return sum(r.moved for r in kept if not r.hidden) / total if total else 0.0
 
 
 @dataclass
@@ -174,18 +184,18 @@ class CommLayer:
         finally:
             self.timeline = prev
 
-    def _blocked(self, key: tuple[str, str]) -> Callable[[float], None]:
+    def _blocked(self, key: tuple[str, str], moved: int = 0) -> Callable[[float], None]:
         issued = self.compute_calls
 
         def add(seconds: float) -> None:
             self.blocked_s[key] += seconds
             if self.timeline is not None:
-                self.timeline.append(OpRecord(key[0], key[1], issued, self.compute_calls))
+                self.timeline.append(OpRecord(key[0], key[1], issued, self.compute_calls, moved))
 
         return add
 
     @contextlib.contextmanager
-    def _timed(self, kind: str) -> Iterator[None]:
+    def _timed(self, kind: str, moved: int = 0) -> Iterator[None]:
         key = (self._phase, kind)  # the phase of the call, fixed before it runs
         t0 = time.perf_counter()
         try:
@@ -193,7 +203,7 @@ class CommLayer:
         finally:
             self.blocked_s[key] += time.perf_counter() - t0
             if self.timeline is not None:
-                self.timeline.append(OpRecord(key[0], kind, self.compute_calls, self.compute_calls))
+                self.timeline.append(OpRecord(key[0], kind, self.compute_calls, self.compute_calls, moved))
 
     def _count(self, kind: str, nbytes: int) -> None:
         if kind not in KINDS:
@@ -225,7 +235,7 @@ class CommLayer:
             return x.unsqueeze(0)
         flat = x.reshape(-1)
         out = torch.empty(n * flat.numel(), dtype=x.dtype, device=x.device)
-        with self._timed(kind):
+        with self._timed(kind, 2 * (n - 1) * _nbytes(x)):
             _all_gather(out, flat, group=group)
         self._count(kind, (n - 1) * _nbytes(x))
         return out.view(n, *x.shape)
@@ -240,7 +250,7 @@ class CommLayer:
             return x[0]
         out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
         flat = x.contiguous().view(-1)
-        with self._timed("reduce_scatter"):
+        with self._timed("reduce_scatter", 2 * (n - 1) * _nbytes(out)):
             _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group)
         self._count("reduce_scatter", (n - 1) * _nbytes(out))
         return out.view(x.shape[1:])
@@ -252,7 +262,7 @@ class CommLayer:
         out = x.clone(memory_format=torch.contiguous_format)
         if n == 1:
             return out
-        with self._timed(kind):
+        with self._timed(kind, 4 * (n - 1) * _nbytes(out) // n):
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         self._count(kind, 2 * (n - 1) * _nbytes(out) // n)  # what a ring all-reduce sends per rank
         return out
@@ -268,7 +278,7 @@ class CommLayer:
             return x if out is None else out.copy_(x)
         x = x.contiguous()
         out = torch.empty_like(x) if out is None else out
-        with self._timed(kind):
+        with self._timed(kind, 2 * (n - 1) * _nbytes(x) // n):
             dist.all_to_all_single(out, x, group=group)
         self._count(kind, (n - 1) * _nbytes(x) // n)
         return out
@@ -284,7 +294,8 @@ class CommLayer:
             return Pending(works=[], recvs=[out.copy_(x)], keep=[])
         work = dist.all_to_all_single(out, x, group=group, async_op=True)
         self._count(kind, (n - 1) * _nbytes(x) // n)
-        pending = Pending(works=[work], recvs=[out], keep=[x], on_wait=self._blocked((self._phase, kind)))
+        pending = Pending(works=[work], recvs=[out], keep=[x],
+                          on_wait=self._blocked((self._phase, kind), 2 * (n - 1) * _nbytes(x) // n))
         if self.serial:
             pending = Pending(works=[], recvs=pending.wait(), keep=[])
         return pending
@@ -318,8 +329,9 @@ class CommLayer:
         for t in keep:
             self._count(kind, _nbytes(t))
         works = dist.batch_isend_irecv(ops) if ops else []
+        moved = sum(_nbytes(t) for t in keep) + sum(_nbytes(t) for t, peer in recvs if peer != me)
         pending = Pending(works=list(works), recvs=[t for t, _ in recvs], keep=keep,
-                          on_wait=self._blocked((self._phase, kind)))
+                          on_wait=self._blocked((self._phase, kind), moved))
         if self.serial and pending.works:
             # complete now, keep the handle's contract: the caller still waits exactly once
             recv_bufs = pending.wait()
