@@ -6,8 +6,10 @@
 WallFacer (``attention/wallfacer.py``) starts the next ring step's k/v exchange, runs the block kernel, then waits
 (``CommLayer.exchange`` returns a ``Pending``); its team exchanges (the skewed k/v gather, the team's q and the
 backward's rows, the partial outputs, dq and dk/dv sent to their owners) go point to point in rounds, each waited on
-only by the first call that needs it (Note [Pipelined team exchanges]). For each ring count and sequence length, attention forward +
-backward is timed three ways on the same inputs, the modes interleaved per iteration (a shared machine drifts):
+only by the first call that needs it (Note [Pipelined team exchanges]). Ulysses (U = P, ``--ulysses-head-groups``)
+in K head groups overlaps one group's all-to-all with another's kernels (Note [Ulysses in head groups]; K = 1: one
+blocking all-to-all each way). For each method and sequence length, attention forward + backward is timed three
+ways on the same inputs, the modes interleaved per iteration (a shared machine drifts):
 
   overlapped    as trained: the exchange in flight while the kernel runs
   serial        ``CommLayer.serial = True``: every exchange completes before it returns (same bytes, same
@@ -196,8 +198,8 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
                  ("ratio", ".2f"), ("exposed", ".2f"), ("MiB/rank", ".2f")],
                 [[r["method"], r["seq_len"], r["overlapped_s"], r["serial_s"], r["compute_only_s"],
                   r["blocked_overlapped_s"], r["blocked_serial_s"], r["hidden"], r["hidden_raw"],
-                  r["hidden_vs_blocked"], r["blocked_ratio"], r["exposed_share"], sum(r["bytes_rank0"].values()) / 2**20]
-                 for r in rows],
+                  r["hidden_vs_blocked"], r["blocked_ratio"], r["exposed_share"],
+                  sum(r["bytes_rank0"].values()) / 2**20] for r in rows],
                 title=f"\nattention fwd+bwd, P={args.ranks} CPU ranks (gloo, {args.threads} thread each), heads "
                       f"{args.heads}/{args.kv_heads}, d={args.head_dim}, fp32, kernel {args.kernel}; slowest rank, "
                       f"fastest of {args.iters}; seconds")

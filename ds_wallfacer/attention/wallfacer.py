@@ -198,9 +198,9 @@ def _mask_of(call: KernelCall, opts: _Options, device: torch.device) -> torch.Te
 # ``WallFacerAttention.accum_comm_dtype`` chooses each (``volume.SumDtypes``). The defaults were measured: bf16
 # inputs, 8/2 heads, causal zigzag, max abs error against float64 as a multiple of the same kernel's error on the
 # full sequence in one process (``benchmarks/bench_precision.py``); a tensor travels in the input dtype where that
-# stays within 2x, in fp32 where it does not. A partial output is normalised by its own lse before it is
-# rounded, so it is bounded by the output's scale, and the receiver weights it by exp(lse - lse_row) <= 1; dq partials and home slices are rounded once each
-# and summed once; only the ring accumulator is a running sum rounded again at every hop, so its error grows with
+# stays within 2x, in fp32 where it does not. A partial output is normalised by its own lse before it is rounded,
+# so it is bounded by the output's scale, and the receiver weights it by exp(lse - lse_row) <= 1; dq partials and
+# home slices are rounded once each and summed once; only the ring accumulator is a running sum rounded again at every hop, so its error grows with
 # the ring length G and it stays fp32.
 #
 # Note [Gradients of grouped heads]: with hq > hk a kernel's dk/dv of one call is a sum over the hq/hk query heads

@@ -56,7 +56,8 @@ def _run(rank: int, world: int) -> dict:
         attn = UlyssesAttention(dist.group.WORLD, LocalAttention("auto"), comm=comm, head_groups=groups)
         attn(sh(q), sh(k), sh(v), **kw)
         ckpt = KeepAttention(lambda fn, *a: torch.utils.checkpoint.checkpoint(fn, *a, use_reentrant=False))
-        leaves = [sh(x).requires_grad_() for x in (q, k, v)] + ([] if sinks is None else [sinks.clone().requires_grad_()])
+        leaves = [sh(x).requires_grad_() for x in (q, k, v)]
+        leaves += [] if sinks is None else [sinks.clone().requires_grad_()]
         o = ckpt(lambda *xs: attn(*xs[:3], **kw, sinks=xs[3] if len(xs) > 3 else None) * 1.0, *leaves)
         o.backward(sh(do))
         res["checkpointed"] = dict(tensors=[o.detach()] + [x.grad for x in leaves], stats=ckpt.stats.as_dict())
