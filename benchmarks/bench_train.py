@@ -7,6 +7,7 @@ checkpointing), and a non-parallel run, on the same HF Llama, data and steps.
     python benchmarks/bench_train.py --p8                   # adds ring vs WallFacer C = 2 on 8 ranks
     python benchmarks/bench_train.py --ckpt-seq-len 8192    # adds layer checkpointing on / off at a longer length
     python benchmarks/bench_train.py --only ulysses,alst    # a subset (names as in the table)
+    python benchmarks/bench_train.py --predict-only runs/bench/train/result.json   # predictions for a past run
 
 Every configuration is its own ``deepspeed --num_gpus N`` job (CPU ranks where there is no GPU; this script is
 the worker too, with ``--worker SPEC``; the ALST jobs live in ``bench_train_alst.py``): same model (seeded), same random-token batches (a skewed unigram
@@ -20,7 +21,9 @@ distribution, so the loss falls), AdamW, ``gradient_clipping`` 0, ZeRO-1, fp32. 
 - bytes sent per rank per step by kind: our ``CommLayer`` counts (``sp.comm``, every phase); ALST: its Ulysses
   all-to-alls counted around ``deepspeed.comm.all_to_all_single`` (its per-layer position-id all-gather and the
   data adapter's gathers are not counted; ZeRO's gradient traffic is counted for neither);
-- the loss of every step (the global token mean; ALST: its documented all-gather weighting).
+- the loss of every step (the global token mean; ALST: its documented all-gather weighting);
+- the planner's predicted step time (``predicted_step_s``: ``resolve_auto`` with this host's calibration, the path
+  "auto" takes; ALST predicted as our Ulysses of the same P) and predicted / measured (target: within 25 %).
 
 ALST's documented loss weighting and DeepSpeed's mpu give its gradients another scale than the non-parallel run
 (docs/design.md §4); AdamW is nearly scale-invariant, so its losses agree with ours to a few 1e-6, not exactly.
@@ -174,6 +177,7 @@ def worker(spec_path: str) -> None:
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     sent = dict(comm.sent)  # the last step's
+    calls = {f"{ph}/{kd}": n for (ph, kd), n in getattr(comm, "calls", {}).items()}
     times = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
     mine = dict(peak=peak_gib(), base=base, sent={f"{ph}/{kd}": b for (ph, kd), b in sent.items()})
@@ -190,11 +194,34 @@ def worker(spec_path: str) -> None:
                    tokens_per_s_best=spec["seq_len"] / min(timed), step_times=timed, losses=losses,
                    final_loss=losses[-1], peak_gib=max(e["peak"] for e in every),
                    act_gib=max(e["peak"] - e["base"] for e in every), model_gib=max(e["base"] for e in every),
-                   bytes_by_kind=kinds, bytes_by_phase_kind=every[0]["sent"],
+                   bytes_by_kind=kinds, bytes_by_phase_kind=every[0]["sent"], calls=calls,
                    bytes_total=sum(kinds.values()), bytes_max_rank=max(sum(e["sent"].values()) for e in every))
         print(_MARK + json.dumps(res), flush=True)
     if hasattr(engine, "destroy"):
         engine.destroy()
+
+
+# ----------------------------------------------------------------------------------------------- prediction
+def predicted_step_s(cfg: dict, args: argparse.Namespace) -> float | None:
+    """The planner's step time for a configuration, through the path "auto" takes at start-up (``resolve_auto``
+    with this host's calibration): the "wallfacer" section as the job's, fp32, ZeRO ``--zero``. ALST runs are
+    predicted as our Ulysses of the same P (with MsT for its tiling), the nearest configuration the model knows."""
+    from ds_wallfacer.config import WallFacerConfig
+    from ds_wallfacer.planner.auto import PlanInputs, resolve_auto
+
+    section = cfg.get("section")
+    if cfg["system"] == "alst":
+        section = dict(sequence_parallel_size=cfg["ranks"], mode="ulysses", ulysses_degree=cfg["ranks"],
+                       **({"mini_sequence": {}} if cfg.get("tiled") else {}))
+    inputs = PlanInputs(model=MODEL, seq_len=cfg["seq_len"], zero_stage=args.zero, elem_bytes=4,
+                        default_cluster="cpu", environ={})
+    try:
+        setup = resolve_auto(WallFacerConfig.from_dict(section), world_size=cfg["ranks"],
+                             num_heads=MODEL["num_attention_heads"], num_kv_heads=MODEL["num_key_value_heads"],
+                             ranks_per_node=cfg["ranks"], planner_inputs=inputs)
+    except ValueError:
+        return None
+    return (setup.planner_choice or {}).get("step_s")
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -260,10 +287,18 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
           f"memory GiB per rank (max), bytes = MiB sent by rank 0 in one step")
     kinds = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "check")
     single = next((r for r in ok if r["ranks"] == 1), None)
-    print_table([("configuration", "<"), ("P", "d"), ("tokens", "d"), ("tok/s", ".0f"), ("best", ".0f"),
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the calibration measures as a rank computes
+    cfg_by_name = {c["name"]: c for c in configurations(args)}
+    for r in ok:  # the planner's prediction (this host's calibration) beside the measured median step
+        cfg = cfg_by_name.get(r["name"])
+        r["predicted_step_s"] = predicted_step_s(cfg, args) if cfg else None
+        r["predicted_over_measured"] = r["predicted_step_s"] / r["step_s"] if r["predicted_step_s"] else None
+    print_table([("configuration", "<"), ("P", "d"), ("tokens", "d"), ("step s", ".3f"), ("pred s", ".3f"),
+                 ("pred/meas", ".2f"), ("tok/s", ".0f"), ("best", ".0f"),
                  ("vs 1", ".2f"), ("final loss", ".6f"), ("peak", ".3f"), ("act", ".3f"), ("MiB", ".2f"),
                  *((k, ".2f") for k in kinds)],
-                [[r["name"], r["ranks"], r["seq_len"], r["tokens_per_s"], r.get("tokens_per_s_best", float("nan")),
+                [[r["name"], r["ranks"], r["seq_len"], r["step_s"], r["predicted_step_s"], r["predicted_over_measured"],
+                  r["tokens_per_s"], r.get("tokens_per_s_best", float("nan")),
                   r["tokens_per_s"] / single["tokens_per_s"] if single and r["seq_len"] == single["seq_len"] else None,
                   r["final_loss"], r["peak_gib"], r["act_gib"], r["bytes_total"] / 2**20,
                   *(r["bytes_by_kind"].get(k, 0) / 2**20 for k in kinds)] for r in ok])
@@ -283,6 +318,15 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> None:
                   f"|d loss| {dloss:.2e} -> {'met' if met else 'MISSED'}")
             summary[f"{ours} / {alst}"] = dict(tokens_per_s_ratio=round(ratio, 3), best_step_ratio=round(best, 3),
                                                loss_diff=dloss, met=met)
+    ratios = [r["predicted_over_measured"] for r in ok if r.get("predicted_over_measured")]
+    if ratios:
+        worst = max(ratios, key=lambda x: abs(x - 1))
+        met = all(0.75 <= x <= 1.25 for x in ratios)
+        print(f"target: predicted step within 25 % of measured in every configuration: worst predicted/measured "
+              f"{worst:.2f} -> {'met' if met else 'MISSED'}")
+        summary["predicted_over_measured"] = {r["name"]: round(r["predicted_over_measured"], 3) for r in ok
+                                              if r.get("predicted_over_measured")}
+        summary["prediction_target_met"] = met
     ref = by_name.get("single rank")
     if ref:
         same = [r for r in ok if r["seq_len"] == ref["seq_len"] and r["system"] == "ours"]
@@ -339,6 +383,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--job-timeout-s", type=int, default=900)
     add_out_option(p, "train")
+    p.add_argument("--predict-only", default=None, help="a result.json of an earlier run: print its table with the "
+                   "planner's predictions (this host's calibration) without running anything")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = p.parse_args()
@@ -348,6 +394,15 @@ def main() -> None:
     for n in (args.seq_len, args.ckpt_seq_len):
         if n and n % (2 * max(args.ranks, 8 if args.p8 else 1)):
             raise SystemExit(f"--seq-len / --ckpt-seq-len {n} must be divisible by 2P")
+    if args.predict_only:
+        old = json.loads(Path(args.predict_only).read_text())
+        for key in ("ranks", "seq_len", "steps", "warmup"):
+            setattr(args, key, old.get(key, getattr(args, key)))
+        args.p8 = any(r["ranks"] == 8 for r in old["results"])
+        cks = [r["seq_len"] for r in old["results"] if r.get("group") == "ckpt"]
+        args.ckpt_seq_len = cks[0] if cks else 0
+        _report(args, old["results"], old.get("wall_s", 0.0))
+        return
     cfgs = configurations(args)
     print(f"{len(cfgs)} jobs: " + ", ".join(c["name"] for c in cfgs), flush=True)
     t0 = time.time()

@@ -6,6 +6,7 @@ peak memory per rank, and pick the fastest one that fits:
 - ``ClusterSpec`` / ``CLUSTERS`` / ``from_env``: links, memory and compute per rank (presets, launch env)
 - ``ModelSpec`` / ``MODELS``: shapes from an HF config or presets
 - ``Candidate``, ``Workload``: one configuration, and what is trained
+- ``calibrated``: a cluster with this device's measured compute (``calibrate.py``: a cached micro-benchmark)
 - ``estimate`` (cost model, byte counts from ``attention.volume``), ``memory_breakdown`` (memory model)
 - ``plan`` (all rows, ranked) and ``resolve`` (the choice for "auto" config values at start-up)
 - ``resolve_auto`` / ``ParallelSetup``: a ``"wallfacer"`` section's "auto" values chosen (planner, else the safe rule)
@@ -25,6 +26,8 @@ _EXPORTS = {
     "ClusterSpec": ".cluster",
     "from_env": ".cluster",
     "get_cluster": ".cluster",
+    "Calibration": ".calibrate",
+    "calibrated": ".calibrate",
     "CostBreakdown": ".cost",
     "estimate": ".cost",
     "layer_bytes": ".cost",

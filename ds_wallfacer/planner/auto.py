@@ -225,6 +225,8 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
         notes.append(f"planner not used: the cluster does not fit {world_size} ranks ({e}); the safe rule chose "
                      "instead")
         return None
+    # this device's measured compute (a cached micro-benchmark; measured once on CPU, read if cached on a GPU)
+    cluster = pl.calibrated(cluster)
     ms = cfg.mini_sequence
     fixed = {
         "mode": None if cfg.mode == "auto" else cfg.mode,

@@ -22,7 +22,7 @@ from .candidate import PLACEMENTS, STRATEGIES, Workload
 from .cluster import CLUSTERS, get_cluster
 from .memory import GIB
 from .model import MODELS, ModelSpec, get_model
-from .paper import comparisons, worked_example
+from .paper import comparisons, speedup_table, worked_example
 from .search import Plan, PlanError, plan
 
 __all__ = ["main", "parse_args"]
@@ -35,6 +35,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cluster", default="h100x64", help=f"preset: {', '.join(CLUSTERS)}")
     ap.add_argument("--model", default="llama3-8b", help=f"preset ({', '.join(MODELS)}) or an HF config.json path")
     ap.add_argument("--seq-len", type=int, default=131072)
+    ap.add_argument("--calibrate", action="store_true", help="measure this device's compute (GEMM, attention "
+                    "kernel, per-call overhead, optimizer, gloo latency), cache it and print it (planner/calibrate.py)")
     g = ap.add_argument_group("cluster fields (override the preset)")
     g.add_argument("--world-size", type=int)
     g.add_argument("--nodes", type=int)
@@ -201,6 +203,17 @@ def print_paper(rows: list[dict[str, Any]], example: dict[str, float]) -> None:
             print("    head caps: " + "; ".join(caps[:3]))
 
 
+def print_speedups(rows: list[dict[str, Any]]) -> None:
+    """The paper table: predicted multi-ring speedup over ring per setting against the paper's best published."""
+    print(f"\npredicted multi-ring speedup over ring (whole step; attention alone) vs the paper's best published "
+          f"gain on GPT-style models (x{rows[0]['paper_best_speedup']:.2f}, +77.12 %):" if rows else "")
+    for r in rows:
+        print(f"  {r['cluster']:12} {r['model']:15} P={r['sp_size']:<3} N={r['seq_len']:<7} {r['best_multi_ring']:14} "
+              f"x{r['predicted_speedup']:.2f} (attention x{r['predicted_attention_speedup']:.2f}) "
+              f"/ paper x{r['paper_best_speedup']:.2f} = {r['ratio_to_paper']:.2f}; ring exposed comm "
+              f"{r['ring_exposed_share']:.0%} at {r['tokens_per_rank']} tokens/rank: {r['explanation']}")
+
+
 def plot(cluster, model, args: argparse.Namespace, sp_size: int, path: Path) -> Path:
     """Predicted step time against sequence length, best row per (strategy, C, U) at SP size ``sp_size``;
     hollow markers: out of memory."""
@@ -243,11 +256,19 @@ def plot(cluster, model, args: argparse.Namespace, sp_size: int, path: Path) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out: dict[str, Any] = {}
+    if args.calibrate:
+        from .calibrate import main as calibrate_main
+
+        import torch
+
+        return calibrate_main(["--force", "--device", "cuda" if torch.cuda.is_available() else "cpu"])
     if args.paper:
         out["paper"] = {"worked_example": worked_example(), "comparisons": comparisons(),
                         "comparisons_no_overlap": comparisons(overlap=False)}
+        out["paper"]["speedup_table"] = speedup_table(out["paper"]["comparisons"])
         if not args.json:
             print_paper(out["paper"]["comparisons"], out["paper"]["worked_example"])
+            print_speedups(out["paper"]["speedup_table"])
             print("\nwithout overlap of ring hops and attention:")
             print_paper(out["paper"]["comparisons_no_overlap"], out["paper"]["worked_example"])
             return 0

@@ -13,8 +13,8 @@ Pure Python: nothing here imports torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 __all__ = ["ClusterSpec", "CLUSTERS", "get_cluster", "from_env"]
 
@@ -49,6 +49,8 @@ class ClusterSpec:
     host_mem_bytes: float = 0.0
     """Host memory per node for offloaded state (0: not checked)."""
     backend: str = "nccl"
+    calibration: Any = field(default=None, compare=False, repr=False)
+    """This device's measured compute (``planner.calibrate.Calibration``); None: ``flops`` x ``mfu``."""
 
     def __post_init__(self) -> None:
         for key in ("nodes", "ranks_per_node", "nics_per_node"):

@@ -14,7 +14,7 @@ from .cost import paper_figures
 from .model import MODELS
 from .search import PlanError, plan
 
-__all__ = ["PAPER_SETTINGS", "comparisons", "worked_example"]
+__all__ = ["PAPER_SETTINGS", "PUBLISHED_GPT_SPEEDUP", "comparisons", "speedup_table", "worked_example"]
 
 PAPER_SETTINGS = (
     # (cluster, model, P, N): 8x8 H100 + IB and 4x8 A100 + Ethernet at 64K-128K; one NVLink node for contrast
@@ -28,6 +28,43 @@ PAPER_SETTINGS = (
     ("h100x64", "llama3-8b", 64, 131072),
     ("h100x64", "llama3-8b", 8, 131072),
 )
+
+
+PUBLISHED_GPT_SPEEDUP = 1.7712
+"""The paper's best measured throughput gain of WallFacer over ring attention on GPT-style models, +77.12 % (its
+abstract; +114.33 % on DiT). Its per-setting figures are not reproduced here: every setting is compared with this
+upper bound."""
+
+
+def speedup_table(rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Per paper setting: the best multi-ring row's predicted step speedup over ring (and attention alone), against
+    the paper's best published gain, with what the model says makes the difference (ring's exposed
+    communication as a share of its step, tokens per rank)."""
+    out = []
+    for r in rows if rows is not None else comparisons():
+        if "error" in r:
+            continue
+        fams = r["families"]
+        ring = fams.get("ring")
+        multi = [(f, d) for f, d in fams.items() if f.startswith("wallfacer C=") and d["speedup_vs_ring"]]
+        if not ring or not multi:
+            continue
+        fam, best = max(multi, key=lambda fd: fd[1]["speedup_vs_ring"])
+        pred = best["speedup_vs_ring"]
+        share = ring.get("exposed_comm_s", 0.0) / ring["step_s"] if ring["step_s"] else 0.0
+        tokens = r["seq_len"] // r["sp_size"]
+        if pred <= PUBLISHED_GPT_SPEEDUP * 1.25:
+            why = "within 25 % of the paper's best, or below it"
+        else:
+            why = (f"ring is communication-bound here: {share:.0%} of its predicted step is exposed communication at "
+                   f"{tokens} tokens per rank, so cutting its bytes by C pays almost in full; the paper's best gain "
+                   f"is bounded by the compute it measured beside it")
+        out.append({"cluster": r["cluster"], "model": r["model"], "sp_size": r["sp_size"], "seq_len": r["seq_len"],
+                    "best_multi_ring": fam, "config": best["config"], "predicted_speedup": pred,
+                    "predicted_attention_speedup": best["attn_speedup_vs_ring"],
+                    "paper_best_speedup": PUBLISHED_GPT_SPEEDUP, "ratio_to_paper": pred / PUBLISHED_GPT_SPEEDUP,
+                    "ring_exposed_share": share, "tokens_per_rank": tokens, "explanation": why})
+    return out
 
 
 def worked_example() -> dict[str, float]:
@@ -67,6 +104,7 @@ def comparisons(*, overlap: bool = True, settings=PAPER_SETTINGS) -> list[dict[s
             k = row.cost
             fams[fam] = {
                 "config": row.candidate.label, "fits": row.fits, "reason": row.reason, "step_s": k.step_s,
+                "exposed_comm_s": k.exposed_comm_s, "compute_s": k.compute_s,
                 "attn_layer_s": k.attn_layer_s, "comm_bytes_per_step": k.step_bytes,
                 "speedup_vs_ring": ring.cost.step_s / k.step_s if ring and row.fits else None,
                 "attn_speedup_vs_ring": ring.cost.attn_layer_s / k.attn_layer_s if ring and row.fits else None,
