@@ -53,12 +53,15 @@ def speedup_table(rows: list[dict[str, Any]] | None = None) -> list[dict[str, An
         pred = best["speedup_vs_ring"]
         share = ring.get("exposed_comm_s", 0.0) / ring["step_s"] if ring["step_s"] else 0.0
         tokens = r["seq_len"] // r["sp_size"]
-        if pred <= PUBLISHED_GPT_SPEEDUP * 1.25:
-            why = "within 25 % of the paper's best, or below it"
+        if abs(pred / PUBLISHED_GPT_SPEEDUP - 1) <= 0.25:
+            why = "within 25 % of the paper's best"
+        elif pred < PUBLISHED_GPT_SPEEDUP:
+            why = (f"below the paper's best, which is a maximum over its settings: ring hides most of its hops here "
+                   f"({share:.0%} of its step exposed at {tokens} tokens per rank)")
         else:
-            why = (f"ring is communication-bound here: {share:.0%} of its predicted step is exposed communication at "
-                   f"{tokens} tokens per rank, so cutting its bytes by C pays almost in full; the paper's best gain "
-                   f"is bounded by the compute it measured beside it")
+            why = (f"ring is communication-bound in the model ({share:.0%} of its step exposed at {tokens} tokens "
+                   f"per rank: its hops outlast the block kernels), so C-fold fewer bytes pay almost in full; the "
+                   f"paper measured at most +77 %")
         out.append({"cluster": r["cluster"], "model": r["model"], "sp_size": r["sp_size"], "seq_len": r["seq_len"],
                     "best_multi_ring": fam, "config": best["config"], "predicted_speedup": pred,
                     "predicted_attention_speedup": best["attn_speedup_vs_ring"],
