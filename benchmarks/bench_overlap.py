@@ -17,7 +17,8 @@ ways on the same inputs, the modes interleaved per iteration (a shared machine d
   compute only  the time inside the block-kernel calls alone (the kernel object wrapped with a timer), from the
                 serial run, where no transfer competes with it
 
-Each figure is the slowest rank's (a step ends when the last rank ends), the fastest of the iterations (the least
+Each figure is the slowest rank's (a step ends when the last rank ends; its blocked time is what communication added
+to the step, where a faster rank's also holds its wait for the slowest), the fastest of the iterations (the least
 disturbed on a shared machine; the medians are in the JSON). Reported:
 
   hidden = (serial - overlapped) / (serial - compute_only), clipped to [0, 1]
@@ -141,8 +142,11 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
             dist.all_reduce(share)
             # [iters, 3] per mode -> the slowest rank per iteration (max over ranks), then over iterations
             stats = torch.tensor([per_mode[m] for m in MODES], dtype=torch.float64)  # [modes, iters, 3]
-            slowest = stats.clone()
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            every = [torch.zeros_like(stats) for _ in range(world)]
+            dist.all_gather(every, stats)
+            every = torch.stack(every)  # [ranks, modes, iters, 3]
+            last = every[..., 0].argmax(dim=0)  # per mode and iteration, the rank that ended last: its figures
+            slowest = torch.gather(every, 0, last[None, ..., None].expand(1, *last.shape, 3))[0]
             mean = stats.clone()
             dist.all_reduce(mean)
             mean /= world
