@@ -75,7 +75,7 @@ def test_reset_clears_the_blocked_time() -> None:
 def _exposure(rank: int, world: int) -> dict:
     """Per case: the exposed transfers of one causal forward + backward (``comm.exposed``), how many were hidden, and
     this rank's team position. Cases: ring and WallFacer C = 2 over all 8 ranks (G = 2), C = 2 over two groups of
-    4 (G = 1: no ring step, only team exchanges), serial ring."""
+    4 (G = 1: no ring step, only team exchanges), serial ring, and the hybrid (U = 2 around C = 2, G = 1)."""
     from ds_wallfacer.attention import WallFacerAttention
     from ds_wallfacer.comm import CommLayer, RankLayout, build_groups, exposed
     from ds_wallfacer.data import shard
@@ -96,6 +96,28 @@ def _exposure(rank: int, world: int) -> dict:
         with comm.recording() as timeline:
             attn(ql, kl, vl, causal=True).backward(sh(do))
         out[name] = (exposed(timeline), sum(r.hidden for r in timeline), groups.place.local)
+    # the hybrid: Ulysses U = 2 around WallFacer C = 2 over R = 4 ring ranks (G = 1)
+    from ds_wallfacer.comm.dims import ParallelDims
+    from ds_wallfacer.data import shard_sequence
+    from ds_wallfacer.integration import build_sequence_parallel
+    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.planner.auto import ParallelSetup
+
+    dims = ParallelDims(world_size=world, sp_size=world, mode="hybrid", ulysses_degree=2, ring_count=2, num_heads=4,
+                        num_kv_heads=2)
+    groups = build_sequence_parallel(ParallelSetup(dims))
+    comm = CommLayer(device="cpu")
+    attn = attention_for(groups, comm=comm)
+    n = SEQ_PER_RANK * world
+    q, do = (torch.randn(1, 4, n, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(2))
+    sh = lambda x: shard_sequence(x, dim=2, index=groups.shard_index, sp_size=world, ulysses_degree=2,  # noqa: E731
+                                  scheme="zigzag")
+    ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+    attn(ql, kl, vl, causal=True)  # the input check's one-time all-gather, outside the recording
+    with comm.recording() as timeline:
+        attn(ql, kl, vl, causal=True).backward(sh(do))
+    out["hybrid"] = (exposed(timeline), sum(r.hidden for r in timeline), groups.wallfacer.place.local)
     return out
 
 
@@ -106,7 +128,8 @@ def test_only_the_transfers_the_schedule_cannot_hide_are_exposed() -> None:
     finished rows of the other members are sent while this rank's own are computed (Note [Pipelined team
     exchanges]). Exposed are what the design cannot hide: the home send, and on a rank whose first k/v block is
     another team's (local != 0) the first k/v piece of the forward and of the backward, as nothing can be computed
-    before it. Serial communication exposes everything (the recording can tell the two apart)."""
+    before it. The hybrid's Ulysses all-to-alls are blocking (one each way in each phase); its WallFacer exposes what
+    WallFacer alone does. Serial communication exposes everything (the recording can tell the two apart)."""
     fwd, bwd = "forward", "backward"
     for rank, res in enumerate(run_distributed(_exposure, 8, timeout_s=300)):
         assert res["ring"][0] == [(bwd, "skew")], f"rank {rank} ring: exposed {res['ring'][0]}"
@@ -116,5 +139,12 @@ def test_only_the_transfers_the_schedule_cannot_hide_are_exposed() -> None:
             want = first + ([] if local == 0 else [(bwd, "skew")]) + [(bwd, "skew")]
             assert kinds == want, f"rank {rank} {name} (local {local}): exposed {kinds}, expected {want}"
             assert hidden > 0, f"rank {rank} {name}: nothing recorded as hidden"
+        # the hybrid's all-to-alls are blocking; inside them its WallFacer hides what WallFacer alone does
+        kinds, hidden, local = res["hybrid"]
+        first = [] if local == 0 else [(fwd, "skew")]
+        a2a_f, a2a_b = (fwd, "all_to_all"), (bwd, "all_to_all")
+        want = [a2a_f, *first, a2a_f, a2a_b, *([] if local == 0 else [(bwd, "skew")]), (bwd, "skew"), a2a_b]
+        assert kinds == want, f"rank {rank} hybrid (local {local}): exposed {kinds}, expected {want}"
+        assert hidden > 0, f"rank {rank} hybrid: nothing recorded as hidden"
         serial_exposed, serial_hidden, _ = res["serial ring"]
         assert serial_hidden == 0 and len(serial_exposed) == len(res["ring"][0]) + res["ring"][1], rank
