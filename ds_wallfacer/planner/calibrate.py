@@ -5,10 +5,13 @@ Measured (``measure``), each at a few sizes so that efficiency against size is c
 
 - ``gemm``: FLOP/s of ``x @ w`` forward + both backward matmuls (the layer's projections and MLP), against the
   FLOPs of one call;
-- ``attention``: FLOP/s of the block-attention kernel ``attention.kernels.get_kernel("auto", q)`` forward +
-  backward, causal, against the FLOPs of one call (forward: 2 Sq Sk h (d + dv), halved by the causal mask);
-- ``op_s``: seconds of one tiny autograd op, forward + backward (what every op of a step costs on top of its
-  arithmetic: the Python, dispatcher and autograd overhead that dominates small shapes);
+- ``attention`` / ``attention_full``: FLOP/s of the block-attention kernel ``attention.kernels.get_kernel("auto",
+  q)`` forward + backward, causal (a diagonal block) and without the mask (a ring's off-diagonal block), against
+  the FLOPs of one call (forward: 2 Sq Sk h (d + dv), halved by the causal mask);
+- ``op_s``: seconds of one tiny autograd op, forward + backward, in the mix a decoder layer makes (norm,
+  projection, gated activation, layout copy, residual): what every op of a step costs on top of its arithmetic,
+  the Python, dispatcher and autograd overhead that dominates small shapes;
+- ``mem_bw``: bytes/s of a large elementwise op (the norms, rotary, activations and copies are memory-bound);
 - ``adam_s_per_param``: seconds per parameter of ``torch.optim.AdamW.step`` over a flat fp32 tensor;
 - ``cores``: CPU cores this process may run on (ranks beyond them share the cores).
 
@@ -33,7 +36,7 @@ from typing import Any
 
 __all__ = ["Calibration", "cache_path", "calibrated", "device_key", "load", "load_or_measure", "measure"]
 
-VERSION = 2
+VERSION = 4
 """Bumped when what is measured changes: older cache files are measured again."""
 
 
@@ -48,10 +51,14 @@ class Calibration:
     gemm: tuple[tuple[float, float], ...]
     """(FLOPs per call, FLOP/s), ascending."""
     attention: tuple[tuple[float, float], ...]
-    """(FLOPs per call forward + backward, FLOP/s), ascending."""
+    """(FLOPs per call forward + backward, FLOP/s), ascending: causal calls (a diagonal block)."""
     op_s: float
     """One tiny autograd op, forward + backward."""
+    mem_bw: float
+    """Bytes read + written per second by an elementwise op over a large tensor."""
     adam_s_per_param: float
+    attention_full: tuple[tuple[float, float], ...] = ()
+    """The same for calls without the causal mask (ring attention's off-diagonal blocks)."""
     collective_s: tuple[tuple[float, float, float], ...] = ()
     """(ranks per core, seconds of one small all-gather, of one point-to-point exchange), gloo on this host, ranks
     per core ascending (the other ranks idle); empty on GPUs (their links' latencies are the presets')."""
@@ -63,8 +70,8 @@ class Calibration:
     def gemm_rate(self, flops_per_call: float) -> float:
         return _interp(self.gemm, flops_per_call)
 
-    def attention_rate(self, flops_per_call: float) -> float:
-        return _interp(self.attention, flops_per_call)
+    def attention_rate(self, flops_per_call: float, *, causal: bool = True) -> float:
+        return _interp(self.attention if causal or not self.attention_full else self.attention_full, flops_per_call)
 
     def latency(self, kind: str, ranks_per_core: float) -> float:
         """Seconds per ``kind`` call ("collective" or "p2p") at ``ranks_per_core``: linear between the measured
@@ -87,6 +94,7 @@ class Calibration:
         d["gemm"] = tuple(tuple(x) for x in d["gemm"])
         d["attention"] = tuple(tuple(x) for x in d["attention"])
         d["collective_s"] = tuple(tuple(x) for x in d.get("collective_s", ()))
+        d["attention_full"] = tuple(tuple(x) for x in d.get("attention_full", ()))
         return cls(**d)
 
 
@@ -337,36 +345,49 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
         flops = 6.0 * t * k * n
         gemm.append((flops / 3, flops / s))  # per call: one of the three matmuls
 
-    attention = []
+    attention, attention_full = [], []
     h, d = 4, 32
-    for n_tok in (128, 512, 2048):
-        n_tok *= scale
-        q = torch.randn(1, h, n_tok, d, device=dev, dtype=dtype)
-        k_ = torch.randn(1, h // 2, n_tok, d, device=dev, dtype=dtype)
-        v = torch.randn(1, h // 2, n_tok, d, device=dev, dtype=dtype)
-        kern = get_kernel("auto", q)
-        out, lse = kern.forward(q, k_, v, causal=True, scale=d**-0.5)
-        dout = torch.randn_like(out)
+    for causal, sizes, table in ((True, (128, 512, 2048), attention), (False, (128, 256, 1024), attention_full)):
+        for n_tok in sizes:
+            n_tok *= scale
+            q = torch.randn(1, h, n_tok, d, device=dev, dtype=dtype)
+            k_ = torch.randn(1, h // 2, n_tok, d, device=dev, dtype=dtype)
+            v = torch.randn(1, h // 2, n_tok, d, device=dev, dtype=dtype)
+            kern = get_kernel("auto", q)
+            out, lse = kern.forward(q, k_, v, causal=causal, scale=d**-0.5)
+            dout = torch.randn_like(out)
 
-        def run(q=q, k_=k_, v=v, kern=kern, dout=dout):
-            o, l_ = kern.forward(q, k_, v, causal=True, scale=d**-0.5)
-            kern.backward(dout, q, k_, v, o, l_, causal=True, scale=d**-0.5)
+            def run(q=q, k_=k_, v=v, kern=kern, dout=dout, causal=causal):
+                o, l_ = kern.forward(q, k_, v, causal=causal, scale=d**-0.5)
+                kern.backward(dout, q, k_, v, o, l_, causal=causal, scale=d**-0.5)
 
-        s = _timeit(run, min_s=each, sync=sync)
-        fwd = 2.0 * n_tok * n_tok * h * (d + d) / 2  # causal: half the score matrix
-        total = fwd * 3.5  # backward: 2.5x forward (flash-attention's 5 matmuls vs 2)
-        attention.append((total, total / s))
+            s = _timeit(run, min_s=each * 0.7, sync=sync)
+            fwd = 2.0 * n_tok * n_tok * h * (d + d) / (2 if causal else 1)  # causal: half the score matrix
+            total = fwd * 3.5  # backward: 2.5x forward (flash-attention's 5 matmuls vs 2)
+            table.append((total, total / s))
 
-    # one tiny autograd op, forward + backward: a chain of 64 adds on 4 elements
-    a = torch.randn(4, device=dev, requires_grad=True)
+    # one tiny call, forward + backward: the kinds of ops a decoder layer makes (norm, projection, gated
+    # activation, layout copy, residual) on a [4, 8] tensor, 13 ops per block
+    a = torch.randn(4, 8, device=dev, requires_grad=True)
+    lin = torch.nn.Linear(8, 8, device=dev)
+    wn = torch.ones(8, device=dev, requires_grad=True)
 
     def chain():
         y = a
-        for _ in range(64):
-            y = y * 1.0001
+        for _ in range(8):
+            h = y.pow(2).mean(-1, keepdim=True)
+            h = wn * (y * torch.rsqrt(h + 1e-6))
+            z = lin(h)
+            z = torch.nn.functional.silu(z) * z
+            y = y + z.transpose(0, 1).contiguous().transpose(0, 1)
         y.sum().backward()
 
-    op_s = _timeit(chain, min_s=each, sync=sync) / 65
+    op_s = _timeit(chain, min_s=each, sync=sync) / (8 * 13 + 2)
+
+    # memory-bound elementwise work (norms, rotary, activations, residuals, layout copies): bytes read + written
+    # per second of an out-of-place multiply over 16 MiB
+    big = torch.randn(1 << 22, device=dev, dtype=dtype)
+    mem_bw = 2 * big.numel() * big.element_size() / _timeit(lambda: big * 1.0001, min_s=each / 2, sync=sync)
 
     p = torch.nn.Parameter(torch.randn(1 << 20, device=dev, dtype=torch.float32))
     p.grad = torch.randn_like(p)
@@ -380,7 +401,8 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
     coll = () if cuda else _collective_latency(cores)
     return Calibration(
         device=_device_name(device), torch=torch.__version__, threads=threads, cores=cores,
-        gemm=tuple(sorted(gemm)), attention=tuple(sorted(attention)), op_s=op_s, adam_s_per_param=adam,
+        gemm=tuple(sorted(gemm)), attention=tuple(sorted(attention)), attention_full=tuple(sorted(attention_full)),
+        op_s=op_s, mem_bw=mem_bw, adam_s_per_param=adam,
         collective_s=coll, measured_s=round(time.perf_counter() - t_start, 2), extra={"kernel": kern.name, "dtype": str(dtype)},
     )
 

@@ -101,7 +101,8 @@ class CostBreakdown:
     """Communication per step that nothing hides: attention's exposed part, ZeRO's beyond the backward, and the
     per-collective latencies of the other collectives the step makes (loss, data check, ZeRO)."""
     overhead_s: float = 0.0
-    """Per-call overhead per step: op calls x the measured time of a tiny call (0 without a calibration)."""
+    """Per-call overhead per step: op calls x the measured time of a tiny call, plus the memory-bound elementwise
+    bytes at the measured bandwidth (0 without a calibration)."""
     optimizer_s: float = 0.0
     """The optimizer step over this rank's parameter shard (0 without a calibration)."""
     ops: float = 0.0
@@ -211,12 +212,19 @@ def _kernel_times(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workl
     mlp_call = 2.0 * b * tok_mlp * model.hidden * model.intermediate
     proj_f = linear_f - mlp_f
     proj_call = proj_f / 4
-    per_call = attn_f / kernel_calls(cand) * (1 + _BWD_ATTN)
-    attn_rate = cal.attention_rate(per_call)
+    # zigzag: of the rank's work 1/R is against its own k/v, half of that under the causal mask (its two diagonal
+    # chunks); the other calls are full blocks
+    calls = kernel_calls(cand)
+    causal = 1.0 if cand.ring_size == 1 else 0.5 / cand.ring_size
+    diag = attn_f * causal
+    per_s = diag / cal.attention_rate(diag * (1 + _BWD_ATTN))
+    if calls > 1:
+        full = (attn_f - diag) / (calls - 1)
+        per_s += (attn_f - diag) / cal.attention_rate(full * (1 + _BWD_ATTN), causal=False)
     mlp = mlp_f / cal.gemm_rate(mlp_call)
     return _KernelTimes(
-        linear=proj_f / cal.gemm_rate(proj_call) + mlp, mlp=mlp, attention=attn_f / attn_rate,
-        attention_bwd=_BWD_ATTN * attn_f / attn_rate,
+        linear=proj_f / cal.gemm_rate(proj_call) + mlp, mlp=mlp, attention=per_s,
+        attention_bwd=_BWD_ATTN * per_s,
         head=head_f / cal.gemm_rate(2.0 * b * tok_head * model.hidden * model.vocab),
     )
 
@@ -283,6 +291,23 @@ def _latency(cluster: ClusterSpec, kind: str) -> float:
     return cluster.intra_latency if cluster.nodes == 1 else cluster.inter_latency
 
 
+def _elementwise_bytes(model: ModelSpec, cand: Candidate, workload: Workload) -> float:
+    """Bytes the memory-bound ops of one step move on a rank (read + written), roughly: per layer forward, two
+    norms (6 passes each over T x H) and two residual adds (3 each), rotary on q and k (8 passes), attention's
+    layout copies of q, k, v and the output (4 passes) and the log-sum-exp merge of each block call's output
+    (6 passes over it), the gated activation (4 passes over T x I); the backward twice the forward, the
+    recomputed forward once more under checkpointing (its MLP part under MsT)."""
+    m, e = model, workload.elem_bytes
+    t = workload.batch * workload.seq_len // cand.sp_size
+    qd, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    calls = kernel_calls(cand) if cand.sp_size > 1 else 1
+    attn = t * (8 * (qd + kd) + 4 * (qd + 2 * kd) + 6 * qd * (calls - 1) / max(1, cand.ulysses_degree))
+    mlp = t * 4 * m.intermediate
+    fwd = e * (t * 18 * m.hidden + attn + mlp)
+    again = (fwd if cand.checkpointing else 0.0) + (e * mlp if cand.mini_sequence and not cand.checkpointing else 0.0)
+    return m.layers * (3 * fwd + again)
+
+
 def _param_tensors(model: ModelSpec) -> int:
     """Parameter tensors: per layer four projections, the MLP's matrices and two norms; embedding, final norm and
     (untied) LM head."""
@@ -347,7 +372,7 @@ def estimate(
             _OPS_COLLECTIVE * sum(cb.values())
         ops = layers * (fwd_ops + re_ops + bwd_ops) + (1 + _BWD_OPS) * _OPS_HEAD_CHUNK * head_chunks + _OPS_STEP + \
             _OPS_PARAM * _param_tensors(model)
-        overhead = ops * cal.op_s
+        overhead = ops * cal.op_s + _elementwise_bytes(model, cand, workload) / cal.mem_bw
         w = cluster.world_size
         shard = model.params / (w if workload.zero_stage >= 1 else 1)
         optimizer = shard * cal.adam_s_per_param

@@ -20,8 +20,8 @@ TINY = ModelSpec("tiny", layers=2, hidden=128, heads=8, kv_heads=4, intermediate
 
 FAKE = Calibration(
     device="cpu test", torch="0", threads=1, cores=2,
-    gemm=((1e6, 2e10), (1e9, 6e10)), attention=((1e7, 1e10), (1e9, 3e10)),
-    op_s=1e-5, adam_s_per_param=3e-9, collective_s=((1.0, 5e-4, 2e-4), (2.0, 4e-3, 8e-4)),
+    gemm=((1e6, 2e10), (1e9, 6e10)), attention=((1e7, 1e10), (1e9, 3e10)), attention_full=((1e7, 2e10), (1e9, 4e10)),
+    op_s=1e-5, mem_bw=1e10, adam_s_per_param=3e-9, collective_s=((1.0, 5e-4, 2e-4), (2.0, 4e-3, 8e-4)),
 )
 
 
