@@ -353,6 +353,7 @@ def prepare_sequence_parallel(
                         sequence=False)
     # 2. groups, this rank's attention on every attention layer, global-length RoPE
     device = _rank_device()  # current before any group is built (NCCL communicators use it)
+    _check_setup_agrees(setup, device)
     groups = build_sequence_parallel(setup, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
@@ -410,6 +411,28 @@ def _self_check(module: SequenceParallelCausalLM, run: RunConfig, groups: Sequen
     module.last_aux_loss = None
     if dist.get_rank() == 0:
         log.warning("ds_wallfacer: %s", report.describe())
+
+
+def _check_setup_agrees(setup: ParallelSetup, device: torch.device) -> None:
+    """Every rank chose the same sizes, placement and mode. "auto" plans from this host's measured speeds
+    (``planner/calibrate.py``, cached per host), so hosts that measured differently could choose differently:
+    refused here, with the fix, before any group is built."""
+    if dist.get_world_size() == 1:
+        return
+    from ..comm.dims import MODES, PLACEMENTS
+
+    d = setup.dims
+    sig = torch.tensor([d.sp_size, d.ulysses_degree, d.ring_count, PLACEMENTS.index(d.placement), MODES.index(d.mode)],
+                       dtype=torch.int64, device=device)
+    every = CommLayer(device=device).all_gather(sig, dist.group.WORLD, kind="check").tolist()
+    differ = [r for r, s in enumerate(every) if s != every[0]]
+    if differ:
+        raise ValueError(
+            f"ds_wallfacer: ranks {differ} chose another parallel layout than rank 0 (sequence_parallel_size, "
+            f"ulysses_degree, ring_count, placement, mode by rank: {every}). \"auto\" plans from each host's measured "
+            f"speeds; set those keys in the \"wallfacer\" section, or give every host the same calibration "
+            f"(DS_WALLFACER_CACHE_DIR on shared storage, or DS_WALLFACER_CALIBRATION=off)"
+        )
 
 
 def _resolve_setup(
