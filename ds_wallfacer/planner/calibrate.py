@@ -115,8 +115,8 @@ def _interp(table: tuple[tuple[float, float], ...], x: float) -> float:
 def _device_name(device: str) -> str:
     import torch
 
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
+    if device.startswith("cuda"):
+        return "cuda " + (torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else "none")
     import platform
 
     name = platform.processor() or platform.machine()
@@ -206,6 +206,11 @@ def calibrated(cluster: Any, *, device: str | None = None) -> Any:
     cpu = cluster.backend == "gloo"
     if device is None:
         device = "cpu" if cpu else "cuda"
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():  # a GPU preset planned on a host without one: its datasheet figures
+            return cluster
     try:
         cal = load_or_measure(device) if cpu else load(device)
     except Exception:  # noqa: BLE001 - a failed measurement leaves the datasheet figures in place

@@ -98,10 +98,18 @@ def test_gpu_presets_keep_datasheet_figures_without_a_cache(tmp_path, monkeypatc
     monkeypatch.setenv("DS_WALLFACER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DS_WALLFACER_CALIBRATION", raising=False)
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("a GPU preset must not measure"))
+    import torch
+
+    # a CPU calibration in the cache is never a GPU preset's, on a host with or without a GPU
     monkeypatch.setattr(calibrate, "cache_path", lambda device="cpu": tmp_path / f"calibration-{device}.json")
+    (tmp_path / "calibration-cpu.json").write_text(json.dumps(FAKE.to_json()))
+    assert calibrate.calibrated(CLUSTERS["h100x64"]).calibration is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert calibrate.calibrated(CLUSTERS["h100x64"]).calibration is None
     (tmp_path / "calibration-cuda.json").write_text(json.dumps(FAKE.to_json()))
     assert calibrate.calibrated(CLUSTERS["h100x64"]).calibration == FAKE  # a measured cache for the device wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert calibrate.calibrated(CLUSTERS["h100x64"]).calibration is None  # no GPU here: the datasheet
 
 
 def test_per_call_term_grows_with_calls():
