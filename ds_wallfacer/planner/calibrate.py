@@ -403,7 +403,12 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    coll = () if cuda else _collective_latency(cores)
+    coll: tuple[tuple[float, float, float], ...] = ()
+    if not cuda:
+        try:  # e.g. a daemonic process may not start the gloo processes: the presets' latencies then apply
+            coll = _collective_latency(cores)
+        except Exception:  # noqa: BLE001 - the rest of the calibration stands (and every rank reads the same file)
+            coll = ()
     return Calibration(
         device=_device_name(device), torch=torch.__version__, threads=threads, cores=cores,
         gemm=tuple(sorted(gemm)), attention=tuple(sorted(attention)), attention_full=tuple(sorted(attention_full)),
