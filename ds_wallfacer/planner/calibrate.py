@@ -259,7 +259,8 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], iters: int,
                 dist.all_gather_into_tensor(buf, x, group=group)
 
             def p2p():
-                ops = [dist.P2POp(dist.isend, x, (rank + 1) % n, group), dist.P2POp(dist.irecv, r, (rank - 1) % n, group)]
+                ops = [dist.P2POp(dist.isend, x, (rank + 1) % n, group),
+                       dist.P2POp(dist.irecv, r, (rank - 1) % n, group)]
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
@@ -413,7 +414,8 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
         device=_device_name(device), torch=torch.__version__, threads=threads, cores=cores,
         gemm=tuple(sorted(gemm)), attention=tuple(sorted(attention)), attention_full=tuple(sorted(attention_full)),
         op_s=op_s, mem_bw=mem_bw, adam_s_per_param=adam,
-        collective_s=coll, measured_s=round(time.perf_counter() - t_start, 2), extra={"kernel": kern.name, "dtype": str(dtype)},
+        collective_s=coll, measured_s=round(time.perf_counter() - t_start, 2),
+        extra={"kernel": kern.name, "dtype": str(dtype)},
     )
 
 

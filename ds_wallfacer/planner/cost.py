@@ -359,8 +359,8 @@ def estimate(
         head_chunks = _chunks(s, cand.lm_head_chunk_tokens) if cand.mini_sequence else 1
         kc = kernel_calls(cand) if cand.sp_size > 1 else 1
         cf, cb = collective_calls(cand, backward=False), collective_calls(cand, backward=True)
-        n_coll = sum(cf.values()) + sum(cb.values())
-        fwd_ops = _OPS_LAYER + _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_MLP_CHUNK * mlp_chunks + _OPS_COLLECTIVE * sum(cf.values())
+        fwd_ops = (_OPS_LAYER + _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_MLP_CHUNK * mlp_chunks
+                   + _OPS_COLLECTIVE * sum(cf.values()))
         re_ops = 0.0
         if cand.checkpointing:
             re_ops = _OPS_LAYER + _OPS_MLP_CHUNK * mlp_chunks
@@ -381,7 +381,6 @@ def estimate(
             _latency(cluster, "p2p")
         step_coll = (_LOSS_COLLECTIVES if cand.sp_size > 1 else 0) + (_STEP_COLLECTIVES if w > 1 else 0)
         latency = layers * per_layer_lat + step_coll * _latency(cluster, "collective")
-        del n_coll
 
     busy = compute + overhead + optimizer
     exposed = attn_exposed + exposed_zero + latency

@@ -68,7 +68,7 @@ class Row:
             "comm_s": k.comm_s, "compute_s": k.compute_s, "zero_s": k.zero_s, "step_s": k.step_s,
             "tokens_per_s": k.tokens_per_s, "attn_layer_s": k.attn_layer_s, "memory_bytes": m.total, "memory_usable_bytes": m.usable,
             "exposed_comm_s": k.exposed_comm_s, "overhead_s": k.overhead_s, "optimizer_s": k.optimizer_s,
-            "oversubscription": k.oversubscription, "calibrated": self.cost.ops > 0,
+            "oversubscription": k.oversubscription, "calibrated": k.ops > 0,
             "links": k.links.describe(),
         }
 
