@@ -84,7 +84,7 @@ def _batch(args: argparse.Namespace, n: int, seed: int) -> dict:
 
 def _count_kernels() -> Counter:
     """Every block kernel chosen from now on counts its forward calls."""
-    from ds_wallfacer.attention import ulysses, wallfacer
+    from ds_wallfacer.attention import local, wallfacer
 
     counts: Counter = Counter()
 
@@ -99,7 +99,7 @@ def _count_kernels() -> Counter:
             counts["forward"] += 1
             return self._inner.forward(*a, **kw)
 
-    for mod in (ulysses, wallfacer):
+    for mod in (local, wallfacer):
         orig = mod.get_kernel
         mod.get_kernel = lambda *a, _orig=orig, **kw: Counting(_orig(*a, **kw))
     return counts

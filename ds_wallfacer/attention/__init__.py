@@ -7,7 +7,7 @@ _EXPORTS = {
     "sequence_parallel_attention": ".hybrid",
     "KERNELS": ".kernels",
     "get_kernel": ".kernels",
-    "LocalAttention": ".ulysses",
+    "LocalAttention": ".local",
     "UlyssesAttention": ".ulysses",
     "KeepAttention": ".residuals",
     "kept_bytes_per_layer": ".residuals",

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..comm import CommLayer
 from .residuals import residual_slot, tensor_key
 from .sinks import sink_grad
-from .ulysses import local_backward, local_forward
+from .local import local_backward, local_forward
 
 __all__ = ["head_groups", "overlapped_ulysses"]
 

@@ -29,10 +29,10 @@ class _Counting:
 def count_kernels() -> Counter:
     """Patch the kernel choice of WallFacer and local attention (process-wide; tests run in spawned ranks) so that
     every kernel chosen from now on counts into the returned Counter."""
-    from ds_wallfacer.attention import ulysses, wallfacer
+    from ds_wallfacer.attention import local, wallfacer
 
     counts: Counter = Counter()
-    for mod in (ulysses, wallfacer):
+    for mod in (local, wallfacer):
         orig = mod.get_kernel
         mod.get_kernel = lambda *a, _orig=orig, **kw: _Counting(_orig(*a, **kw), counts)
     return counts

@@ -262,19 +262,19 @@ def test_replayed_graph_is_freed_without_the_garbage_collector(reentrant: bool, 
 
     from torch.utils.checkpoint import checkpoint
 
-    from ds_wallfacer.attention import ulysses
+    from ds_wallfacer.attention import local
     from ds_wallfacer.attention.residuals import KeepAttention
 
     seen: list = []
-    forward = ulysses._LocalFn.forward
+    forward = local._LocalFn.forward
 
     def recording(ctx, q, k, v, *rest):
         out = forward(ctx, q, k, v, *rest)
         seen.append([weakref.ref(t) for t in (q, k, v, out)])
         return out
 
-    monkeypatch.setattr(ulysses._LocalFn, "forward", staticmethod(recording))
-    model = _Model(ulysses.LocalAttention())
+    monkeypatch.setattr(local._LocalFn, "forward", staticmethod(recording))
+    model = _Model(local.LocalAttention())
     ckpt = KeepAttention(functools.partial(checkpoint, use_reentrant=reentrant))
     x = torch.randn(B, N, E, requires_grad=True)
     gc.collect()
