@@ -15,7 +15,10 @@ import torch
 
 from .merge import merge_
 
-__all__ = ["call_spans", "fill_plan", "fill_untouched", "fresh_accumulator", "land", "land_merged"]
+__all__ = [
+    "call_spans", "fill_plan", "fill_untouched", "fresh_accumulator", "land", "land_merged", "member_accumulators",
+    "member_plans",
+]
 
 
 def _gaps(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -100,4 +103,25 @@ def fill_untouched(acc: torch.Tensor, plan, fill: float = 0.0, *, dim: int = 2) 
         return acc.fill_(fill)
     for a, b in plan[1]:
         acc.narrow(dim, a, b - a).fill_(fill)
+    return acc
+
+
+def member_plans(calls: list, which: str, members: int, rows: int, n: int):
+    """(per member: the fill plan of its calls in order (Note [No zero fills]), per call: its index in its member's
+    list); ``which``: "qs" (accumulators of query rows, by ``qm``) or "ks" (of keys, by ``km``)."""
+    attr = "qm" if which == "qs" else "km"
+    per: list[list] = [[] for _ in range(members)]
+    slot = []
+    for call in calls:
+        m = getattr(call, attr)
+        slot.append(len(per[m]))
+        per[m].append(call)
+    return [fill_plan(call_spans(x, which), rows, n) for x in per], slot
+
+
+def member_accumulators(shape, device: torch.device, plans, *, fill: float = 0.0) -> torch.Tensor:
+    """fp32 accumulators [C, *member shape], member m's set where ``plans[m]`` leaves it untouched."""
+    acc = torch.empty(shape, dtype=torch.float32, device=device)
+    for m, plan in enumerate(plans):
+        fill_untouched(acc[m], plan, fill)
     return acc

@@ -116,6 +116,9 @@ class RingSchedule:
     sends_after: tuple[int, ...] = ()
     """For t = 1..C-1: how many calls of the last step run before the rows of member local + t are final (then
     they are sent to it: the forward's partial output, the backward's dq)."""
+    home_after: tuple[int, ...] = ()
+    """For m = 0..C-1: how many calls of the last step run before member m's slice of dk/dv is final and sent home
+    (after the dq sends, in member order: a fixed order on every rank)."""
 
     @classmethod
     def plan(
@@ -151,7 +154,12 @@ class RingSchedule:
                                           self_kv=self_kv if s == 0 else None, first=s == 0, last=s == n_steps - 1)
             steps.append(calls)
             sends_after = after or sends_after
-        return cls(steps=steps, chunk_len=L, home=layout.home_peers(index, n_steps), sends_after=sends_after)
+        home_after, at = [], sends_after[-1] if sends_after else 0
+        for m in range(c):  # the last step's calls on member m's keys are done
+            at = max([at] + [j + 1 for j, call in enumerate(steps[-1]) if call.km == m])
+            home_after.append(at)
+        return cls(steps=steps, chunk_len=L, home=layout.home_peers(index, n_steps), sends_after=sends_after,
+                   home_after=tuple(home_after))
 
     def only_call(self, n: int, rows: int) -> KernelCall | None:
         """The single kernel call of a one-rank group when it covers every row, query and key without a mask: the

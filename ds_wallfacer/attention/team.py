@@ -1,6 +1,8 @@
-"""The team side of WallFacer attention: the C members' shards arriving one by one, point to point, so that the
-kernel calls on the shards already here run while the rest are in flight (Note [Pipelined team exchanges] in
-``wallfacer.py``).
+"""The exchanges of WallFacer attention: the C members' shards arriving one by one, point to point, so that the
+kernel calls on the shards already here run while the rest are in flight (``Arrivals``, Note [Pipelined team
+exchanges] in ``wallfacer.py``); the k/v blocks of the ring steps (``RingBlocks``); the sends of finished rows in
+their fixed order (``SendMarks``, ``send_rows``); the dk/dv passed along the sub-ring and sent home (``pass_dkv``,
+``send_home``).
 
 Every exchange here is a round that all ranks issue in the same order (the skewed k/v gather in C rounds, the
 team's all-gather and the sends of finished rows in C - 1 rounds each), so the rounds pair up whether the comm
@@ -13,8 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..comm import Pending
+from .schedule import RingSchedule
 
-__all__ = ["Arrivals", "gather_kv", "gather_team", "pack", "send_rows", "split_kv", "unpack"]
+__all__ = [
+    "Arrivals", "RingBlocks", "SendMarks", "gather_kv", "gather_team", "local_block", "pack", "pass_dkv", "send_home",
+    "send_rows", "split_kv", "unpack",
+]
 
 
 @dataclass(eq=False)
@@ -120,3 +126,77 @@ def unpack(flat: torch.Tensor, like: list[tuple[torch.Size, torch.dtype]]) -> li
 def split_kv(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., d + dv] -> the k [..., d] and v [..., dv] views."""
     return kv[..., :d], kv[..., d:]
+
+
+def local_block(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Arrivals]:
+    """One rank's k/v block [1, B, hk, S_l, d + dv] (no gather)."""
+    cur = torch.cat([k, v], dim=-1).unsqueeze(0)
+    return cur, Arrivals([cur[0]], [None])
+
+
+class RingBlocks:
+    """The k/v blocks of the ring steps: step 0's arrives member by member (``team.gather_kv``), each later one
+    whole from the previous rank; the next block is sent on as soon as the held one is complete."""
+
+    def __init__(self, attn, cur: torch.Tensor, first: Arrivals, steps: int) -> None:
+        self.attn, self.cur, self.first, self.steps = attn, cur, first, steps
+        self.step, self.next = 0, None
+
+    def _start_next(self) -> None:
+        if self.next is None and self.step + 1 < self.steps and self.first.complete:
+            place = self.attn.groups.place
+            nxt = torch.empty_like(self.cur)
+            self.next = self.attn.comm.exchange([(self.cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring",
+                                                group=self.attn.groups.sp_group)
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self._start_next()
+
+    def block(self, member: int) -> torch.Tensor:
+        """Member ``member``'s shard [B, hk, S_l, d + dv] of the held block (waited for if it is still coming)."""
+        if self.step > 0:
+            return self.cur[member]
+        x = self.first.get(member)
+        self._start_next()
+        return x
+
+    def end(self) -> None:
+        """After the step's calls: the held block complete, the next one received."""
+        if self.step == 0:
+            self.first.wait_all()
+            self._start_next()
+        if self.next is not None:
+            self.cur, self.next = self.next.wait()[0], None
+
+
+class SendMarks:
+    """Sends in a fixed order: ``fire(t)`` for t = 1..len(after) once ``after[t - 1]`` calls of the step are done
+    and every earlier one has fired (every rank issues them in the same order: Note [Pipelined team exchanges])."""
+
+    def __init__(self, after: tuple[int, ...], fire) -> None:
+        self.after, self.fire, self.t = after, fire, 0
+        self(0)
+
+    def __call__(self, done: int) -> None:
+        while self.t < len(self.after) and self.after[self.t] <= done:
+            self.t += 1
+            self.fire(self.t)
+
+
+def pass_dkv(attn, dkv: torch.Tensor, wire: dict[str, torch.dtype]):
+    """Send the held block's dk/dv [C, B, hk, S_l, d + dv] one hop along the sub-ring. Returns the pending exchange."""
+    place = attn.groups.place
+    send = dkv.to(wire["dkv_ring"])
+    recv = torch.empty_like(send)
+    return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring",
+                              group=attn.groups.sp_group)
+
+
+def send_home(attn, sched: RingSchedule, m: int, slice_m: torch.Tensor, homes: torch.Tensor):
+    """Home round m after the last step: member m's dk/dv slice of the held block goes to member m of the block's
+    team (``sched.home[0][m]``); a rank of team position m receives its shard's slice from each of the C lanes into
+    ``homes`` [C, B, hk, S_l, d + dv]."""
+    dests, sources = sched.home
+    recvs = list(zip(homes, sources)) if attn.groups.place.local == m else []
+    return attn.comm.exchange([(slice_m, dests[m])], recvs, kind="skew", group=attn.groups.sp_group)

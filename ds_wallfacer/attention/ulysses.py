@@ -23,7 +23,7 @@ from .checks import check_inputs_agree, local_error
 from .documents import SequenceBatch
 from .local import LocalAttention, local_calls
 from .residuals import residual_slot, tensor_key
-from .ulysses_overlap import head_groups, overlapped_ulysses
+from .ulysses_overlap import head_groups, heads_in_order, overlapped_ulysses, rows_by_rank
 
 __all__ = ["InnerAttention", "LocalAttention", "UlyssesAttention", "all_to_all", "heads_to_seq", "seq_to_heads"]
 
@@ -92,11 +92,9 @@ def seq_to_heads(
     recv = all_to_all(torch.cat(rows, dim=1), group, comm)
     out, i = [], 0
     for s in shapes:
-        b, h, sl, d = s[0], s[1] // u, s[2], s[3]
-        n = b * h * sl * d
-        y = recv[:, i : i + n].reshape(u, b, h, m, sl // m, d)  # [U(src), B, h/U, m, S_l/m, d]
-        # -> [B, h/U, m, U, S_l/m, d] -> [B, h/U, U*S_l, d]: chunk-major, pieces of each chunk by rank
-        out.append(y.permute(1, 2, 3, 0, 4, 5).reshape(b, h, u * sl, d))
+        shape = (s[0], s[1] // u, s[2], s[3])
+        n = torch.Size(shape).numel()
+        out.append(heads_in_order(recv[:, i : i + n], shape, u, m))  # chunk-major, pieces of each chunk by rank
         i += n
     return out
 
@@ -108,9 +106,7 @@ def heads_to_seq(
     u, m = degree, pieces
     b, h, su, d = x.shape
     sl = su // u
-    # [B, h/U, m, U, S_l/m, d] -> [U(dst), B, h/U, m, S_l/m, d] -> [U, n]
-    rows = x.reshape(b, h, m, u, sl // m, d).permute(3, 0, 1, 2, 4, 5).reshape(u, -1)
-    recv = all_to_all(rows, group, comm)  # row j: head group j of my tokens
+    recv = all_to_all(rows_by_rank(x, u, m), group, comm)  # row j: head group j of my tokens
     # [U, B, h/U, S_l, d] -> [B, U*(h/U), S_l, d]
     return recv.reshape(u, b, h, sl, d).transpose(0, 1).reshape(b, u * h, sl, d)
 

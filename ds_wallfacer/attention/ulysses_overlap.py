@@ -16,7 +16,7 @@ from .residuals import residual_slot, tensor_key
 from .sinks import sink_grad
 from .local import local_backward, local_forward
 
-__all__ = ["head_groups", "overlapped_ulysses"]
+__all__ = ["head_groups", "heads_in_order", "overlapped_ulysses", "rows_by_rank"]
 
 
 def head_groups(requested: int, *, q_heads: int, kv_heads: int, degree: int) -> int:
@@ -45,15 +45,15 @@ def _rows_in(x: torch.Tensor, u: int, k: int, j: int) -> torch.Tensor:
     return x.reshape(b, u, k, h // (u * k), sl, d)[:, :, j].transpose(0, 1).reshape(u, -1)
 
 
-def _gathered(recv: torch.Tensor, shape, u: int, m: int) -> torch.Tensor:
+def heads_in_order(recv: torch.Tensor, shape, u: int, m: int) -> torch.Tensor:
     """Received [U(src), n] of one tensor with per-rank shape (B, hg, S_l, d) -> [B, hg, U*S_l, d] in sequence
     order (``ulysses.seq_to_heads``'s layout: chunk-major, each chunk's pieces by rank)."""
     b, h, sl, d = shape
     return recv.reshape(u, b, h, m, sl // m, d).permute(1, 2, 3, 0, 4, 5).reshape(b, h, u * sl, d)
 
 
-def _rows_out(y: torch.Tensor, u: int, m: int) -> torch.Tensor:
-    """Inverse of ``_gathered``: [B, hg, U*S_l, d] -> [U(dst), n], row i the tokens of rank i."""
+def rows_by_rank(y: torch.Tensor, u: int, m: int) -> torch.Tensor:
+    """Inverse of ``heads_in_order``: [B, hg, U*S_l, d] -> [U(dst), n], row i the tokens of rank i."""
     b, h, su, d = y.shape
     sl = su // u
     return y.reshape(b, h, m, u, sl // m, d).permute(3, 0, 1, 2, 4, 5).reshape(u, -1)
@@ -70,7 +70,7 @@ def _split(recv: torch.Tensor, shapes, u: int, m: int) -> list[torch.Tensor]:
     out, at = [], 0
     for shape in shapes:
         n = torch.Size(shape).numel()
-        out.append(_gathered(recv[:, at:at + n], shape, u, m))
+        out.append(heads_in_order(recv[:, at:at + n], shape, u, m))
         at += n
     return out
 
@@ -123,7 +123,7 @@ class _OverlappedFn(torch.autograd.Function):
                 replies = _pipeline(
                     comm, group, kk,
                     lambda j: torch.cat([_rows_in(x, u, kk, j) for x in (q, k, v)], dim=1),
-                    compute, lambda j, oj: _rows_out(oj, u, m),
+                    compute, lambda j, oj: rows_by_rank(oj, u, m),
                 )
                 for j, recv in enumerate(replies):
                     _place(out, recv, u, kk, j)
@@ -138,7 +138,7 @@ class _OverlappedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        *saved, = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
         sinks = saved.pop() if ctx.has_sinks else None
         group, comm, kk, m = ctx.group, ctx.comm, ctx.k_groups, ctx.pieces
         u = dist.get_world_size(group)
@@ -153,7 +153,7 @@ class _OverlappedFn(torch.autograd.Function):
 
         def compute(j, got):
             qj, kj, vj, oj, lj = saved[5 * j:5 * j + 5]
-            doj = _gathered(got, (b, hg, sl, dvv), u, m)
+            doj = heads_in_order(got, (b, hg, sl, dvv), u, m)
             if sinks is not None:
                 dsinks.append(sink_grad(doj, oj, lj, sinks[j * hg:(j + 1) * hg]))
             return local_backward(doj, qj, kj, vj, oj, lj, ctx.kernel, ctx.causal, ctx.scale, ctx.calls, ctx.window,
@@ -162,7 +162,7 @@ class _OverlappedFn(torch.autograd.Function):
         with torch.no_grad(), comm.phase("backward"):
             replies = _pipeline(
                 comm, group, kk, lambda j: _rows_in(dout, u, kk, j), compute,
-                lambda j, grads: torch.cat([_rows_out(g, u, m) for g in grads], dim=1),
+                lambda j, grads: torch.cat([rows_by_rank(g, u, m) for g in grads], dim=1),
             )
             for j, recv in enumerate(replies):
                 at = 0

@@ -20,7 +20,7 @@ import torch
 
 from ..comm import CommLayer, WallFacerGroups
 from ..data.chunks import SHARDINGS
-from .accumulate import call_spans, fill_plan, fill_untouched, land, land_merged
+from .accumulate import land, land_merged, member_accumulators, member_plans
 from .checks import check_inputs_agree, local_error
 from .documents import SequenceBatch
 from .kernels import BlockKernel, get_kernel
@@ -29,7 +29,8 @@ from .kernels.value_dim import with_value_dim
 from .merge import merge_
 from .schedule import KernelCall, RingSchedule
 from .sinks import add_sink, sink_grad, sink_lse
-from .team import Arrivals, gather_kv, gather_team, pack, send_rows, split_kv, unpack
+from .team import (Arrivals, RingBlocks, SendMarks, gather_kv, gather_team, local_block, pack, pass_dkv, send_home,
+                   send_rows, split_kv, unpack)
 from .volume import DEFAULT_SUM_DTYPES, SumDtypes
 
 __all__ = ["WallFacerAttention", "wallfacer_attention"]
@@ -200,8 +201,8 @@ def _mask_of(call: KernelCall, opts: _Options, device: torch.device) -> torch.Te
 # full sequence in one process (``benchmarks/bench_precision.py``); a tensor travels in the input dtype where that
 # stays within 2x, in fp32 where it does not. A partial output is normalised by its own lse before it is rounded,
 # so it is bounded by the output's scale, and the receiver weights it by exp(lse - lse_row) <= 1; dq partials and
-# home slices are rounded once each and summed once; only the ring accumulator is a running sum rounded again at every hop, so its error grows with
-# the ring length G and it stays fp32.
+# home slices are rounded once each and summed once; only the ring accumulator is a running sum rounded again at
+# every hop, so its error grows with the ring length G and it stays fp32.
 #
 # Note [Gradients of grouped heads]: with hq > hk a kernel's dk/dv of one call is a sum over the hq/hk query heads
 # of each kv head. Kernels that return the input dtype round that sum (flash-attn 2, cuDNN and CUDA SDPA round each
@@ -245,83 +246,6 @@ def _block_grads(kernel: BlockKernel, expand: bool, do, q, k, v, out, lse, *, de
     return dq, dk, dv
 
 
-def _member_plans(calls: list[KernelCall], which: str, members: int, rows: int, n: int):
-    """(per member: the fill plan of its calls in order (Note [No zero fills]), per call: its index in its member's
-    list); ``which``: "qs" (accumulators of query rows, by ``qm``) or "ks" (of keys, by ``km``)."""
-    attr = "qm" if which == "qs" else "km"
-    per: list[list[KernelCall]] = [[] for _ in range(members)]
-    slot = []
-    for call in calls:
-        m = getattr(call, attr)
-        slot.append(len(per[m]))
-        per[m].append(call)
-    return [fill_plan(call_spans(x, which), rows, n) for x in per], slot
-
-
-def _accumulators(shape, device: torch.device, plans, *, fill: float = 0.0) -> torch.Tensor:
-    """fp32 accumulators [C, *member shape], member m's set where ``plans[m]`` leaves it untouched."""
-    acc = torch.empty(shape, dtype=torch.float32, device=device)
-    for m, plan in enumerate(plans):
-        fill_untouched(acc[m], plan, fill)
-    return acc
-
-
-def _local_block(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Arrivals]:
-    """One rank's k/v block [1, B, hk, S_l, d + dv] (no gather)."""
-    cur = torch.cat([k, v], dim=-1).unsqueeze(0)
-    return cur, Arrivals([cur[0]], [None])
-
-
-class _Ring:
-    """The k/v blocks of the ring steps: step 0's arrives member by member (``team.gather_kv``), each later one
-    whole from the previous rank; the next block is sent on as soon as the held one is complete."""
-
-    def __init__(self, attn, cur: torch.Tensor, first: Arrivals, steps: int) -> None:
-        self.attn, self.cur, self.first, self.steps = attn, cur, first, steps
-        self.step, self.next = 0, None
-
-    def _start_next(self) -> None:
-        if self.next is None and self.step + 1 < self.steps and self.first.complete:
-            place = self.attn.groups.place
-            nxt = torch.empty_like(self.cur)
-            self.next = self.attn.comm.exchange([(self.cur, place.ring_next)], [(nxt, place.ring_prev)], kind="ring",
-                                                group=self.attn.groups.sp_group)
-
-    def begin(self, step: int) -> None:
-        self.step = step
-        self._start_next()
-
-    def block(self, member: int) -> torch.Tensor:
-        """Member ``member``'s shard [B, hk, S_l, d + dv] of the held block (waited for if it is still coming)."""
-        if self.step > 0:
-            return self.cur[member]
-        x = self.first.get(member)
-        self._start_next()
-        return x
-
-    def end(self) -> None:
-        """After the step's calls: the held block complete, the next one received."""
-        if self.step == 0:
-            self.first.wait_all()
-            self._start_next()
-        if self.next is not None:
-            self.cur, self.next = self.next.wait()[0], None
-
-
-class _Marks:
-    """Sends in a fixed order: ``fire(t)`` for t = 1..len(after) once ``after[t - 1]`` calls of the step are done
-    and every earlier one has fired (every rank issues them in the same order: Note [Pipelined team exchanges])."""
-
-    def __init__(self, after: tuple[int, ...], fire) -> None:
-        self.after, self.fire, self.t = after, fire, 0
-        self(0)
-
-    def __call__(self, done: int) -> None:
-        while self.t < len(self.after) and self.after[self.t] <= done:
-            self.t += 1
-            self.fire(self.t)
-
-
 def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, scale: float, opts: _Options):
     """(out [B, hq, S_l, dv], lse [B, hq, S_l] of this rank's rows, and the team's q [C, B, hq, S_l, d] with
     ``keep_team_q``); with ``sinks`` both already include them (folded in once, after all blocks: Note [Attention
@@ -338,7 +262,7 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
             attn.work["forward"] += call.work
             out, lse = kernel.forward(q, k, v, causal=call.causal, scale=scale, softcap=opts.softcap)
             return (out, lse) if sinks is None else add_sink(out, lse, sinks)
-        cur, first = _local_block(k, v)
+        cur, first = local_block(k, v)
         team_q, q_buf = Arrivals([q], [None]), None
     else:
         # 1-2. the skewed k/v gather and the team's q, one round per member, all in flight (team.py)
@@ -347,10 +271,10 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
         team_q = gather_team(attn, q.contiguous(), out=q_buf)
     # 3. ring steps; each call waits only for its own two shards; results land in fp32 accumulators per member
     calls = [call for step in sched.steps for call in step]
-    plans, slots = _member_plans(calls, "qs", c, b, sl)
-    acc_out = _accumulators((c, b, hq, sl, dv), q.device, plans)
-    acc_lse = _accumulators((c, b, hq, sl), q.device, plans, fill=float("-inf"))
-    ring = _Ring(attn, cur, first, len(sched.steps))
+    plans, slots = member_plans(calls, "qs", c, b, sl)
+    acc_out = member_accumulators((c, b, hq, sl, dv), q.device, plans)
+    acc_lse = member_accumulators((c, b, hq, sl), q.device, plans, fill=float("-inf"))
+    ring = RingBlocks(attn, cur, first, len(sched.steps))
     sends = []
 
     def send(t: int) -> None:  # member local + t's rows are final: its partial output and lse go to it
@@ -360,7 +284,7 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
     i = 0
     for s, step in enumerate(sched.steps):
         ring.begin(s)
-        marks = _Marks(sched.sends_after if s == len(sched.steps) - 1 else (), send)
+        marks = SendMarks(sched.sends_after if s == len(sched.steps) - 1 else (), send)
         for j, call in enumerate(step):
             q_m = team_q.get(call.qm)
             k_b, v_b = split_kv(ring.block(call.km), d)
@@ -392,24 +316,6 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
     return (out, lse, q_buf) if attn.keep_team_q and c > 1 else (out, lse)
 
 
-def _pass_dkv(attn, dkv: torch.Tensor, wire: dict[str, torch.dtype]):
-    """Send the held block's dk/dv [C, B, hk, S_l, d + dv] one hop along the sub-ring. Returns the pending exchange."""
-    place = attn.groups.place
-    send = dkv.to(wire["dkv_ring"])
-    recv = torch.empty_like(send)
-    return attn.comm.exchange([(send, place.ring_next)], [(recv, place.ring_prev)], kind="ring",
-                              group=attn.groups.sp_group)
-
-
-def _send_home(attn, sched: RingSchedule, m: int, slice_m: torch.Tensor, homes: torch.Tensor):
-    """Home round m after the last step: member m's dk/dv slice of the held block goes to member m of the block's
-    team (``sched.home[0][m]``); a rank of team position m receives its shard's slice from each of the C lanes into
-    ``homes`` [C, B, hk, S_l, d + dv]."""
-    dests, sources = sched.home
-    recvs = list(zip(homes, sources)) if attn.groups.place.local == m else []
-    return attn.comm.exchange([(slice_m, dests[m])], recvs, kind="skew", group=attn.groups.sp_group)
-
-
 def _backward(
     attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse, scale: float, opts: _Options,
     q_team: torch.Tensor | None = None,
@@ -431,7 +337,7 @@ def _backward(
     delta_path = p > 1 and callable(getattr(kernel, "backward_delta", None))
     o_own = (dout.float() * out.float()).sum(-1) if delta_path else out
     if p == 1:
-        cur, first = _local_block(k, v)
+        cur, first = local_block(k, v)
         team = Arrivals([(q, dout, o_own, lse)], [None])
     else:
         cur, first = gather_kv(attn, k, v)
@@ -446,9 +352,9 @@ def _backward(
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     expand = _expand_grads(kernel, q, k)
     calls = [call for step in sched.steps for call in step]
-    dq_plans, dq_slots = _member_plans(calls, "qs", c, b, sl)
-    dq_acc = _accumulators((c, b, hq, sl, d), q.device, dq_plans)
-    ring = _Ring(attn, cur, first, len(sched.steps))
+    dq_plans, dq_slots = member_plans(calls, "qs", c, b, sl)
+    dq_acc = member_accumulators((c, b, hq, sl, d), q.device, dq_plans)
+    ring = RingBlocks(attn, cur, first, len(sched.steps))
     sends, home_sends, dkv_pending = [], [], None
     homes = torch.empty(cur.shape, dtype=wire["dkv_home"], device=q.device)  # [C, B, hk, S_l, d + dv]: the lanes'
 
@@ -462,22 +368,16 @@ def _backward(
             if not dkv_pending.done:
                 dkv_pending.wait()
             dkv[m] += dkv_pending.recvs[0][m]
-        home_sends.append(_send_home(attn, sched, m, dkv[m].to(wire["dkv_home"]), homes))
+        home_sends.append(send_home(attn, sched, m, dkv[m].to(wire["dkv_home"]), homes))
 
     last = len(sched.steps) - 1
     i = 0
     for s, step in enumerate(sched.steps):
         ring.begin(s)
-        kv_plans, kv_slots = _member_plans(step, "ks", c, b, sl)
-        dkv = _accumulators(cur.shape, q.device, kv_plans)  # [C, B, hk, S_l, d + dv]
-        if s == last:  # each member's slice of dk/dv goes home once the step's calls on its keys are done
-            done_at = [max([j + 1 for j, call in enumerate(step) if call.km == m], default=0) for m in range(c)]
-            after = list(sched.sends_after)
-            for m in range(c):
-                after.append(max(done_at[m], after[-1] if after else 0))
-            marks = _Marks(tuple(after), send)
-        else:
-            marks = _Marks((), send)
+        kv_plans, kv_slots = member_plans(step, "ks", c, b, sl)
+        dkv = member_accumulators(cur.shape, q.device, kv_plans)  # [C, B, hk, S_l, d + dv]
+        # the last step: the dq sends, then each member's slice of dk/dv home once the calls on its keys are done
+        marks = SendMarks(sched.sends_after + sched.home_after if s == last else (), send)
         for j, call in enumerate(step):
             q_m, do_m, o_m, lse_m = team.get(call.qm)
             if q_team is not None:
@@ -513,7 +413,7 @@ def _backward(
         if s < last:
             if dkv_pending is not None:
                 dkv += dkv_pending.wait()[0]
-            dkv_pending = _pass_dkv(attn, dkv, wire)
+            dkv_pending = pass_dkv(attn, dkv, wire)
     team.wait_all()
     # 4. sum the lanes' dk/dv of this rank's shard, and the other members' dq of its rows, in fp32 in a fixed order
     for pending in home_sends:
