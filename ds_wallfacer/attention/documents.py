@@ -169,6 +169,15 @@ class Tile:
     masked: bool
 
 
+def _query_tiles(seg: Segment, q_runs: list[tuple[int, int, int]], tile: int):
+    """[lo, hi) query tiles of at most ``tile`` rows covering the segment, none spanning two runs of chunks (so a
+    tile's queries are consecutive tokens, and every key in its reach is seen by one of them)."""
+    for off, _, n in q_runs:
+        a, b = max(off, seg.q_lo), min(off + n, seg.q_hi)
+        for ta in range(a, b, tile):
+            yield ta, min(ta + tile, b)
+
+
 def window_tiles(
     seg: Segment, q_runs: list[tuple[int, int, int]], k_runs: list[tuple[int, int, int]], *, window: int,
     tile: int = 2048,
@@ -176,8 +185,7 @@ def window_tiles(
     """Split a windowed segment into query tiles, each against only the keys its window can reach, so a mask is
     never larger than tile x (tile + window) (Note [Sliding windows in block calls])."""
     out = []
-    for ta in range(seg.q_lo, seg.q_hi, tile):
-        tb = min(ta + tile, seg.q_hi)
+    for ta, tb in _query_tiles(seg, q_runs, tile):
         g_first, g_last = _to_global(q_runs, ta), _to_global(q_runs, tb - 1)
         ka = _first_at_least(k_runs, g_first - window + 1, seg.k_lo, seg.k_hi)
         kb = _first_at_least(k_runs, g_last + 1, seg.k_lo, seg.k_hi)

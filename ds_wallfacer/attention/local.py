@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .calls import call_backward, call_forward
 from .documents import SequenceBatch
 from .kernels import get_kernel
-from .kernels.base import window_mask
 from .merge import merge_
 from .residuals import residual_slot, tensor_key
 from .schedule import BlockCall, kernel_calls
@@ -38,9 +38,8 @@ def local_forward(q, k, v, sinks, kernel, causal: bool, scale: float, calls, win
     acc = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for c in calls:
-        mask = None if c.mask is None else window_mask(c.mask, window, q.device)
-        o, l = kernel.forward(q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], causal=c.causal,
-                              scale=scale, mask=mask, softcap=softcap)
+        o, l = call_forward(kernel, c, q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks], scale=scale,
+                            window=window, softcap=softcap)
         merge_(acc[c.rows, :, c.qs], lse[c.rows, :, c.qs], o, l)
     if sinks is not None:
         acc, lse = add_sink(acc, lse, sinks)
@@ -90,10 +89,9 @@ def local_backward(dout, q, k, v, out, lse, kernel, causal: bool, scale: float, 
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         for c in calls:
-            mask = None if c.mask is None else window_mask(c.mask, window, q.device)
-            gq, gk, gv = kernel.backward(
-                dout[c.rows, :, c.qs], q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks],
-                out[c.rows, :, c.qs], lse[c.rows, :, c.qs], causal=c.causal, scale=scale, mask=mask, softcap=softcap,
+            gq, gk, gv = call_backward(
+                kernel, c, False, dout[c.rows, :, c.qs], q[c.rows, :, c.qs], k[c.rows, :, c.ks], v[c.rows, :, c.ks],
+                out[c.rows, :, c.qs], lse[c.rows, :, c.qs], scale=scale, window=window, softcap=softcap,
             )
             dq[c.rows, :, c.qs] += gq
             dk[c.rows, :, c.ks] += gk

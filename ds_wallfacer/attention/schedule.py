@@ -100,6 +100,9 @@ class KernelCall:
     """The team member whose query rows the call reads (``qs`` are positions in that member's shard)."""
     km: int = 0
     """The member of the held k/v block whose keys the call reads (``ks`` are positions in its shard)."""
+    spans: tuple[tuple[int, int], ...] | None = None
+    """A varlen call (``kernels/varlen.py``): causal attention inside each span [lo, hi) of ``qs`` (relative to its
+    start; ``ks`` is the same range), independently; the spans tile ``qs``. None: one ordinary call."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,8 @@ class RingSchedule:
             return None
         call = self.steps[0][0]
         full = slice(0, n)
-        if call.mask is not None or call.rows != slice(0, rows) or call.qs != full or call.ks != full:
+        if (call.mask is not None or call.spans is not None or call.rows != slice(0, rows) or call.qs != full
+                or call.ks != full):
             return None
         return call
 
@@ -277,9 +281,22 @@ def kernel_calls(
         qc, kc = q_chunks[call.q_lo:call.q_hi], k_chunks[call.k_lo:call.k_hi]
         q_runs, k_runs = buffer_runs(qc, L), buffer_runs(kc, L)
         q0, k0 = call.q_lo * L, call.k_lo * L  # buffer offsets of the call inside the team / step buffer
+        diagonal: list = []  # consecutive causal segments of one row, end to end: one varlen call
+
+        def flush() -> None:
+            if diagonal:
+                out.append(_diagonal_call(diagonal, rows, q0, k0, qm, km))
+                diagonal.clear()
+
         for seg in segments(qc, kc, chunk_len=L, causal=call.causal, docs=docs, window=window):
             r = slice(0, rows) if seg.row is None else slice(seg.row, seg.row + 1)
             n_rows = rows if seg.row is None else 1
+            if seg.causal and not seg.windowed:
+                if diagonal and (diagonal[-1].row != seg.row or diagonal[-1].q_hi != seg.q_lo):
+                    flush()
+                diagonal.append(seg)
+                continue
+            flush()
             if not seg.windowed:
                 sq, sk = seg.q_hi - seg.q_lo, seg.k_hi - seg.k_lo
                 work = sq * (sq + 1) // 2 if seg.causal else sq * sk
@@ -292,7 +309,21 @@ def kernel_calls(
                 work = n_rows * (_masked_work(gq, gk, window) if t.masked else (t.q_hi - t.q_lo) * (t.k_hi - t.k_lo))
                 out.append(KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
                                       False, mask, work, qm, km))
+        flush()
     return out
+
+
+def _diagonal_call(segs: list, rows: int, q0: int, k0: int, qm: int, km: int) -> KernelCall:
+    """Causal segments of one row (or all), end to end on the diagonal: one ordinary causal call, or one varlen call
+    over them all (``KernelCall.spans``; Note [Varlen calls on any kernel] in ``kernels/varlen.py``)."""
+    row = segs[0].row
+    r = slice(0, rows) if row is None else slice(row, row + 1)
+    n_rows = rows if row is None else 1
+    lo, hi = segs[0].q_lo, segs[-1].q_hi
+    lengths = [x.q_hi - x.q_lo for x in segs]
+    spans = tuple((x.q_lo - lo, x.q_hi - lo) for x in segs) if len(segs) > 1 else None
+    return KernelCall(r, slice(q0 + lo, q0 + hi), slice(k0 + lo, k0 + hi), True, None,
+                      n_rows * sum(n * (n + 1) // 2 for n in lengths), qm, km, spans=spans)
 
 
 def _masked_work(gq, gk, window: int) -> int:

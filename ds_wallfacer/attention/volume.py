@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "AttnShape", "DEFAULT_SUM_DTYPES", "SumDtypes", "wallfacer_bytes", "ulysses_bytes", "paper_ring_bytes",
-    "paper_wallfacer_bytes", "kept_bytes_per_layer",
+    "paper_wallfacer_bytes", "kept_bytes_per_layer", "needed_positions", "fetch_bytes",
 ]
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -116,6 +116,58 @@ def wallfacer_bytes(
         "ring": (g - 1) * c * n_kv * (s + a_ring),
     }
     return {"forward": fwd, "backward": bwd}
+
+
+def needed_positions(
+    starts: tuple[tuple[int, ...], ...] | None, *, shards: tuple[tuple[int, ...], ...], chunk_len: int,
+    causal: bool = True, window: int | None = None,
+) -> list[list[int]]:
+    """needed[i][j]: key positions of rank j's shard that some query of rank i sees (i != j; 0 on the diagonal),
+    some row of the batch at least: what a rank must receive from another and no more (the direct fetch,
+    ``fetch.py``). ``starts``: per batch row the documents' global starts (None: one document); ``shards``: the chunks
+    each rank holds. Counted token by token, independently of the kernel-call schedule: a key t is seen from rank i
+    iff the first position u >= t that i holds is in t's document and (with a window) u - t < window (non-causal:
+    iff i holds any position of t's document)."""
+    import torch
+
+    p = len(shards)
+    owner_of_chunk = torch.empty(sum(len(c) for c in shards), dtype=torch.long)
+    for i, chunks in enumerate(shards):
+        owner_of_chunk[list(chunks)] = i
+    n = owner_of_chunk.numel() * chunk_len
+    pos = torch.arange(n)
+    owner = owner_of_chunk[pos // chunk_len]
+    held = [pos[owner == i] for i in range(p)]
+    seen = torch.zeros(p, n, dtype=torch.bool)
+    for row in sorted(set(starts or ((0,),))):
+        doc = torch.searchsorted(torch.tensor(row), pos, right=True) - 1
+        for i in range(p):
+            if causal:
+                at = torch.searchsorted(held[i], pos)
+                has = at < held[i].numel()
+                u = held[i][at.clamp(max=held[i].numel() - 1)]
+                vis = has & (doc[u] == doc)
+                if window is not None:
+                    vis &= (u - pos) < window
+            else:
+                vis = torch.isin(doc, doc[held[i]].unique())
+            seen[i] |= vis & (owner != i)
+    return [torch.bincount(owner[seen[i]], minlength=p).tolist() for i in range(p)]
+
+
+def fetch_bytes(
+    shape: AttnShape, needed: list[list[int]], *, index: int, sums: SumDtypes = DEFAULT_SUM_DTYPES,
+) -> dict[str, dict[str, int]]:
+    """Bytes rank ``index`` sends under the direct fetch (Note [Direct fetch] in ``fetch.py``), from
+    ``needed_positions``: forward, the k/v rows of its shard others need; backward, those again and the dk/dv of the
+    rows it fetched, back to their owners (in ``sums.dkv_home``)."""
+    s = shape.elem_bytes
+    row = shape.batch * shape.kv_heads * (shape.head_dim + shape.v_dim)  # k and v of one position, all rows
+    served = sum(needed[i][index] for i in range(len(needed)))
+    fetched = sum(needed[index])
+    a_home = sums.nbytes(s)[3]
+    return {"forward": {"fetch": served * row * s},
+            "backward": {"fetch": served * row * s, "fetch_grad": fetched * row * a_home}}
 
 
 def ulysses_bytes(shape: AttnShape, *, degree: int, sp_size: int | None = None) -> dict[str, dict[str, int]]:

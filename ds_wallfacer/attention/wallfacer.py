@@ -21,17 +21,19 @@ import torch
 from ..comm import CommLayer, WallFacerGroups
 from ..data.chunks import SHARDINGS
 from .accumulate import land, land_merged, member_accumulators, member_plans
+from .calls import call_backward, call_forward, expand_grads
 from .checks import check_inputs_agree, local_error
+from .direct import direct_backward, direct_forward
 from .documents import SequenceBatch
+from .fetch import FetchSchedule, prefer_fetch
 from .kernels import BlockKernel, get_kernel
-from .kernels.base import expand_kv, window_mask
 from .kernels.value_dim import with_value_dim
 from .merge import merge_
 from .schedule import KernelCall, RingSchedule
 from .sinks import add_sink, sink_grad, sink_lse
 from .team import (Arrivals, RingBlocks, SendMarks, gather_kv, gather_team, local_block, pack, pass_dkv, send_home,
                    send_rows, split_kv, unpack)
-from .volume import DEFAULT_SUM_DTYPES, SumDtypes
+from .volume import DEFAULT_SUM_DTYPES, AttnShape, SumDtypes
 
 __all__ = ["WallFacerAttention", "wallfacer_attention"]
 
@@ -146,28 +148,33 @@ class _Options:
     softcap: float
 
 
-def _schedule(attn: WallFacerAttention, q: torch.Tensor, causal: bool, opts: _Options) -> RingSchedule:
-    """The ring schedule of this call, planned once per batch and shape: every layer of a batch shares it."""
+def _schedule(attn: WallFacerAttention, kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              causal: bool, opts: _Options) -> RingSchedule | FetchSchedule:
+    """The schedule of this call, planned once per batch and shape: every layer of a batch shares it. A packed or
+    windowed batch runs the direct fetch (``fetch.prefer_fetch``), any other the ring / teams."""
     batch = opts.batch or SequenceBatch()
     b, s_local = q.shape[0], q.shape[2]
-    key = (causal, opts.window, b, s_local, id(batch))
+    key = (causal, opts.window, b, s_local, k.shape[1], v.shape[-1], q.dtype, id(batch))
     cache = attn._schedules
     if key in cache and cache[key][0] is batch:
         return cache[key][1]
-    if any(k[4] != id(batch) for k in cache):
+    if any(k[-1] != id(batch) for k in cache):
         cache.clear()  # a new batch: the previous batch's schedules are not needed again
-    sched = RingSchedule.plan(attn.groups.layout, attn.groups.place.index, sharding=attn.sharding, causal=causal,
-                              batch=batch, window=opts.window, rows=b, local_len=s_local)
+    layout, index = attn.groups.layout, attn.groups.place.index
+    plan = dict(sharding=attn.sharding, causal=causal, batch=batch, window=opts.window)
+    shape = AttnShape(b, s_local * layout.sp_size, q.shape[1], k.shape[1], q.shape[-1], q.element_size(),
+                      v.shape[-1])
+    if prefer_fetch(layout, **plan, local_len=s_local, shape=shape, sums=attn.sum_dtypes, q_kept=attn.keep_team_q,
+                    gather_out=not callable(getattr(kernel, "backward_delta", None))):
+        sched = FetchSchedule.plan(layout, index, **plan, rows=b, local_len=s_local)
+    else:
+        sched = RingSchedule.plan(layout, index, **plan, rows=b, local_len=s_local)
     cache[key] = (batch, sched)
     return sched
 
 
 def _block(x: torch.Tensor, call: KernelCall, which: slice) -> torch.Tensor:
     return x[call.rows, :, which]
-
-
-def _mask_of(call: KernelCall, opts: _Options, device: torch.device) -> torch.Tensor | None:
-    return None if call.mask is None else window_mask(call.mask, opts.window, device)
 
 
 # -- forward / backward ----------------------------------------------------------------------------
@@ -224,28 +231,6 @@ def _mask_of(call: KernelCall, opts: _Options, device: torch.device) -> torch.Te
 # that need out keep getting it.
 
 
-def _expand_grads(kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether block backward calls get k/v expanded to the query heads (Note [Gradients of grouped heads])."""
-    return (q.shape[1] != k.shape[1] and q.dtype not in (torch.float32, torch.float64)
-            and not getattr(kernel, "reduces_heads_in_fp32", False))
-
-
-def _block_grads(kernel: BlockKernel, expand: bool, do, q, k, v, out, lse, *, delta=None, **options):
-    """One call's (dq, dk, dv); dk/dv fp32 sums over each kv head's query heads when ``expand``. ``delta``:
-    rowsum(dO * out) for a kernel with ``backward_delta`` (then ``out`` is None)."""
-    hq, hk = q.shape[1], k.shape[1]
-    if expand:
-        k, v = expand_kv(k, hq), expand_kv(v, hq)
-    if delta is not None:
-        dq, dk, dv = kernel.backward_delta(do, q, k, v, delta, lse, **options)
-    else:
-        dq, dk, dv = kernel.backward(do, q, k, v, out, lse, **options)
-    if expand:  # [B, hq, S, d] -> [B, hk, hq/hk, S, d] -> fp32 sum over the group
-        dk = dk.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
-        dv = dv.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
-    return dq, dk, dv
-
-
 def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, scale: float, opts: _Options):
     """(out [B, hq, S_l, dv], lse [B, hq, S_l] of this rank's rows, and the team's q [C, B, hq, S_l, d] with
     ``keep_team_q``); with ``sinks`` both already include them (folded in once, after all blocks: Note [Attention
@@ -288,10 +273,8 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
         for j, call in enumerate(step):
             q_m = team_q.get(call.qm)
             k_b, v_b = split_kv(ring.block(call.km), d)
-            out, lse = kernel.forward(
-                _block(q_m, call, call.qs), _block(k_b, call, call.ks), _block(v_b, call, call.ks),
-                causal=call.causal, scale=scale, mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
-            )
+            out, lse = call_forward(kernel, call, _block(q_m, call, call.qs), _block(k_b, call, call.ks),
+                                    _block(v_b, call, call.ks), scale=scale, window=opts.window, softcap=opts.softcap)
             m, plan = call.qm, plans[call.qm]
             if plan is None:
                 merge_(acc_out[m][call.rows, :, call.qs], acc_lse[m][call.rows, :, call.qs], out, lse)
@@ -350,7 +333,7 @@ def _backward(
 
         team = gather_team(attn, pack(own), unpack_fn=rows_of)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
-    expand = _expand_grads(kernel, q, k)
+    expand = expand_grads(kernel, q, k)
     calls = [call for step in sched.steps for call in step]
     dq_plans, dq_slots = member_plans(calls, "qs", c, b, sl)
     dq_acc = member_accumulators((c, b, hq, sl, d), q.device, dq_plans)
@@ -384,11 +367,10 @@ def _backward(
                 q_m = q_team[call.qm]
             k_b, v_b = split_kv(ring.block(call.km), d)
             qs, ks, rows = call.qs, call.ks, call.rows
-            dq, dk, dv = _block_grads(
-                kernel, expand, do_m[rows, :, qs], q_m[rows, :, qs], k_b[rows, :, ks], v_b[rows, :, ks],
+            dq, dk, dv = call_backward(
+                kernel, call, expand, do_m[rows, :, qs], q_m[rows, :, qs], k_b[rows, :, ks], v_b[rows, :, ks],
                 None if delta_path else o_m[rows, :, qs], lse_m[rows, :, qs],
-                delta=o_m[rows, :, qs] if delta_path else None, causal=call.causal, scale=scale,
-                mask=_mask_of(call, opts, q.device), softcap=opts.softcap,
+                delta=o_m[rows, :, qs] if delta_path else None, scale=scale, window=opts.window, softcap=opts.softcap,
             )
             dq_plan, kv_plan = dq_plans[call.qm], kv_plans[call.km]
             dk_acc, dv_acc = split_kv(dkv[call.km], d)
@@ -437,7 +419,8 @@ class _WallFacerFn(torch.autograd.Function):
 
         kernel = attn.block_kernel(q, mask=opts.window is not None, softcap=bool(opts.softcap),
                                    value_dim=v.shape[-1] != q.shape[-1])
-        sched = _schedule(attn, q, causal, opts)
+        sched = _schedule(attn, kernel, q, k, v, causal, opts)
+        run = direct_forward if isinstance(sched, FetchSchedule) else _forward
         has_sinks = sinks is not None
         slot = residual_slot("wallfacer", attn, tensor_key(q, k, v, *([sinks] if has_sinks else [])), causal, scale,
                              opts)
@@ -445,7 +428,7 @@ class _WallFacerFn(torch.autograd.Function):
             out, lse, *kept = slot.take()
         else:
             with torch.no_grad(), attn.comm.phase("forward"):
-                out, lse, *kept = _forward(attn, kernel, sched, q, k, v, sinks, scale, opts)
+                out, lse, *kept = run(attn, kernel, sched, q, k, v, sinks, scale, opts)
             if slot is not None:
                 slot.keep(out, lse, *kept)
         # kept: the team's q (``keep_team_q``)
@@ -461,8 +444,8 @@ class _WallFacerFn(torch.autograd.Function):
         attn = ctx.attn
         dout = dout.to(q.dtype)
         with torch.no_grad(), attn.comm.phase("backward"):
-            dq, dk, dv = _backward(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse, ctx.scale, ctx.opts,
-                                   *kept)
+            run = direct_backward if isinstance(ctx.sched, FetchSchedule) else _backward
+            dq, dk, dv = run(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse, ctx.scale, ctx.opts, *kept)
             # the sink's gradient over this rank's own rows (Note [Attention sinks], docs/design.md §2)
             dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         if ctx.slot is not None:

@@ -20,8 +20,11 @@ import torch.distributed as dist
 
 __all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "backend_device_types", "exposed", "exposed_share"]
 
-KINDS = ("all_gather", "reduce_scatter", "ring", "skew", "all_to_all", "halo", "heads", "check")
-"""What the comm layer counts bytes by: the collectives, ring and skew hops of attention, Ulysses all-to-alls,
+KINDS = (
+    "all_gather", "reduce_scatter", "ring", "skew", "fetch", "fetch_grad", "all_to_all", "halo", "heads", "check",
+)
+"""What the comm layer counts bytes by: the collectives, ring and skew hops of attention, the direct fetches of packed
+or windowed batches and their dk/dv sent back (``attention/fetch.py``), Ulysses all-to-alls,
 short-convolution halos (``mixers.short_conv``), the head-parallel all-to-alls of recurrent mixers
 (``mixers.head_parallel``) and the cross-rank checks."""
 

@@ -128,11 +128,13 @@ def test_documents_windows_softcap_match_single_process(world: int) -> None:
             assert r["control"] > 1e-2, f"P={world} rank {rank}: documents / window changed nothing: {r}"
 
 
-def _window_ring(rank: int, world: int) -> list[dict]:
-    """A window no longer than a chunk: contiguous sharding cuts the ring to 2 steps (fewer bytes, counted and
-    derived alike); zigzag keeps every step. Outputs and gradients stay exact either way."""
-    from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
-    from ds_wallfacer.attention.schedule import ring_steps
+def _window_fetch(rank: int, world: int) -> list[dict]:
+    """A window no longer than a chunk, under contiguous and zigzag sharding: each rank fetches only the keys in its
+    window's reach (bytes counted and derived alike, at most two shards' worth); outputs and gradients exact."""
+    from ds_wallfacer.attention import AttnShape, WallFacerAttention
+    from ds_wallfacer.attention.documents import SequenceBatch
+    from ds_wallfacer.attention.fetch import needed
+    from ds_wallfacer.attention.volume import fetch_bytes
     from ds_wallfacer.comm import RankLayout, build_groups
     from ds_wallfacer.data import shard
     from tests.attention.reference import document_mask, full_inputs, reference_attention
@@ -149,26 +151,21 @@ def _window_ring(rank: int, world: int) -> list[dict]:
             o = attn(ql, kl, vl, causal=True, window=window)
             o.backward(sh(do))
             errs = [(a.double() - sh(b)).abs().max().item() for a, b in zip((o, ql.grad, kl.grad, vl.grad), want)]
-            steps = ring_steps(groups.layout, sharding=sharding, causal=True, window=window, chunk_len=n // world // 2)
             shape = AttnShape(1, n, 4, 2, 16, elem_bytes=4)
-            derived = wallfacer_bytes(shape, sp_size=world, ring_count=c, local=groups.place.local, ring_steps=steps)
-            full = wallfacer_bytes(shape, sp_size=world, ring_count=c, local=groups.place.local)
+            need = needed(groups.layout, sharding=sharding, causal=True, batch=SequenceBatch(), window=window,
+                          local_len=SEQ_PER_RANK)
+            derived = fetch_bytes(shape, need, index=rank)
             got = {ph: {kd: b for kd, b in attn.comm.by_kind(ph).items() if kd in derived[ph]} for ph in derived}
-            out.append(dict(c=c, sharding=sharding, errs=errs, steps=steps, g=world // (c * c), got=got,
-                            derived=derived, full=full))
+            out.append(dict(c=c, sharding=sharding, errs=errs, got=got, derived=derived,
+                            shard_bytes=SEQ_PER_RANK * 2 * 32 * 4))
     return out
 
 
 @pytest.mark.parametrize("world", [4, 8])
-def test_sliding_window_cuts_the_ring_and_its_bytes(world: int) -> None:
-    for rank, res in enumerate(run_distributed(_window_ring, world, timeout_s=300)):
+def test_sliding_window_fetches_only_its_reach(world: int) -> None:
+    for rank, res in enumerate(run_distributed(_window_fetch, world, timeout_s=300)):
         for r in res:
             label = f"P={world} rank {rank} C={r['c']} {r['sharding']}"
             assert max(r["errs"]) <= 1e-5, (label, r["errs"])
             assert r["got"] == r["derived"], (label, r["got"], r["derived"])
-            if r["sharding"] == "contiguous":
-                assert r["steps"] == min(2, r["g"]), (label, r["steps"])
-                if r["g"] > 2:
-                    assert r["got"]["forward"]["ring"] < r["full"]["forward"]["ring"], label
-            else:
-                assert r["steps"] == r["g"], (label, r["steps"])
+            assert 0 < r["got"]["forward"]["fetch"] <= 2 * r["shard_bytes"] or rank in (0, world - 1), label

@@ -1,0 +1,59 @@
+"""Running one planned kernel call (``schedule.KernelCall``) on its slices: an ordinary call, a window-masked one, or
+a varlen call over many documents (``kernels/varlen.py``), forward and backward, for every runtime (ring and
+WallFacer in ``wallfacer.py``, the direct fetch in ``direct.py``, local attention in ``local.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .kernels import BlockKernel
+from .kernels.base import expand_kv, window_mask
+from .kernels.varlen import varlen_backward, varlen_forward
+from .schedule import KernelCall
+
+__all__ = ["call_backward", "call_forward", "expand_grads"]
+
+
+def call_forward(kernel: BlockKernel, call: KernelCall, q, k, v, *, scale: float, window: int | None,
+                 softcap: float):
+    """(out, lse) of ``call`` on q, k, v already cut to its rows and ranges."""
+    if call.spans is not None:
+        return varlen_forward(lambda a, b, c: kernel.forward(a, b, c, causal=True, scale=scale, softcap=softcap),
+                              q, k, v, call.spans)
+    mask = None if call.mask is None else window_mask(call.mask, window, q.device)
+    return kernel.forward(q, k, v, causal=call.causal, scale=scale, mask=mask, softcap=softcap)
+
+
+def expand_grads(kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether block backward calls get k/v expanded to the query heads (Note [Gradients of grouped heads] in
+    ``wallfacer.py``)."""
+    return (q.shape[1] != k.shape[1] and q.dtype not in (torch.float32, torch.float64)
+            and not getattr(kernel, "reduces_heads_in_fp32", False))
+
+
+def call_backward(kernel: BlockKernel, call: KernelCall, expand: bool, do, q, k, v, out, lse, *, scale: float,
+                  window: int | None, softcap: float, delta=None):
+    """(dq, dk, dv) of ``call`` on its slices; dk/dv fp32 sums over each kv head's query heads when ``expand``.
+    ``delta``: rowsum(dO * out) for a kernel with ``backward_delta`` (then ``out`` is None)."""
+    if call.spans is not None:
+        def one(do_, q_, k_, v_, o_, lse_):
+            return _grads(kernel, expand, do_, q_, k_, v_, None if delta is not None else o_, lse_,
+                          delta=o_ if delta is not None else None, causal=True, scale=scale, softcap=softcap)
+        return varlen_backward(one, do, q, k, v, out if delta is None else delta, lse, call.spans)
+    mask = None if call.mask is None else window_mask(call.mask, window, q.device)
+    return _grads(kernel, expand, do, q, k, v, out, lse, delta=delta, causal=call.causal, scale=scale, mask=mask,
+                  softcap=softcap)
+
+
+def _grads(kernel: BlockKernel, expand: bool, do, q, k, v, out, lse, *, delta=None, **options):
+    hq, hk = q.shape[1], k.shape[1]
+    if expand:
+        k, v = expand_kv(k, hq), expand_kv(v, hq)
+    if delta is not None:
+        dq, dk, dv = kernel.backward_delta(do, q, k, v, delta, lse, **options)
+    else:
+        dq, dk, dv = kernel.backward(do, q, k, v, out, lse, **options)
+    if expand:  # [B, hq, S, d] -> [B, hk, hq/hk, S, d] -> fp32 sum over the group
+        dk = dk.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
+        dv = dv.unflatten(1, (hk, hq // hk)).sum(2, dtype=torch.float32)
+    return dq, dk, dv

@@ -1,0 +1,172 @@
+"""The direct fetch of packed and windowed batches (``attention/fetch.py``, ``direct.py``) and varlen calls
+(``kernels/varlen.py``): each rank fetches exactly the k/v rows its queries see (the schedule's ranges against
+``volume.needed_positions``, counted token by token), the bytes the comm layer counts equal ``volume.fetch_bytes``,
+dense data keeps the ring's bytes, a window no longer than a shard moves at most two shards' worth per rank at any
+P, and a varlen call equals one call per document. Parity of outputs and gradients in every mode is
+``test_documents.py``'s.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_wallfacer.attention.documents import BatchDocuments, SequenceBatch
+from ds_wallfacer.attention.fetch import FetchSchedule, key_ranges, needed
+from ds_wallfacer.comm.layout import RankLayout
+from tests.dist_utils import run_distributed
+
+
+def _starts(lengths: list[int]) -> tuple[int, ...]:
+    out = [0]
+    for x in lengths[:-1]:
+        out.append(out[-1] + x)
+    return tuple(out)
+
+
+def _random_docs(n: int, seed: int, rows: int = 1, longest: int | None = None) -> BatchDocuments:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        row, left = [], n
+        while left:
+            x = min(left, int(torch.randint(1, longest or max(2, n // 6), (1,), generator=g)))
+            row.append(x)
+            left -= x
+        out.append(_starts(row))
+    return BatchDocuments(starts=tuple(out), seq_len=n)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous", "balanced"])
+def test_fetched_rows_are_exactly_the_needed_ones(p: int, sharding: str) -> None:
+    from ds_wallfacer.data.balance import balanced_assignment
+
+    n, local = 32 * p, 32
+    for seed, (rows, window) in enumerate([(1, None), (2, None), (1, 7), (2, 40), (1, 300)]):
+        docs = _random_docs(n, seed, rows)
+        assignment = None
+        if sharding == "balanced":
+            lengths = [[b - a for a, b in zip(s, (*s[1:], n))] for s in docs.starts]
+            assignment = balanced_assignment(lengths, sp_size=p, chunks_per_rank=4)
+        batch = SequenceBatch(documents=docs if seed != 4 else None, assignment=assignment)
+        lay = RankLayout(tuple(range(p)), 1)
+        scheme = "zigzag" if sharding == "balanced" else sharding
+        need = needed(lay, sharding=scheme, causal=True, batch=batch, window=window, local_len=local)
+        plans = [FetchSchedule.plan(lay, i, sharding=scheme, causal=True, batch=batch, window=window, rows=rows,
+                                    local_len=local) for i in range(p)]
+        for i, plan in enumerate(plans):
+            got = [0] * p
+            for src in plan.sources.values():
+                got[src.index] = src.size
+                assert plans[src.index].sends[src.step].ranges == src.ranges  # both ends agree
+            assert got == need[i], (seed, i, got, need[i])
+            # every fetched key is inside the call that reads it
+            for src in plan.sources.values():
+                assert key_ranges(list(src.calls)) == ((0, src.size),)
+
+
+def test_window_within_a_shard_moves_at_most_two_shards_at_any_p() -> None:
+    for p in (2, 4, 8, 16, 32):
+        lay = RankLayout(tuple(range(p)), 1)
+        local = 64
+        for sharding in ("zigzag", "contiguous"):
+            for window in (1, 17, 32, 64):
+                for docs in (None, _random_docs(p * local, p, longest=3 * local)):
+                    batch = SequenceBatch(documents=docs)
+                    for i in range(p):
+                        plan = FetchSchedule.plan(lay, i, sharding=sharding, causal=True, batch=batch,
+                                                  window=window, rows=1, local_len=local)
+                        assert plan.fetched <= 2 * local and plan.sent <= 2 * local, (p, sharding, window, i)
+                        assert len(plan.sources) <= (2 if sharding == "zigzag" else 1) * (2 if window > 32 else 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["cpu_flash", "reference"])
+def test_varlen_call_equals_a_call_per_document(kernel: str, dtype: torch.dtype) -> None:
+    from ds_wallfacer.attention.calls import call_backward, call_forward, expand_grads
+    from ds_wallfacer.attention.kernels import get_kernel
+    from ds_wallfacer.attention.schedule import KernelCall
+
+    lengths = [1, 5, 16, 17, 40, 3, 90, 64, 2]
+    n, spans, at = sum(lengths), [], 0
+    for x in lengths:
+        spans.append((at, at + x))
+        at += x
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(2, 4, n, 16, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, n, 16, generator=g).to(dtype) for _ in range(2))
+    kern = get_kernel(kernel, q)
+    varlen = KernelCall(slice(0, 2), slice(0, n), slice(0, n), True, None, 0, spans=tuple(spans))
+    out, lse = call_forward(kern, varlen, q, k, v, scale=0.25, window=None, softcap=0.0)
+    expand = expand_grads(kern, q, k)
+    grads = call_backward(kern, varlen, expand, do, q, k, v, out, lse, scale=0.25, window=None, softcap=0.0)
+    for a, b in spans:
+        one = KernelCall(slice(0, 2), slice(a, b), slice(a, b), True, None, 0)
+        o1, l1 = call_forward(kern, one, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=0.25, window=None,
+                              softcap=0.0)
+        g1 = call_backward(kern, one, expand, do[:, :, a:b], q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], o1, l1,
+                           scale=0.25, window=None, softcap=0.0)
+        # padding changes the kernel's blocking, so sums may round differently: fp32 ulps, one bf16 rounding
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        for x, y in zip((out, lse, *grads), (o1, l1, *g1)):
+            assert (x[:, :, a:b].float() - y.float()).abs().max().item() <= tol, (a, b)
+
+
+def test_kernel_calls_per_block_do_not_grow_with_documents() -> None:
+    from ds_wallfacer.attention.schedule import RingSchedule
+
+    p, local = 4, 1024
+    lay = RankLayout(tuple(range(p)), 1)
+    docs = _random_docs(p * local, 0, longest=24)  # about 340 documents
+    assert len(docs.starts[0]) > 300
+    plan = FetchSchedule.plan(lay, 1, sharding="zigzag", causal=True, batch=SequenceBatch(documents=docs),
+                              window=None, rows=1, local_len=local)
+    # the own shard's diagonal is one varlen call (both chunks: a document across them is one span), a fetched
+    # block's calls at most one per query run (two documents never share two chunks)
+    assert len(plan.own) == 1 and plan.own[0].spans is not None and len(plan.own[0].spans) > 80
+    assert all(len(src.calls) <= 2 for src in plan.sources.values())
+    ring = RingSchedule.plan(lay, 1, sharding="zigzag", causal=True, batch=SequenceBatch(documents=docs),
+                             window=None, rows=1, local_len=local)
+    assert len(ring.steps[0]) <= 3
+
+
+def _bytes(rank: int, world: int) -> list[dict]:
+    from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
+    from ds_wallfacer.attention.volume import fetch_bytes
+    from ds_wallfacer.comm import RankLayout, build_groups
+    from ds_wallfacer.data import shard
+
+    n, out = 32 * world, []
+    docs = _random_docs(n, 3, rows=2)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, h, n, 16, generator=g) for h in (4, 2, 2, 4))
+    for c in [1, 2] if world % 4 == 0 else [1]:
+        groups = build_groups([RankLayout(tuple(range(world)), c)])
+        for name, batch, window in [("dense", None, None), ("packed", SequenceBatch(documents=docs), None),
+                                    ("window", None, 9), ("packed+window", SequenceBatch(documents=docs), 9)]:
+            attn = WallFacerAttention(groups, kernel="cpu_flash")
+            sh = lambda x: shard(x, dim=2, index=rank, sp_size=world).contiguous()  # noqa: E731
+            ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+            attn(ql, kl, vl, causal=True, batch=batch, window=window).backward(sh(do))
+            got = {ph: {kd: x for kd, x in attn.comm.by_kind(ph).items() if x and kd != "check"}
+                   for ph in ("forward", "backward")}
+            shape = AttnShape(2, n, 4, 2, 16, elem_bytes=4)
+            need = needed(groups.layout, sharding="zigzag", causal=True, batch=batch or SequenceBatch(),
+                          window=window, local_len=32)
+            fetch = fetch_bytes(shape, need, index=rank)
+            ring = wallfacer_bytes(shape, sp_size=world, ring_count=c, local=groups.place.local)
+            out.append(dict(c=c, name=name, got=got, fetch={ph: {kd: x for kd, x in kinds.items() if x}
+                                                            for ph, kinds in fetch.items()},
+                            ring={ph: {kd: x for kd, x in kinds.items() if x} for ph, kinds in ring.items()}))
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_counted_bytes_equal_the_needed_bytes(world: int) -> None:
+    for rank, res in enumerate(run_distributed(_bytes, world, timeout_s=300)):
+        for r in res:
+            label = f"P={world} rank {rank} C={r['c']} {r['name']}"
+            if r["name"] == "dense":
+                assert r["got"] == r["ring"], (label, r["got"], r["ring"])  # dense data keeps the ring
+            else:
+                assert r["got"] == r["fetch"], (label, r["got"], r["fetch"])
