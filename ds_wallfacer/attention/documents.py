@@ -47,7 +47,7 @@ class BatchDocuments:
 @dataclass(frozen=True)
 class SequenceBatch:
     """What attention needs to know about the current batch beyond its tensors (built once per forward by the
-    integration from the loader's ``document_ids`` / ``chunk_assignment``)."""
+    integration from the loader's ``document_starts`` / ``chunk_assignment``)."""
 
     documents: BatchDocuments | None = None
     """Packed documents (None: one document per row)."""

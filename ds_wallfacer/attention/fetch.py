@@ -117,10 +117,17 @@ def pair_calls(
                         rows=rows, docs=batch.documents, window=window)
 
 
+def _key_spans(call: KernelCall) -> list[tuple[int, int]]:
+    """The key ranges a call reads: its ``ks``, or its spans' (a varlen call's ``ks`` is their hull)."""
+    if call.spans is None:
+        return [(call.ks.start, call.ks.stop)]
+    return [(call.ks.start + c, call.ks.start + d) for _, _, c, d in call.spans]
+
+
 def key_ranges(calls: list[KernelCall]) -> tuple[tuple[int, int], ...]:
     """The union of the calls' key ranges as sorted disjoint [lo, hi) (touching ranges joined)."""
     out: list[list[int]] = []
-    for a, b in sorted((c.ks.start, c.ks.stop) for c in calls):
+    for a, b in sorted(r for c in calls for r in _key_spans(c)):
         if out and a <= out[-1][1]:
             out[-1][1] = max(out[-1][1], b)
         else:
@@ -134,12 +141,18 @@ def _to_buffer(calls: list[KernelCall], ranges: tuple[tuple[int, int], ...]) -> 
     for a, b in ranges:
         offsets.append(at)
         at += b - a
+    def moved(a: int, b: int) -> tuple[int, int]:
+        r = next(i for i, (lo, hi) in enumerate(ranges) if lo <= a and b <= hi)
+        shift = offsets[r] - ranges[r][0]
+        return a + shift, b + shift
+
     out = []
     for c in calls:
-        r = next(i for i, (a, b) in enumerate(ranges) if a <= c.ks.start and c.ks.stop <= b)
-        shift = offsets[r] - ranges[r][0]
-        out.append(KernelCall(c.rows, c.qs, slice(c.ks.start + shift, c.ks.stop + shift), c.causal, c.mask, c.work,
-                              spans=c.spans))
+        keys = [moved(a, b) for a, b in _key_spans(c)]  # order kept: the ranges are concatenated in order
+        lo, hi = min(a for a, _ in keys), max(b for _, b in keys)
+        spans = None if c.spans is None else tuple((qa, qb, a - lo, b - lo) for (qa, qb, _, _), (a, b)
+                                                   in zip(c.spans, keys))
+        out.append(KernelCall(c.rows, c.qs, slice(lo, hi), c.causal, c.mask, c.work, spans=spans))
     return out
 
 

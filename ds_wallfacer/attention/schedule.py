@@ -100,9 +100,11 @@ class KernelCall:
     """The team member whose query rows the call reads (``qs`` are positions in that member's shard)."""
     km: int = 0
     """The member of the held k/v block whose keys the call reads (``ks`` are positions in its shard)."""
-    spans: tuple[tuple[int, int], ...] | None = None
-    """A varlen call (``kernels/varlen.py``): causal attention inside each span [lo, hi) of ``qs`` (relative to its
-    start; ``ks`` is the same range), independently; the spans tile ``qs``. None: one ordinary call."""
+    spans: tuple[tuple[int, int, int, int], ...] | None = None
+    """A varlen call (``kernels/varlen.py``): attention of each span's queries [q_lo, q_hi) (relative to ``qs.start``)
+    to its keys [k_lo, k_hi) (relative to ``ks.start``), independently; causal spans (``causal``) are diagonal
+    (the same range on both sides). Query ranges are disjoint; rows of ``qs`` in no span get nothing (out 0, lse
+    -inf). None: one ordinary call."""
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,7 @@ def kernel_calls(
                                   qm, km))
         return out
     docs = docs or BatchDocuments.single(seq_len=10**18, rows=rows)
+    full: dict = {}  # per row (None: all): the unmasked full segments of every block call, buffer offsets absolute
     for call in calls:
         qc, kc = q_chunks[call.q_lo:call.q_hi], k_chunks[call.k_lo:call.k_hi]
         q_runs, k_runs = buffer_runs(qc, L), buffer_runs(kc, L)
@@ -285,7 +288,8 @@ def kernel_calls(
 
         def flush() -> None:
             if diagonal:
-                out.append(_diagonal_call(diagonal, rows, q0, k0, qm, km))
+                out.append(_varlen_call([(x.q_lo + q0, x.q_hi + q0, x.k_lo + k0, x.k_hi + k0) for x in diagonal],
+                                        diagonal[0].row, rows, True, qm, km))
                 diagonal.clear()
 
         for seg in segments(qc, kc, chunk_len=L, causal=call.causal, docs=docs, window=window):
@@ -298,10 +302,7 @@ def kernel_calls(
                 continue
             flush()
             if not seg.windowed:
-                sq, sk = seg.q_hi - seg.q_lo, seg.k_hi - seg.k_lo
-                work = sq * (sq + 1) // 2 if seg.causal else sq * sk
-                out.append(KernelCall(r, slice(q0 + seg.q_lo, q0 + seg.q_hi), slice(k0 + seg.k_lo, k0 + seg.k_hi),
-                                      seg.causal, None, n_rows * work, qm, km))
+                full.setdefault(seg.row, []).append((q0 + seg.q_lo, q0 + seg.q_hi, k0 + seg.k_lo, k0 + seg.k_hi))
                 continue
             for t in window_tiles(seg, q_runs, k_runs, window=window):
                 gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
@@ -310,20 +311,24 @@ def kernel_calls(
                 out.append(KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
                                       False, mask, work, qm, km))
         flush()
+    for row, spans in full.items():
+        out.append(_varlen_call(spans, row, rows, False, qm, km))
     return out
 
 
-def _diagonal_call(segs: list, rows: int, q0: int, k0: int, qm: int, km: int) -> KernelCall:
-    """Causal segments of one row (or all), end to end on the diagonal: one ordinary causal call, or one varlen call
-    over them all (``KernelCall.spans``; Note [Varlen calls on any kernel] in ``kernels/varlen.py``)."""
-    row = segs[0].row
+def _varlen_call(spans: list[tuple[int, int, int, int]], row: int | None, rows: int, causal: bool, qm: int,
+                 km: int) -> KernelCall:
+    """Segments of one row (None: all rows), as buffer ranges (q_lo, q_hi, k_lo, k_hi): one ordinary call when there
+    is one, else one varlen call over them all (``KernelCall.spans``; Note [Varlen calls on any kernel] in
+    ``kernels/varlen.py``). Causal segments are diagonal ones."""
     r = slice(0, rows) if row is None else slice(row, row + 1)
     n_rows = rows if row is None else 1
-    lo, hi = segs[0].q_lo, segs[-1].q_hi
-    lengths = [x.q_hi - x.q_lo for x in segs]
-    spans = tuple((x.q_lo - lo, x.q_hi - lo) for x in segs) if len(segs) > 1 else None
-    return KernelCall(r, slice(q0 + lo, q0 + hi), slice(k0 + lo, k0 + hi), True, None,
-                      n_rows * sum(n * (n + 1) // 2 for n in lengths), qm, km, spans=spans)
+    work = n_rows * sum((b - a) * (b - a + 1) // 2 if causal else (b - a) * (d - c) for a, b, c, d in spans)
+    q_lo, q_hi = min(x[0] for x in spans), max(x[1] for x in spans)
+    k_lo, k_hi = min(x[2] for x in spans), max(x[3] for x in spans)
+    rel = tuple((a - q_lo, b - q_lo, c - k_lo, d - k_lo) for a, b, c, d in spans)
+    return KernelCall(r, slice(q_lo, q_hi), slice(k_lo, k_hi), causal, None, work, qm, km,
+                      spans=rel if len(spans) > 1 else None)
 
 
 def _masked_work(gq, gk, window: int) -> int:

@@ -25,6 +25,8 @@ _EXPORTS = {
     "document_ids": ".packing",
     "document_lengths_from_position_ids": ".packing",
     "document_positions": ".packing",
+    "document_starts": ".packing",
+    "starts_of": ".packing",
     "mask_document_ends": ".packing",
     "normalize_document_lengths": ".packing",
     "SCHEMES": ".chunks",

@@ -7,7 +7,7 @@ replicas see different ones.
 
 Which pieces of a sequence each rank holds (zigzag / contiguous chunks of 2P, with Ulysses pieces, or an
 explicit chunk assignment) is ``pieces.py``. Packed batches (several documents per row, ``packing.py``) get
-per-document positions and labels and a ``document_ids`` map; under ``scheme="balanced"`` their chunks are
+per-document positions and labels and their ``document_starts``; under ``scheme="balanced"`` their chunks are
 chosen by attention work (``balance.py``).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .packing import (
     document_ids,
     document_lengths_from_position_ids,
     document_positions,
+    document_starts,
     mask_document_ends,
     normalize_document_lengths,
 )
@@ -160,8 +161,9 @@ def prepare_batch(
 
     Packed batches (Note [Packed documents] in docs/design.md §2.2) also carry ``position_ids`` [B, N] restarting
     at 0 at each document, or ``document_lengths``. Then ``position_ids`` are positions inside each document, the
-    label of each document's last token is ``ignore_index``, and ``document_ids`` [B, N_padded] int32 is the FULL
-    document map, the same on every rank.
+    label of each document's last token is ``ignore_index``, and ``document_starts`` [B, D] int64 holds every row's
+    document starts (global, right padding one more document, the tail filled with N_padded), the same on every
+    rank: the attention's whole view of the documents, a few numbers per document.
 
     ``spec.scheme == "balanced"``: a packed batch is cut into R x ``spec.chunks_per_rank`` ring chunks
     (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
@@ -194,7 +196,7 @@ def prepare_batch(
         doc_ids = document_ids(docs, seq_len=n)
         pos = document_positions(doc_ids)
         shift = mask_document_ends(shift, doc_ids, ignore_index=ignore_index)
-        extra["document_ids"] = doc_ids
+        extra["document_starts"] = document_starts(docs, seq_len=n)
     if spec.scheme == "balanced":
         ring = spec.sp_size // spec.ulysses_degree
         if balanced:

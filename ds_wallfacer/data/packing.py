@@ -14,6 +14,8 @@ __all__ = [
     "document_ids",
     "document_lengths_from_position_ids",
     "document_positions",
+    "document_starts",
+    "starts_of",
     "mask_document_ends",
     "normalize_document_lengths",
 ]
@@ -94,6 +96,29 @@ def document_ids(doc_lengths_per_row: Sequence[Sequence[int]], *, seq_len: int) 
         counts = torch.tensor([*lengths, pad], dtype=torch.long)
         rows.append(torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts))
     return torch.stack(rows) if rows else torch.zeros(0, seq_len, dtype=torch.int32)
+
+
+def document_starts(doc_lengths_per_row: Sequence[Sequence[int]], *, seq_len: int) -> torch.Tensor:
+    """[B, D] int64: per row the global start of each document (right padding, if any, is one more document), the
+    rows' tails filled with ``seq_len``: the batch's whole document structure, a few numbers per document."""
+    rows = []
+    for lengths in doc_lengths_per_row:
+        pad = seq_len - sum(lengths)
+        if pad < 0:
+            raise ValueError(f"documents of {sum(lengths)} tokens do not fit a row of {seq_len}")
+        starts, at = [], 0
+        for x in [*lengths, pad]:
+            if x:
+                starts.append(at)
+                at += x
+        rows.append(starts)
+    width = max((len(r) for r in rows), default=1)
+    return torch.tensor([r + [seq_len] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
+
+
+def starts_of(document_starts: torch.Tensor, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """Inverse of ``document_starts``: per row the starts below ``seq_len`` (a host copy of [B, D] numbers)."""
+    return tuple(tuple(x for x in row if x < seq_len) for row in document_starts.tolist())
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:

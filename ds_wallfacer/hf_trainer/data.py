@@ -25,7 +25,7 @@ loader reads the documents from ``position_ids`` and builds what the sequence-pa
 
 class ShardingCollator:
     """``inner(features)`` -> a full batch -> this rank's shard (``input_ids``, ``position_ids``,
-    ``shift_labels``, and ``token_mask`` / ``document_ids`` / ``chunk_assignment`` where they apply)."""
+    ``shift_labels``, and ``token_mask`` / ``document_starts`` / ``chunk_assignment`` where they apply)."""
 
     def __init__(self, inner: Callable[[Sequence[Any]], Mapping[str, Any]], spec: ShardSpec, *,
                  pad_token_id: int, ignore_index: int) -> None:

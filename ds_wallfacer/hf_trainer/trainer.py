@@ -159,7 +159,7 @@ class WallfacerTrainerMixin:
         """(summed token losses, targets) of this rank's shard; packed batches hand attention their documents, layers
         that scale by position get the positions (``SequenceParallelCausalLM.attention_kwargs``)."""
         sp = self.sequence_parallel
-        kwargs = sp.module.attention_kwargs(inputs["position_ids"], inputs.get("document_ids"),
+        kwargs = sp.module.attention_kwargs(inputs["position_ids"], inputs.get("document_starts"),
                                             inputs.get("chunk_assignment"))
         return logits_loss(model, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
                            shift_labels=inputs["shift_labels"], ignore_index=sp.ignore_index, **kwargs)

@@ -128,17 +128,17 @@ class SequenceParallelCausalLM(nn.Module):
         """The global length shown to rotary embeddings that read it; None when the model has none."""
         return self._rope
 
-    def attention_kwargs(self, position_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+    def attention_kwargs(self, position_ids: torch.Tensor, document_starts: torch.Tensor | None = None,
                          chunk_assignment: torch.Tensor | None = None) -> dict[str, Any]:
         """The model-forward keywords attention needs beyond the tensors: a packed batch's documents (checked across
         the group) and, for layers that scale by position, the tokens' positions. The mixer layers get the same
         through ``MixerInputs`` (models need not pass keywords down to them)."""
         kwargs: dict[str, Any] = {}
-        if document_ids is not None or chunk_assignment is not None:
+        if document_starts is not None or chunk_assignment is not None:
             if self._packing is None:
-                raise ValueError("this batch packs documents (document_ids / chunk_assignment), but the model was "
+                raise ValueError("this batch packs documents (document_starts / chunk_assignment), but the model was "
                                  "not built by ds_wallfacer.integration.initialize, which sets up packed batches")
-            kwargs[BATCH_KWARG] = self._packing.batch(position_ids, document_ids, chunk_assignment)
+            kwargs[BATCH_KWARG] = self._packing.batch(position_ids, document_starts, chunk_assignment)
             if self._rope is not None:
                 raise ValueError(
                     "packed documents with a RoPE type that reads the sequence length (dynamic / longrope): each "
@@ -163,10 +163,10 @@ class SequenceParallelCausalLM(nn.Module):
         shift_labels: torch.Tensor,
         token_mask: torch.Tensor | None = None,
         sequence_length: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
+        document_starts: torch.Tensor | None = None,
         chunk_assignment: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        model_kwargs = self.attention_kwargs(position_ids, document_ids, chunk_assignment)
+        model_kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None

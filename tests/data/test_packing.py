@@ -18,6 +18,19 @@ from ds_wallfacer.data import (
 DOCS = [[5, 3, 8, 2], [1, 10, 7]]  # two rows of 18 tokens
 
 
+
+def _want_starts(rows: list[list[int]], n: int) -> torch.Tensor:
+    """The loader's ``document_starts`` of documents ``rows`` in rows of ``n`` tokens (tails filled with n)."""
+    out = []
+    for row in rows:
+        at, starts = 0, []
+        for x in row:
+            starts.append(at)
+            at += x
+        out.append(starts)
+    width = max(len(r) for r in out)
+    return torch.tensor([r + [n] * (width - len(r)) for r in out])
+
 def _positions(docs: list[list[int]]) -> torch.Tensor:
     return torch.tensor([[k for d in row for k in range(d)] for row in docs])
 
@@ -44,13 +57,11 @@ def test_packed_position_ids_give_per_document_positions_labels_and_document_map
     pos = _full(parts, "position_ids", ulysses_degree=u)
     want_docs = [row + [n - 18] if n > 18 else row for row in DOCS]  # the loader's padding: one more document
     assert torch.equal(pos, _positions(want_docs))
-    doc_ids = parts[0]["document_ids"]
-    assert doc_ids.dtype == torch.int32 and doc_ids.shape == (2, n)
-    want_ids = torch.tensor([[d for d, length in enumerate(row) for _ in range(length)] for row in want_docs],
-                            dtype=torch.int32)
-    assert torch.equal(doc_ids, want_ids)
-    for q in parts:  # the full map, identical on every rank of the group
-        assert torch.equal(q["document_ids"], doc_ids)
+    starts = parts[0]["document_starts"]
+    assert starts.dtype == torch.int64 and starts.shape == (2, max(len(r) for r in want_docs))
+    assert torch.equal(starts, _want_starts(want_docs, n))
+    for q in parts:  # every row's document starts, identical on every rank of the group
+        assert torch.equal(q["document_starts"], starts)
     labels = _full(parts, "shift_labels", ulysses_degree=u)
     ids = batch["input_ids"]
     for b, row in enumerate(DOCS):
@@ -77,8 +88,8 @@ def test_one_document_per_row_still_gets_the_packed_keys_and_unpacked_batches_do
     ids = torch.arange(16).view(1, 16)
     packed = prepare_batch({"input_ids": ids, "position_ids": torch.arange(16)[None]}, ShardSpec(index=0, sp_size=2))
     plain = prepare_batch({"input_ids": ids}, ShardSpec(index=0, sp_size=2))
-    assert torch.equal(packed["document_ids"], torch.zeros(1, 16, dtype=torch.int32))
-    assert "document_ids" not in plain and "chunk_assignment" not in plain
+    assert packed["document_starts"].tolist() == [[0]]
+    assert "document_starts" not in plain and "chunk_assignment" not in plain
     for k in plain:  # one document from position 0 is exactly the unpacked batch
         assert torch.equal(packed[k], plain[k])
 
@@ -89,7 +100,7 @@ def test_right_padding_and_loader_padding_form_one_extra_document() -> None:
     mask[0, 11:] = 0  # 11 real tokens: documents 6 + 5, then 3 padding + 2 of the loader's (P = 2 -> 16)
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0, 0, 0]])  # padding positions are not read
     parts = _all_ranks({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, 2)
-    assert parts[0]["document_ids"].tolist() == [[0] * 6 + [1] * 5 + [2] * 5]
+    assert parts[0]["document_starts"].tolist() == [[0, 6, 11]]
     assert _full(parts, "position_ids").tolist() == [[*range(6), *range(5), *range(5)]]
     assert _full(parts, "token_mask").tolist() == [[1] * 11 + [0] * 5]
     assert (parts[0]["sequence_length"] == 14).all()
@@ -142,9 +153,9 @@ def test_balanced_packed_batch_shards_by_the_assignment_and_round_trips(p: int, 
     assert sorted(assign.flatten().tolist()) == list(range(ring * m))
     assert all(row == sorted(row) for row in assign.tolist())
     for q in parts:
-        assert torch.equal(q["chunk_assignment"], assign) and torch.equal(q["document_ids"], parts[0]["document_ids"])
+        assert torch.equal(q["chunk_assignment"], assign) and torch.equal(q["document_starts"], parts[0]["document_starts"])
     kw = dict(ulysses_degree=u, assignment=assign.tolist())
-    n = parts[0]["document_ids"].shape[1]
+    n = parts[0]["input_ids"].shape[1] * p
     assert n % (p * m) == 0 and parts[0]["input_ids"].shape[1] == n // p
     assert torch.equal(_full(parts, "input_ids", **kw)[:, :64], batch["input_ids"])
     want_docs = [row + [n - 64] if n > 64 else row for row in docs]
@@ -204,10 +215,10 @@ def test_the_loader_collates_packed_items() -> None:
         {"input_ids": list(range(1, 8))},  # no position ids: one document
     ]
     (b0,), (b1,) = (list(SequenceParallelLoader(items, ShardSpec(index=i, sp_size=2), batch_size=2)) for i in range(2))
-    ids = b0["document_ids"]
-    assert ids.tolist() == [[0] * 4 + [1] * 6 + [2] * 2, [0] * 7 + [1] * 5] and torch.equal(b1["document_ids"], ids)
+    starts = b0["document_starts"]
+    assert starts.tolist() == [[0, 4, 10], [0, 7, 12]] and torch.equal(b1["document_starts"], starts)
     pos = unshard_sequence([b0["position_ids"], b1["position_ids"]], dim=1)
     assert pos.tolist() == [[*range(4), *range(6), 0, 1], [*range(7), *range(5)]]
     docs = [{"input_ids": list(range(6)), "document_lengths": [2, 4]}, {"input_ids": list(range(6))}]
     (c0,) = list(SequenceParallelLoader(docs, ShardSpec(index=0, sp_size=2), batch_size=2))
-    assert c0["document_ids"].tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [0] * 6 + [1] * 2]
+    assert c0["document_starts"].tolist() == [[0, 2, 6], [0, 6, 8]]

@@ -45,7 +45,7 @@ def test_packed_batches_from_data_collator_with_flattening(tmp_path: Path) -> No
     assert kept["replayed"] > 0 and kept["missed"] == 0, kept
     assert len(ref["losses"]) == STEPS, ref
     assert "position_ids" in ref["batch_keys"], ref  # the collator packs: one row per micro-batch
-    assert "document_ids" in got["batch_keys"], got  # ... which the loader turned into documents
+    assert "document_starts" in got["batch_keys"], got  # ... which the loader turned into documents
     for step, want in ref["losses"].items():
         assert got["losses"][step] == pytest.approx(want, rel=1e-5, abs=1e-5), (step, got["losses"], ref["losses"])
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)

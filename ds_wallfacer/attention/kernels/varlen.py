@@ -1,8 +1,8 @@
-"""Many documents' causal attention in a few kernel calls, for any backend: a varlen call (``KernelCall.spans``:
-causal attention inside each span of a buffer range, independently) runs as one batched call per span length class.
-The spans of a class are gathered into one batch, each right-padded to the class length; causal masking keeps
-every real query off the padding keys, the padded query rows are dropped, and their dO is zero in the backward, so
-they add nothing to dk/dv (Note [Varlen calls on any kernel]).
+"""Many documents' attention in a few kernel calls, for any backend: a varlen call (``KernelCall.spans``: each span's
+queries against its own keys, independently) runs as one batched call per span length class. The spans of a class
+are gathered into one batch, each right-padded to the class lengths; padded keys are never seen by a real query
+(causal masking on the diagonal, a key-padding mask otherwise), padded query rows are dropped, and their dO is zero
+in the backward, so they add nothing to dk/dv (Note [Varlen calls on any kernel]).
 """
 from __future__ import annotations
 
@@ -28,32 +28,44 @@ def length_class(n: int) -> int:
         k += 1
 
 
+def _padded(lo: int, hi: int, size: int) -> list[int]:
+    return list(range(lo, hi)) + [hi - 1] * (size - (hi - lo))
+
+
 @functools.lru_cache(maxsize=1024)
-def span_classes(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
-    """Pure: per length class (ascending), (padded length, the gather index of its spans [n * padded], the
-    positions of the gathered rows that are real, in gather order). Padding repeats a span's last position."""
-    by: dict[int, list[tuple[int, int]]] = {}
-    for lo, hi in spans:
-        by.setdefault(length_class(hi - lo), []).append((lo, hi))
+def span_classes(spans: tuple[tuple[int, int, int, int], ...], causal: bool):
+    """Pure: per length class, (query length, key length, the spans' query gather index [n * query length], their
+    key gather index [n * key length], the real query rows in gather order, the real key rows in gather order).
+    Causal spans are diagonal: one class length on both sides. Padding repeats a span's last position."""
+    by: dict[tuple[int, int], list] = {}
+    for a, b, c, d in spans:
+        lq = length_class(b - a)
+        by.setdefault((lq, lq) if causal else (lq, length_class(d - c)), []).append((a, b, c, d))
     out = []
-    for size in sorted(by):
-        idx, real = [], []
-        for lo, hi in by[size]:
-            base = len(idx)
-            idx += list(range(lo, hi)) + [hi - 1] * (size - (hi - lo))
-            real += range(base, base + hi - lo)
-        out.append((size, tuple(idx), tuple(real)))
+    for (lq, lk), group in sorted(by.items()):
+        qi, ki, q_real, k_real = [], [], [], []
+        for a, b, c, d in group:
+            q_real += range(len(qi), len(qi) + b - a)
+            k_real += range(len(ki), len(ki) + d - c)
+            qi += _padded(a, b, lq)
+            ki += _padded(c, d, lk)
+        out.append((lq, lk, tuple(qi), tuple(ki), tuple(q_real), tuple(k_real)))
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
-def _indices(spans: tuple[tuple[int, int], ...], device: torch.device):
-    """``span_classes`` as index tensors on ``device``: (size, n spans, gather index, real rows, their positions)."""
+def _indices(spans, causal: bool, device: torch.device):
+    """``span_classes`` as tensors on ``device``: (query length, key length, n spans, query gather, key gather, real
+    query rows, their positions, real key rows, their positions, key-padding mask [n, 1, 1, key length] or None)."""
     out = []
-    for size, idx, real in span_classes(spans):
-        gather = torch.tensor(idx, dtype=torch.long, device=device)
-        rows = torch.tensor(real, dtype=torch.long, device=device)
-        out.append((size, len(idx) // size, gather, rows, gather[rows]))
+    for lq, lk, qi, ki, q_real, k_real in span_classes(spans, causal):
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        qg, kg, qr, kr = t(qi), t(ki), t(q_real), t(k_real)
+        n = len(qi) // lq
+        mask = None
+        if not causal:
+            mask = torch.zeros(n * lk, dtype=torch.bool, device=device).index_fill_(0, kr, True).view(n, 1, 1, lk)
+        out.append((lq, lk, n, qg, kg, qr, qg[qr], kr, kg[kr], mask))
     return tuple(out)
 
 
@@ -65,49 +77,55 @@ def _batched(x: torch.Tensor, gather: torch.Tensor, n: int, size: int) -> torch.
 
 def _unbatched(y: torch.Tensor, b: int) -> torch.Tensor:
     """Inverse layout of ``_batched``: [B * n, h, size, ...] -> [B, h, n * size, ...]."""
-    y = y.unflatten(0, (b, -1)).movedim(1, 2)
-    return y.flatten(2, 3)
+    return y.unflatten(0, (b, -1)).movedim(1, 2).flatten(2, 3)
 
 
-def varlen_forward(forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans):
-    """(out [B, hq, S, dv], lse [B, hq, S] fp32) of causal attention inside each span; ``forward(q, k, v)`` is the
-    backend's causal forward on a batch."""
+def varlen_forward(forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, *, causal: bool):
+    """(out [B, hq, Sq, dv], lse [B, hq, Sq] fp32) of each span's queries against its keys (rows in no span: out 0,
+    lse -inf); ``forward(q, k, v, mask)`` is the backend's call on a batch (causal when ``causal``; ``mask`` a
+    key-padding mask, or None)."""
     b, hq, s, _ = q.shape
     out = lse = None
-    for size, n, gather, rows, pos in _indices(tuple(spans), q.device):
-        o, l = forward(*(_batched(x, gather, n, size) for x in (q, k, v)))
+    for lq, lk, n, qg, kg, qr, qpos, _, _, mask in _indices(tuple(spans), causal, q.device):
+        o, l = forward(_batched(q, qg, n, lq), _batched(k, kg, n, lk), _batched(v, kg, n, lk),
+                       None if mask is None else mask.repeat(b, 1, 1, 1))
         if out is None:
-            out = torch.empty((b, hq, s, o.shape[-1]), dtype=o.dtype, device=q.device)
-            lse = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
-        out.index_copy_(2, pos, _unbatched(o, b).index_select(2, rows))
-        lse.index_copy_(2, pos, _unbatched(l.float(), b).index_select(2, rows))
+            out = torch.zeros((b, hq, s, o.shape[-1]), dtype=o.dtype, device=q.device)
+            lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+        out.index_copy_(2, qpos, _unbatched(o, b).index_select(2, qr))
+        lse.index_copy_(2, qpos, _unbatched(l.float(), b).index_select(2, qr))
     return out, lse
 
 
-def varlen_backward(backward, dout, q, k, v, o, lse, spans):
-    """(dq, dk, dv) of ``varlen_forward``'s attention; ``backward(dout, q, k, v, o, lse)`` is the backend's causal
-    backward on a batch (``o``: out, or the fp32 delta [B, hq, S] of a kernel that takes it)."""
+def varlen_backward(backward, dout, q, k, v, o, lse, spans, *, causal: bool):
+    """(dq, dk, dv) of ``varlen_forward``'s attention; ``backward(dout, q, k, v, o, lse, mask)`` is the backend's
+    backward on a batch (``o``: out, or the fp32 delta [B, hq, S] of a kernel that takes it). dk/dv sum over the spans
+    that share keys."""
     b = q.shape[0]
     grads = None
-    for size, n, gather, rows, pos in _indices(tuple(spans), q.device):
-        keep = torch.zeros(n * size, dtype=dout.dtype, device=dout.device).index_fill_(0, rows, 1)
-        do = _batched(dout, gather, n, size) * keep.view(n, size).repeat(b, 1)[:, None, :, None]
-        got = backward(do, *(_batched(x, gather, n, size) for x in (q, k, v, o, lse)))
+    for lq, lk, n, qg, kg, qr, qpos, kr, kpos, mask in _indices(tuple(spans), causal, q.device):
+        keep = torch.zeros(n * lq, dtype=dout.dtype, device=dout.device).index_fill_(0, qr, 1)
+        do = _batched(dout, qg, n, lq) * keep.view(n, lq).repeat(b, 1)[:, None, :, None]
+        got = backward(do, _batched(q, qg, n, lq), _batched(k, kg, n, lk), _batched(v, kg, n, lk),
+                       _batched(o, qg, n, lq), _batched(lse, qg, n, lq),
+                       None if mask is None else mask.repeat(b, 1, 1, 1))
         if grads is None:
-            grads = [torch.empty((*x.shape[:2], q.shape[2], g.shape[-1]), dtype=g.dtype, device=q.device)
+            grads = [torch.zeros((*x.shape[:3], g.shape[-1]), dtype=g.dtype, device=q.device)
                      for x, g in zip((q, k, v), got)]
-        for acc, g in zip(grads, got):
-            acc.index_copy_(2, pos, _unbatched(g, b).index_select(2, rows))
+        grads[0].index_copy_(2, qpos, _unbatched(got[0], b).index_select(2, qr))
+        for acc, g in zip(grads[1:], got[1:]):
+            acc.index_add_(2, kpos, _unbatched(g, b).index_select(2, kr))
     return tuple(grads)
 
 
-# Note [Varlen calls on any kernel]: with short packed documents a block's diagonal splits into one causal call per
-# document: hundreds of calls per block, each paying a launch, slicing and an accumulator update. A varlen call
-# covers them all. flash-attn's varlen functions do it in one launch on the GPU; for every backend (and on the CPU)
-# the spans are batched by length class instead: spans padded to the same length (classes a factor sqrt(2) apart,
-# so padding at most doubles a span's score entries) go through the backend's ordinary causal call as one batch.
-# Calls per block then grow with the number of length classes (about 2 log2(longest / shortest)), not documents.
-# Right padding is exact under causal masking: a real query at row i < n sees keys 0..i only, all real. The padded
-# query rows compute something and are dropped; in the backward their dO is zero, so their ds = p * (dO.v - delta)
-# is zero and they add nothing to dk and dv. The landing index tensors are cached per (spans, device), once per
-# batch.
+# Note [Varlen calls on any kernel]: with short packed documents a block splits into one call per document: hundreds
+# of calls per block, each paying a launch, slicing and an accumulator update. A varlen call covers them all:
+# the diagonal's causal segments of a block as one call, the full (off-diagonal) segments as another.
+# flash-attn's varlen functions would do it in one launch on the GPU; here, for every backend and on the CPU, the
+# spans are batched by length class instead: spans padded to the same lengths (classes a factor sqrt(2) apart, so
+# padding at most doubles a causal span's score entries) go through the backend's ordinary call as one batch, so
+# launches grow with the number of length classes (about 2 log2(longest / shortest)), not with documents. Right
+# padding is exact: on the diagonal, causal masking keeps a real query at row i on keys 0..i, all real; off it, a
+# key-padding mask [n, 1, 1, keys] hides the padded keys (backends without masks run such spans one by one). Padded
+# query rows compute something and are dropped; in the backward their dO is zero, so their ds = p (dO.v - delta) is
+# zero and they add nothing to dk and dv. The index tensors are cached per (spans, device): once per batch.
