@@ -167,6 +167,8 @@ class Tile:
     k_lo: int
     k_hi: int
     masked: bool
+    causal: bool = False
+    """The tile's keys are its queries (the diagonal of a causal segment): an ordinary causal call, no mask."""
 
 
 def _query_tiles(seg: Segment, q_runs: list[tuple[int, int, int]], tile: int):
@@ -183,15 +185,29 @@ def window_tiles(
     tile: int = 2048,
 ) -> list[Tile]:
     """Split a windowed segment into query tiles, each against only the keys its window can reach, so a mask is
-    never larger than tile x (tile + window) (Note [Sliding windows in block calls])."""
+    never larger than tile x (tile + window); a tile no taller than the window is cut by keys into the part only
+    some of its queries reach (masked), the part all of them see (no mask) and its own diagonal (causal, no mask),
+    so its mask is at most tile x tile (Note [Sliding windows in block calls])."""
+    if 256 <= window < tile:
+        tile = window
     out = []
     for ta, tb in _query_tiles(seg, q_runs, tile):
         g_first, g_last = _to_global(q_runs, ta), _to_global(q_runs, tb - 1)
-        ka = _first_at_least(k_runs, g_first - window + 1, seg.k_lo, seg.k_hi)
-        kb = _first_at_least(k_runs, g_last + 1, seg.k_lo, seg.k_hi)
+        at = lambda g: _first_at_least(k_runs, g, seg.k_lo, seg.k_hi)  # noqa: E731
+        ka, kb = at(g_first - window + 1), at(g_last + 1)
         if ka >= kb:
             continue
         far = g_last - _to_global(k_runs, ka) >= window
         late = seg.causal and _to_global(k_runs, kb - 1) > g_first  # some key after some query
-        out.append(Tile(ta, tb, ka, kb, masked=far or late))
+        if tb - ta > window or not (far or late):
+            out.append(Tile(ta, tb, ka, kb, masked=far or late))
+            continue
+        seen, own = at(g_last - window + 1), at(g_first)  # keys from ``seen`` on reach every query; from ``own``, late
+        if ka < seen:
+            out.append(Tile(ta, tb, ka, seen, masked=True))
+        if seen < own:
+            out.append(Tile(ta, tb, seen, own, masked=False))
+        if own < kb:
+            diagonal = seg.causal and (own, kb) == (ta, tb)
+            out.append(Tile(ta, tb, own, kb, masked=not diagonal, causal=diagonal))
     return out

@@ -307,9 +307,11 @@ def kernel_calls(
             for t in window_tiles(seg, q_runs, k_runs, window=window):
                 gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
                 mask = (tuple(gq), tuple(gk)) if t.masked else None
-                work = n_rows * (_masked_work(gq, gk, window) if t.masked else (t.q_hi - t.q_lo) * (t.k_hi - t.k_lo))
+                sq, sk = t.q_hi - t.q_lo, t.k_hi - t.k_lo
+                work = n_rows * (_masked_work(gq, gk, window) if t.masked else
+                                 sq * (sq + 1) // 2 if t.causal else sq * sk)
                 out.append(KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
-                                      False, mask, work, qm, km))
+                                      t.causal, mask, work, qm, km))
         flush()
     for row, spans in full.items():
         out.append(_varlen_call(spans, row, rows, False, qm, km))

@@ -169,3 +169,27 @@ def test_sliding_window_fetches_only_its_reach(world: int) -> None:
             assert max(r["errs"]) <= 1e-5, (label, r["errs"])
             assert r["got"] == r["derived"], (label, r["got"], r["derived"])
             assert 0 < r["got"]["forward"]["fetch"] <= 2 * r["shard_bytes"] or rank in (0, world - 1), label
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_tiles_cover_each_visible_pair_once(causal: bool) -> None:
+    """Tiles no taller than the window are cut into a masked far part, an unmasked middle and a causal diagonal;
+    together the tiles of a segment compute every pair inside the window exactly once, and nothing else."""
+    q_chunks, k_chunks = ([1, 3], [1, 3]) if causal else ([3, 4], [1, 2])
+    for window in (5, 12, 20, 40):
+        seg, = segments(q_chunks, k_chunks, chunk_len=16, causal=causal, docs=BatchDocuments.single(96),
+                        window=window)
+        q_runs, k_runs = buffer_runs(q_chunks, 16), buffer_runs(k_chunks, 16)
+        glob = lambda runs, x: next(g + x - o for o, g, n in runs if o <= x < o + n)  # noqa: E731
+        got = []
+        for t in window_tiles(seg, q_runs, k_runs, window=window, tile=8):
+            for a in range(t.q_lo, t.q_hi):
+                for b in range(t.k_lo, t.k_hi):
+                    i, j = glob(q_runs, a), glob(k_runs, b)
+                    if t.masked and not 0 <= i - j < window or t.causal and b > a:
+                        continue
+                    assert t.masked or 0 <= i - j < window, (window, t, i, j)  # unmasked: all inside the window
+                    got.append((a, b))
+        want = [(a, b) for a in range(seg.q_lo, seg.q_hi) for b in range(seg.k_lo, seg.k_hi)
+                if 0 <= glob(q_runs, a) - glob(k_runs, b) < window]
+        assert sorted(got) == want, window
