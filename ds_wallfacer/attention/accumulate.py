@@ -16,8 +16,8 @@ import torch
 from .merge import merge_
 
 __all__ = [
-    "call_spans", "fill_plan", "fill_untouched", "fresh_accumulator", "land", "land_merged", "member_accumulators",
-    "member_plans",
+    "call_spans", "fill_plan", "fill_untouched", "fresh_accumulator", "land", "land_call_grads", "land_call_out",
+    "land_merged", "member_accumulators", "member_plans", "slot_fill",
 ]
 
 
@@ -88,6 +88,38 @@ def land_merged(
         acc_lse[:, :, a:z].copy_(lse[:, :, a - lo:z - lo])
     for a, z in adds:
         merge_(acc_out[:, :, a:z], acc_lse[:, :, a:z], out[:, :, a - lo:z - lo], lse[:, :, a - lo:z - lo])
+
+
+def slot_fill(plan, slot: int):
+    """The (writes, adds) of a call's result by its member's fill plan, or None (no plan: add / merge it whole)."""
+    return None if plan is None else plan[0][slot]
+
+
+def land_call_out(acc_out: torch.Tensor, acc_lse: torch.Tensor, call, out: torch.Tensor, lse: torch.Tensor,
+                  fill) -> None:
+    """A kernel call's (out, lse) into a member's accumulators: by ``fill`` (``slot_fill``), or merged whole."""
+    if fill is None:
+        merge_(acc_out[call.rows, :, call.qs], acc_lse[call.rows, :, call.qs], out, lse)
+    else:
+        land_merged(acc_out, acc_lse, out, lse, call.qs.start, fill)
+
+
+def land_call_grads(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, call, grads, dq_fill,
+                    kv_fill) -> None:
+    """A kernel call's (dq, dk, dv) into the accumulators of its query rows and of its keys, by their fills
+    (``slot_fill``), or added whole."""
+    dq, dk, dv = grads
+    rows, qs, ks = call.rows, call.qs, call.ks
+    if dq_fill is None:
+        dq_acc[rows, :, qs] += dq
+    else:
+        land(dq_acc, dq, qs.start, dq_fill)
+    if kv_fill is None:
+        dk_acc[rows, :, ks] += dk
+        dv_acc[rows, :, ks] += dv
+    else:
+        land(dk_acc, dk, ks.start, kv_fill)
+        land(dv_acc, dv, ks.start, kv_fill)
 
 
 def fresh_accumulator(shape, device, plan, *, fill: float = 0.0, dim: int = 2) -> torch.Tensor:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .accumulate import land, land_merged, member_accumulators, member_plans
+from .accumulate import land_call_grads, land_call_out, member_accumulators, member_plans, slot_fill
 from .calls import call_backward, call_forward, expand_grads
 from .fetch import LOOKAHEAD, FetchSchedule
-from .merge import merge_
 from .sinks import add_sink
 from .team import split_kv
 
@@ -92,10 +91,7 @@ def direct_forward(attn, kernel, sched: FetchSchedule, q, k, v, sinks, scale: fl
         for call in block_calls:
             out, lse = call_forward(kernel, call, q[call.rows, :, call.qs], k_b[call.rows, :, call.ks],
                                     v_b[call.rows, :, call.ks], scale=scale, window=opts.window, softcap=opts.softcap)
-            if plan is None:
-                merge_(acc_out[call.rows, :, call.qs], acc_lse[call.rows, :, call.qs], out, lse)
-            else:
-                land_merged(acc_out, acc_lse, out, lse, call.qs.start, plan[0][slots[done[0]]])
+            land_call_out(acc_out, acc_lse, call, out, lse, slot_fill(plan, slots[done[0]]))
             done[0] += 1
             attn.work["forward"] += call.work
             attn.comm.computed()
@@ -127,22 +123,14 @@ def direct_backward(attn, kernel, sched: FetchSchedule, dout, q, k, v, out, lse,
         dk_acc, dv_acc = split_kv(dkv, d)
         for j, call in enumerate(block_calls):
             rows, qs, ks = call.rows, call.qs, call.ks
-            dq, dk, dv = call_backward(
+            grads = call_backward(
                 kernel, call, expand, dout[rows, :, qs], q[rows, :, qs], k_b[rows, :, ks], v_b[rows, :, ks],
                 None if delta_path else o_own[rows, :, qs], lse[rows, :, qs],
                 delta=o_own[rows, :, qs] if delta_path else None, scale=scale, window=opts.window,
                 softcap=opts.softcap,
             )
-            if dq_plan is None:
-                dq_acc[rows, :, qs] += dq
-            else:
-                land(dq_acc, dq, qs.start, dq_plan[0][dq_slots[done[0]]])
-            if kv_plan is None:
-                dk_acc[rows, :, ks] += dk
-                dv_acc[rows, :, ks] += dv
-            else:
-                land(dk_acc, dk, ks.start, kv_plan[0][kv_slots[j]])
-                land(dv_acc, dv, ks.start, kv_plan[0][kv_slots[j]])
+            land_call_grads(dq_acc, dk_acc, dv_acc, call, grads, slot_fill(dq_plan, dq_slots[done[0]]),
+                            slot_fill(kv_plan, kv_slots[j]))
             done[0] += 1
             attn.work["backward"] += call.work
             comm.computed()

@@ -20,7 +20,7 @@ import torch
 
 from ..comm import CommLayer, WallFacerGroups
 from ..data.chunks import SHARDINGS
-from .accumulate import land, land_merged, member_accumulators, member_plans
+from .accumulate import land_call_grads, land_call_out, member_accumulators, member_plans, slot_fill
 from .calls import call_backward, call_forward, expand_grads
 from .checks import check_inputs_agree, local_error
 from .direct import direct_backward, direct_forward
@@ -275,11 +275,8 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
             k_b, v_b = split_kv(ring.block(call.km), d)
             out, lse = call_forward(kernel, call, _block(q_m, call, call.qs), _block(k_b, call, call.ks),
                                     _block(v_b, call, call.ks), scale=scale, window=opts.window, softcap=opts.softcap)
-            m, plan = call.qm, plans[call.qm]
-            if plan is None:
-                merge_(acc_out[m][call.rows, :, call.qs], acc_lse[m][call.rows, :, call.qs], out, lse)
-            else:
-                land_merged(acc_out[m], acc_lse[m], out, lse, call.qs.start, plan[0][slots[i]])
+            m = call.qm
+            land_call_out(acc_out[m], acc_lse[m], call, out, lse, slot_fill(plans[m], slots[i]))
             i += 1
             attn.work["forward"] += call.work
             comm.computed()
@@ -367,23 +364,13 @@ def _backward(
                 q_m = q_team[call.qm]
             k_b, v_b = split_kv(ring.block(call.km), d)
             qs, ks, rows = call.qs, call.ks, call.rows
-            dq, dk, dv = call_backward(
+            grads = call_backward(
                 kernel, call, expand, do_m[rows, :, qs], q_m[rows, :, qs], k_b[rows, :, ks], v_b[rows, :, ks],
                 None if delta_path else o_m[rows, :, qs], lse_m[rows, :, qs],
                 delta=o_m[rows, :, qs] if delta_path else None, scale=scale, window=opts.window, softcap=opts.softcap,
             )
-            dq_plan, kv_plan = dq_plans[call.qm], kv_plans[call.km]
-            dk_acc, dv_acc = split_kv(dkv[call.km], d)
-            if dq_plan is None:
-                dq_acc[call.qm][rows, :, qs] += dq
-            else:
-                land(dq_acc[call.qm], dq, qs.start, dq_plan[0][dq_slots[i]])
-            if kv_plan is None:
-                dk_acc[rows, :, ks] += dk
-                dv_acc[rows, :, ks] += dv
-            else:
-                land(dk_acc, dk, ks.start, kv_plan[0][kv_slots[j]])
-                land(dv_acc, dv, ks.start, kv_plan[0][kv_slots[j]])
+            land_call_grads(dq_acc[call.qm], *split_kv(dkv[call.km], d), call, grads,
+                            slot_fill(dq_plans[call.qm], dq_slots[i]), slot_fill(kv_plans[call.km], kv_slots[j]))
             i += 1
             attn.work["backward"] += call.work
             comm.computed()
