@@ -28,6 +28,7 @@ PURE = [
     "ds_wallfacer.data.chunks",
     "ds_wallfacer.data.balance",
     "ds_wallfacer.attention.schedule",
+    "ds_wallfacer.attention.fetch",
     "ds_wallfacer.attention.volume",
     "ds_wallfacer.attention.kernel_names",
     "ds_wallfacer.config",

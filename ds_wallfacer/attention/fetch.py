@@ -16,7 +16,7 @@ import functools
 from ..comm.layout import RankLayout
 from .documents import SequenceBatch
 from .schedule import KernelCall, _member_chunks, block_calls, kernel_calls, ring_steps
-from .volume import AttnShape, SumDtypes, fetch_bytes, needed_positions, wallfacer_bytes
+from .volume import AttnShape, SumDtypes, needed_positions, wallfacer_bytes
 
 __all__ = ["FetchSchedule", "Send", "Source", "key_ranges", "needed", "pair_calls", "prefer_fetch"]
 
@@ -175,6 +175,14 @@ def _needed(starts, held, chunk_len, causal, window):
     return needed_positions(starts, shards=held, chunk_len=chunk_len, causal=causal, window=window)
 
 
+@functools.lru_cache(maxsize=64)
+def _fetched(layout: RankLayout, sharding: str, causal: bool, batch: SequenceBatch, window: int | None,
+             local_len: int) -> tuple[int, ...]:
+    """Key positions every rank fetches (all ranks' schedules: a few milliseconds at P = 64)."""
+    return tuple(FetchSchedule.plan(layout, i, sharding=sharding, causal=causal, batch=batch, window=window, rows=1,
+                                    local_len=local_len).fetched for i in range(layout.sp_size))
+
+
 def prefer_fetch(
     layout: RankLayout, *, sharding: str, causal: bool, batch: SequenceBatch, window: int | None, local_len: int,
     shape: AttnShape, sums: SumDtypes, q_kept: bool = False, gather_out: bool = True,
@@ -187,14 +195,15 @@ def prefer_fetch(
         return False
     if c == 1:
         return True
-    need = needed(layout, sharding=sharding, causal=causal, batch=batch, window=window, local_len=local_len)
+    fetched = _fetched(layout, sharding, causal, batch, window, local_len)
     steps = None
     if window is not None and batch.documents is None:
         steps = ring_steps(layout, sharding=sharding, causal=causal, window=window,
                            chunk_len=local_len // len(shards(layout, sharding=sharding, batch=batch)[0]),
                            assignment=batch.assignment)
     total = lambda d: sum(sum(kinds.values()) for kinds in d.values())  # noqa: E731
-    fetch = sum(total(fetch_bytes(shape, need, index=i, sums=sums)) for i in range(p))
+    row = shape.batch * shape.kv_heads * (shape.head_dim + shape.v_dim)
+    fetch = sum(fetched) * row * (2 * shape.elem_bytes + sums.nbytes(shape.elem_bytes)[3])  # k/v twice, dk/dv once
     ring = sum(total(wallfacer_bytes(shape, sp_size=p, ring_count=c, local=layout.places[i].local,
                                      ring_steps=steps, sums=sums, q_kept=q_kept, gather_out=gather_out))
                for i in range(p))
