@@ -44,7 +44,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--chunks-per-rank", type=int, default=8, help="balanced sharding: chunks per ring rank")
-    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=1, help="timed fwd+bwd calls after one warm-up")
     ap.add_argument("--seed", type=int, default=0)
     add_out_option(ap, "packed")
     return ap.parse_args()
