@@ -25,11 +25,12 @@ def _rows(x: torch.Tensor, ranges) -> torch.Tensor:
 
 
 class _Fetches:
-    """The k/v fetches of the steps 1..P-1, issued in step order ``LOOKAHEAD`` steps ahead of the one computed; each
-    step's exchange sends this rank's rows to the rank that fetches them and receives the rows it fetches."""
+    """The k/v fetches of the steps 1..P-1, issued in step order ``LOOKAHEAD`` steps ahead of the one computed, and
+    with ``budget`` further ahead while the rows in flight fit it; each step's exchange sends this rank's rows to the
+    rank that fetches them and receives the rows it fetches."""
 
-    def __init__(self, attn, sched: FetchSchedule, own_kv: torch.Tensor) -> None:
-        self.attn, self.sched, self.own = attn, sched, own_kv
+    def __init__(self, attn, sched: FetchSchedule, own_kv: torch.Tensor, budget: int = 0) -> None:
+        self.attn, self.sched, self.own, self.budget = attn, sched, own_kv, budget
         self.pending: dict[int, object] = {}
         self.issued = 0
 
@@ -46,8 +47,12 @@ class _Fetches:
             self.pending[s] = self.attn.comm.exchange(sends, recvs, kind="fetch", group=self.attn.groups.sp_group)
 
     def ahead(self, upto: int) -> None:
-        """Issue every step up to ``upto`` (at most P - 1) not issued yet."""
-        while self.issued < min(upto, self.sched.sp_size - 1):
+        """Issue every step up to ``upto`` (at most P - 1) not issued yet, then more while the received rows in flight
+        stay within the budget."""
+        last, sources = self.sched.sp_size - 1, self.sched.sources
+        in_flight = lambda: sum(sources[s].size for s in self.pending if s in sources)  # noqa: E731
+        while self.issued < last and (self.issued < upto or in_flight() + (
+                sources[self.issued + 1].size if self.issued + 1 in sources else 0) <= self.budget):
             self.issued += 1
             self._issue(self.issued)
 
@@ -64,8 +69,9 @@ def _steps(attn, sched: FetchSchedule, own_kv: torch.Tensor, d: int, on_block, b
     """Walk the blocks in the fixed order (own shard, then steps 1..P-1, fetches in flight ahead); ``on_block(s,
     calls, k, v)`` computes a block's calls (s = 0: the own shard); ``before(s)`` runs at every step s >= 1 on every
     rank, whether or not it fetches then, before the step's block (Note [Direct fetch]: the same place in the order
-    on every rank)."""
-    fetches = _Fetches(attn, sched, own_kv)
+    on every rank). Without ``before`` (the forward: only fetches travel) a rank also fetches further ahead while
+    two shards' worth of rows are in flight at most."""
+    fetches = _Fetches(attn, sched, own_kv, budget=0 if before is not None else 2 * own_kv.shape[2])
     fetches.ahead(LOOKAHEAD)
     k_own, v_own = split_kv(own_kv, d)
     on_block(0, sched.own, k_own, v_own)

@@ -217,7 +217,10 @@ def prefer_fetch(
 # fetched key is seen by some query: ``volume.needed_positions`` counts the same set independently). Step s of the
 # exchange pairs every rank i with i - s (fetch) and i + s (serve): a permutation, so each rank sends and receives at
 # most one message per step, and the pairs of a step are disjoint. All ranks walk the steps 1..P-1 in the same
-# order and issue, for each, the k/v fetch (``LOOKAHEAD`` steps ahead of the computation) and, in backward, the
+# order and issue, for each, the k/v fetch (``LOOKAHEAD`` steps ahead of the computation; in forward, where only
+# fetches travel and each pair's messages keep their order whatever the lookahead, further ahead while two shards'
+# worth of rows are in flight, so a rank that needs few blocks has them all on the way before it computes its own
+# and the rest of the steps are free) and, in backward, the
 # dk/dv of the fetched rows back to their owner once the step's calls are done; a step with nothing to move is a no-op
 # on that rank. So for every pair of ranks the messages between them are issued in the same order at both ends, as
 # NCCL and gloo's tag matching need. Each fetched row travels once in forward and once in backward, and its dk/dv

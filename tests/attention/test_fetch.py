@@ -135,7 +135,7 @@ def test_kernel_calls_per_block_do_not_grow_with_documents() -> None:
 def _bytes(rank: int, world: int) -> list[dict]:
     from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
     from ds_wallfacer.attention.volume import fetch_bytes
-    from ds_wallfacer.comm import RankLayout, build_groups
+    from ds_wallfacer.comm import RankLayout, build_groups, exposed
     from ds_wallfacer.data import shard
 
     n, out = 32 * world, []
@@ -149,7 +149,9 @@ def _bytes(rank: int, world: int) -> list[dict]:
             attn = WallFacerAttention(groups, kernel="cpu_flash")
             sh = lambda x: shard(x, dim=2, index=rank, sp_size=world).contiguous()  # noqa: E731
             ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
-            attn(ql, kl, vl, causal=True, batch=batch, window=window).backward(sh(do))
+            with attn.comm.recording() as timeline:
+                attn(ql, kl, vl, causal=True, batch=batch, window=window).backward(sh(do))
+            fwd_exposed = [kd for ph, kd in exposed(timeline) if ph == "forward"]
             got = {ph: {kd: x for kd, x in attn.comm.by_kind(ph).items() if x and kd != "check"}
                    for ph in ("forward", "backward")}
             shape = AttnShape(2, n, 4, 2, 16, elem_bytes=4)
@@ -157,7 +159,8 @@ def _bytes(rank: int, world: int) -> list[dict]:
                           window=window, local_len=32)
             fetch = fetch_bytes(shape, need, index=rank)
             ring = wallfacer_bytes(shape, sp_size=world, ring_count=c, local=groups.place.local)
-            out.append(dict(c=c, name=name, got=got, fetch={ph: {kd: x for kd, x in kinds.items() if x}
+            out.append(dict(c=c, name=name, got=got, fwd_exposed=fwd_exposed,
+                            fetch={ph: {kd: x for kd, x in kinds.items() if x}
                                                             for ph, kinds in fetch.items()},
                             ring={ph: {kd: x for kd, x in kinds.items() if x} for ph, kinds in ring.items()}))
     return out
@@ -172,6 +175,8 @@ def test_counted_bytes_equal_the_needed_bytes(world: int) -> None:
                 assert r["got"] == r["ring"], (label, r["got"], r["ring"])  # dense data keeps the ring
             else:
                 assert r["got"] == r["fetch"], (label, r["got"], r["fetch"])
+                # every fetch is on its way before the own block computes: none waited on bare
+                assert r["fwd_exposed"] == [], (label, r["fwd_exposed"])
 
 
 @pytest.mark.parametrize("kernel", ["cpu_flash", "reference"])
