@@ -2,7 +2,7 @@
 # The GPU checks of the attention core in one run on a lent H200 (about 5 minutes, under 8 with every cap hit;
 # needs no DeepSpeed and no network):
 #  (a) the CUDA tests: every block-kernel backend this machine runs against the float32 reference, cuDNN masks,
-#      the Triton merge against the PyTorch merge;
+#      the Triton merge against the PyTorch merge, varlen calls (packed documents) against a call per span;
 #  (b) block kernels' fwd+bwd TFLOP/s at 4K and 16K tokens, causal, bf16, 32/8 heads, d = 128 (target >= 550 at 16K);
 #  (c) WallFacer attention at P = 1 against its bare block kernel at 16K and 128K tokens (target ratio <= 1.03).
 # Results: logs and JSON under $OUT (default runs/bench/gpu_check), verdicts last.
@@ -50,7 +50,8 @@ EOF
 
 # (a) CUDA tests (each backend skips itself where it does not run)
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/attention/test_kernels.py \
-  tests/attention/test_fast_kernels.py tests/attention/test_merge.py -k "cuda or interpreter" 2>&1 \
+  tests/attention/test_fast_kernels.py tests/attention/test_merge.py tests/attention/test_fetch.py \
+  -k "cuda or interpreter" 2>&1 \
   | tee "$OUT/pytest_cuda.log" | tail -25
 
 # (b) block kernels at 4K and 16K, causal, bf16, 32/8 heads, d = 128

@@ -206,3 +206,46 @@ def test_varlen_call_of_full_spans_sums_shared_keys(kernel: str) -> None:
     for x, y in ((dk, want_dk), (dv, want_dv)):  # sums of up to 40 rows of fp32 products: relative ulps
         assert (x - y).abs().max().item() <= 2e-7 * max(1.0, y.abs().max().item()) * 4
     assert torch.isinf(lse[:, :, 40:50]).all() and not out[:, :, 40:50].any() and not dq[:, :, 40:50].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["cuda_sdpa", "flash_attn", "cudnn", "flash_attn3", "flash_attn4"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_varlen_calls_equal_a_call_per_span(kernel: str, causal: bool) -> None:
+    """On the GPU backends (each skips where it does not run): a varlen call, diagonal or off-diagonal, equals one
+    ordinary call per span in bf16, padded batches through the backend's own call (key-padding masks where it takes
+    masks, one call per span where it does not)."""
+    from ds_wallfacer.attention.calls import call_backward, call_forward, expand_grads
+    from ds_wallfacer.attention.kernels import KERNELS
+    from ds_wallfacer.attention.schedule import KernelCall
+
+    lengths = [1, 70, 128, 129, 300, 33]
+    spans, at = [], 0
+    for x in lengths:
+        spans.append((at, at + x, at, at + x) if causal else (at, at + x, max(0, at - 64), at + 7))
+        at += x
+    n = at
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 8, n, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2, n + 7, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    kern = KERNELS[kernel]()
+    if not kern.supports(q):
+        pytest.skip(f"{kernel} does not run here")
+    call = KernelCall(slice(0, 1), slice(0, n), slice(0, n + 7), causal, None, 0, spans=tuple(spans))
+    out, lse = call_forward(kern, call, q, k, v, scale=128**-0.5, window=None, softcap=0.0)
+    expand = expand_grads(kern, q, k)
+    dq, dk, dv = call_backward(kern, call, expand, do, q, k, v, out, lse, scale=128**-0.5, window=None, softcap=0.0)
+    want_dk, want_dv = torch.zeros(dk.shape, device="cuda"), torch.zeros(dv.shape, device="cuda")
+    for a, b, c, d in spans:
+        one = KernelCall(slice(0, 1), slice(a, b), slice(c, d), causal, None, 0)
+        o1, l1 = call_forward(kern, one, q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], scale=128**-0.5, window=None,
+                              softcap=0.0)
+        g1 = call_backward(kern, one, expand, do[:, :, a:b], q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], o1, l1,
+                           scale=128**-0.5, window=None, softcap=0.0)
+        torch.testing.assert_close(out[:, :, a:b].float(), o1.float(), atol=2e-2, rtol=0)
+        torch.testing.assert_close(lse[:, :, a:b], l1.float(), atol=2e-2, rtol=0)
+        torch.testing.assert_close(dq[:, :, a:b].float(), g1[0].float(), atol=5e-2, rtol=0)
+        want_dk[:, :, c:d] += g1[1].float()
+        want_dv[:, :, c:d] += g1[2].float()
+    torch.testing.assert_close(dk.float(), want_dk, atol=1e-1, rtol=2e-2)
+    torch.testing.assert_close(dv.float(), want_dv, atol=1e-1, rtol=2e-2)
