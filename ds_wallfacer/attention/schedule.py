@@ -3,8 +3,10 @@ math (no torch). ``wallfacer.py`` runs the calls; ``ulysses.py`` plans its local
 
 A team of C consecutive ranks holds two contiguous runs of chunks (zigzag) or one (contiguous); sorted by chunk
 index, every (query team, key team) pair needs at most one block call: full, causal-diagonal or skipped
-(docs/design.md §2.2). With packed documents or a sliding window a block call splits into one kernel call per
-document segment and window tile (``documents.py``), and a window may cut the ring short (``ring_steps``).
+(docs/design.md §2.2). With packed documents or a sliding window a block call splits into document segments and
+window tiles (``documents.py``), run as one varlen call for a block's diagonal segments and one for its off-diagonal
+ones (``KernelCall.spans``), plus the window tiles; a window may cut the ring short (``ring_steps``). Such batches
+normally run the direct fetch instead of the ring (``fetch.py``), with the same kernel calls.
 
 The runtime plans its calls per pair of team members (query rows of member a against the keys of member b of the
 held block), so that a call can start as soon as its two shards have arrived and a member's rows are final as soon
@@ -268,9 +270,10 @@ def kernel_calls(
     q_chunks, k_chunks, calls: list[BlockCall], *, chunk_len: int, rows: int, docs: BatchDocuments | None,
     window: int | None, qm: int = 0, km: int = 0,
 ) -> list[KernelCall]:
-    """The kernel calls of one ring step: one per block call, or, with packed documents or a sliding window,
-    one per document segment (and window tile) that has a visible pair (``documents.py``); ``qm`` / ``km``: the
-    members they read (``KernelCall``)."""
+    """The kernel calls of one ring step: one per block call, or, with packed documents or a sliding window, the
+    document segments (``documents.py``) as varlen calls: consecutive causal segments of a row as one, every
+    unmasked off-diagonal segment of a row as one (``_varlen_call``), and each window tile as its own; ``qm`` /
+    ``km``: the members they read (``KernelCall``)."""
     L, out = chunk_len, []
     if docs is None and window is None:
         for call in calls:
