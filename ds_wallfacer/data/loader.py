@@ -29,11 +29,14 @@ from .packing import (
     normalize_document_lengths,
 )
 from .pieces import check_sequence_length, sequence_chunk_ids, sequence_position_ids, shard_sequence, unshard_sequence
+from .steps import balanced_order, row_work
 
 __all__ = [
+    "BalancedStepSampler",
     "SequenceParallelLoader",
     "ShardSpec",
     "collate_right_padded",
+    "item_work",
     "prepare_batch",
     "sequence_chunk_ids",
     "sequence_position_ids",
@@ -249,11 +252,57 @@ def collate_right_padded(
     return out
 
 
+def item_work(item: Any) -> int:
+    """Attention work of one map-style item (``collate_right_padded``'s forms): its documents' squares, from
+    ``document_lengths`` or ``position_ids``; an item without them is one document."""
+    row = item if isinstance(item, Mapping) else {"input_ids": item}
+    n = int(torch.as_tensor(row["input_ids"]).numel())
+    if "position_ids" in row or "document_lengths" in row:
+        batch = {k: torch.as_tensor(row[k]).reshape(1, -1) for k in ("position_ids",) if k in row}
+        if "document_lengths" in row:
+            batch["document_lengths"] = [[int(v) for v in torch.as_tensor(row["document_lengths"]).reshape(-1)]]
+        docs = _documents(batch, None, torch.Size([1, n]))
+        assert docs is not None
+        return row_work(docs[0])
+    return row_work([n])
+
+
+class BalancedStepSampler(torch.utils.data.Sampler):
+    """This replica's item indices, in rounds whose micro-batches carry even attention work (``steps.py``): an
+    epoch's items (shuffled with ``seed`` and the epoch when ``shuffle``) ordered by ``balanced_order``, replica
+    ``dp_rank`` taking its ``batch_size`` items of each round. Items past the last whole round are dropped."""
+
+    def __init__(self, work: Sequence[int], *, batch_size: int, dp_rank: int, dp_size: int, shuffle: bool,
+                 seed: int, window: int | None = None) -> None:
+        self.work, self.batch_size, self.dp_rank, self.dp_size = list(work), batch_size, dp_rank, dp_size
+        self.shuffle, self.seed, self.window, self.epoch = shuffle, seed, window, 0
+        balanced_order(self.work, per_replica=batch_size, replicas=dp_size, seed=seed, window=window)  # checks
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.work) // (self.batch_size * self.dp_size) * self.batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        items = list(range(len(self.work)))
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)  # DistributedSampler's seeding
+            items = torch.randperm(len(items), generator=g).tolist()
+        order = balanced_order([self.work[i] for i in items], per_replica=self.batch_size, replicas=self.dp_size,
+                               seed=self.seed * 1_000_003 + self.epoch, window=self.window)
+        per_round, lo = self.batch_size * self.dp_size, self.dp_rank * self.batch_size
+        for a in range(0, len(order), per_round):
+            yield from (items[i] for i in order[a + lo : a + lo + self.batch_size])
+
+
 class SequenceParallelLoader:
     """Wraps a map-style dataset, or any iterable of full batches (a DataLoader), and yields this rank's shards.
 
     - map-style (``__getitem__`` + ``__len__``): batches of ``batch_size`` items, right-padded; replicas take
-      disjoint items (``DistributedSampler`` over the data-parallel replicas, seeded: the same on every rank)
+      disjoint items (``DistributedSampler`` over the data-parallel replicas, seeded: the same on every rank).
+      ``balance_steps``: the replicas' micro-batches of each round carry even attention work instead
+      (``BalancedStepSampler``; every item is read once up front to weigh it; packed items weigh their documents)
     - iterable of batches: replica d takes batches d, d + D, d + 2D, ... (every rank must iterate the same
       sequence of batches; ``verify`` checks that within the sequence-parallel group)
 
@@ -274,6 +323,7 @@ class SequenceParallelLoader:
         ignore_index: int = -100,
         pad: bool = True,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        balance_steps: bool = False,
     ) -> None:
         self.spec, self.pad_token_id, self.ignore_index, self.pad, self.verify = (
             spec, pad_token_id, ignore_index, pad, verify
@@ -283,15 +333,30 @@ class SequenceParallelLoader:
         if hasattr(source, "__getitem__") and hasattr(source, "__len__") and not isinstance(source, torch.utils.data.DataLoader):
             from torch.utils.data import DataLoader, DistributedSampler
 
-            self._sampler = DistributedSampler(
-                source, num_replicas=spec.dp_size, rank=spec.dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-            )
+            if balance_steps:
+                if not drop_last:
+                    raise ValueError("balance_steps=True trains whole rounds only: give drop_last=True")
+                self._sampler = BalancedStepSampler(
+                    [item_work(source[i]) for i in range(len(source))], batch_size=batch_size,
+                    dp_rank=spec.dp_rank, dp_size=spec.dp_size, shuffle=shuffle, seed=seed,
+                )
+            else:
+                self._sampler = DistributedSampler(
+                    source, num_replicas=spec.dp_size, rank=spec.dp_rank, shuffle=shuffle, seed=seed,
+                    drop_last=drop_last,
+                )
             self._batches = DataLoader(
                 source, batch_size=batch_size, sampler=self._sampler, drop_last=drop_last,
                 collate_fn=lambda items: collate_right_padded(items, pad_token_id=pad_token_id, ignore_index=ignore_index),
             )
             self._strided = False
         else:
+            if balance_steps:
+                raise ValueError(
+                    "balance_steps=True needs a map-style dataset (__getitem__ and __len__) to weigh every item up "
+                    "front; an iterable of batches is taken as it comes (the trainer balances its own rows with "
+                    "--balance_steps)"
+                )
             self._sampler = None
             self._batches = source
             self._strided = True

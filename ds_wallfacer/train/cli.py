@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--document_masking", action="store_true",
                    help="each document (text up to and including EOS) attends only to itself, with positions "
                         "restarting at 0, as if trained alone (packed documents; default: one causal stream)")
+    g.add_argument("--balance_steps", action="store_true",
+                   help="with --document_masking: put rows of even attention work (their documents' squares) into "
+                        "each round of micro-batches, so no data-parallel replica waits on another; rows are "
+                        "not cut or repacked, only their order within the epoch changes")
     g.add_argument("--eval_fraction", type=float, default=0.05,
                    help="share of sequences held out for evaluation (0 = no evaluation)")
     g.add_argument("--eval_every", type=int, default=50, help="evaluate every N optimizer steps (and at the end)")
@@ -121,6 +125,10 @@ def _check(args: argparse.Namespace) -> None:
         raise StartupError(f"--eval_fraction = {args.eval_fraction} must be in [0, 1)")
     if not 0.0 <= args.min_lr_ratio <= 1.0:
         raise StartupError(f"--min_lr_ratio = {args.min_lr_ratio} must be in [0, 1]")
+    if args.balance_steps and not args.document_masking:
+        raise StartupError("--balance_steps evens the documents' attention work, but without --document_masking "
+                           "every row is one causal stream of equal work: add --document_masking or drop "
+                           "--balance_steps")
     if not Path(args.data).exists():
         raise StartupError(f"--data {args.data!r} does not exist: give a .txt/.jsonl/.parquet file, a folder of "
                            "them, or a datasets.save_to_disk folder")

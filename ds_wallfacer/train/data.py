@@ -16,14 +16,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from ..data.steps import balanced_order, row_work
 from .cli import StartupError
 
-__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_token_data", "token_rows", "train_batches"]
+__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_token_data", "row_works", "token_rows",
+           "train_batches"]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CACHE_VERSION = 1
@@ -175,8 +177,11 @@ class _Batches:
     """An iterable of full batches (``SequenceParallelLoader`` hands batch j to replica j % D); with ``eos_id``,
     each batch also carries ``document_lengths`` (documents end at EOS), so attention never crosses a document."""
 
-    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray | None]], *, eos_id: int | None = None) -> None:
+    def __init__(self, rows: list[tuple[np.ndarray, np.ndarray | None]], *, eos_id: int | None = None,
+                 order: np.ndarray | None = None) -> None:
         self._rows, self._eos = rows, eos_id
+        self.order = order
+        """Training batches: the epoch's sequence indices, in the order its rounds take them."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for ids, labels in self._rows:
@@ -188,17 +193,29 @@ class _Batches:
             yield batch
 
 
+def row_works(seqs: np.ndarray, eos_id: int) -> list[int]:
+    """Every row's attention work under document masking (its documents' squares, ``data/steps.py``)."""
+    return [row_work(document_lengths(r, eos_id)) for r in seqs]
+
+
 def train_batches(
-    seqs: np.ndarray, *, micro: int, dp: int, epoch: int, seed: int, start: int = 0, eos_id: int | None = None
+    seqs: np.ndarray, *, micro: int, dp: int, epoch: int, seed: int, start: int = 0, eos_id: int | None = None,
+    work: Sequence[int] | None = None,
 ) -> _Batches:
     """Epoch ``epoch``'s global micro-batches from sequence ``start`` on (a multiple of ``micro * dp``); the
-    epoch holds ``len(seqs) // (micro * dp)`` rounds of one micro-batch per replica. ``eos_id``: document masking."""
+    epoch holds ``len(seqs) // (micro * dp)`` rounds of one micro-batch per replica. ``eos_id``: document masking.
+    ``work`` (``row_works``): the epoch's shuffled rows are put in work-balanced rounds (``balanced_order``), the
+    same order on every rank and on resume."""
     per_round = micro * dp
     if start % per_round:
         raise ValueError(f"data position {start} is not a multiple of micro batch x data-parallel size = {per_round}")
     perm = np.random.default_rng([seed, epoch]).permutation(len(seqs))
     end = len(seqs) // per_round * per_round
-    return _Batches([(seqs[perm[j : j + micro]], None) for j in range(start, end, micro)], eos_id=eos_id)
+    if work is not None:
+        order = balanced_order([work[i] for i in perm], per_replica=micro, replicas=dp, seed=seed * 1_000_003 + epoch)
+        perm = perm[order]
+    return _Batches([(seqs[perm[j : j + micro]], None) for j in range(start, end, micro)], eos_id=eos_id,
+                    order=perm[:end])
 
 
 def eval_batches(

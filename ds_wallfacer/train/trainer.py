@@ -17,11 +17,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ..data.steps import round_balance
 from ..hf_config import text_config
 from . import checkpoint as ckpt
 from . import manifest
 from .cli import StartupError, offline_defaults, read_ds_config
-from .data import eval_batches, load_token_data, train_batches
+from .data import eval_batches, load_token_data, row_works, train_batches
 from .export import export_hf
 from .metrics import (comm_bytes, gather_rows, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops,
                       replica_mean, split_wandb_section)
@@ -132,6 +133,9 @@ class Trainer:
         self.gas = self.engine.gradient_accumulation_steps()
         self.seq_per_step = self.micro * self.dp * self.gas
         self.eos = loaded.eos_id if args.document_masking else None  # documents end at EOS (train/data.py)
+        # Note [Work-balanced steps]: the rows' attention work, weighed once; logged per step, balanced on request
+        self.work = row_works(self.data.train, self.eos) if self.eos is not None else None
+        self.imbalance = 1.0  # the step's worst round: busiest replica's attention work / the mean replica's
         if len(self.data.train) < self.micro * self.dp:
             raise StartupError(
                 f"the training split has {len(self.data.train)} sequences of {args.seq_len} tokens, fewer than one "
@@ -273,6 +277,7 @@ class Trainer:
         sp.comm.reset()
         t0 = time.perf_counter()
         acc = torch.zeros(3, device=engine.device)  # loss, MoE router aux loss, stop request
+        self.imbalance = 1.0
         for i in range(self.gas):
             loss = engine(**self._to_device(self._next_batch()))
             engine.backward(loss)
@@ -307,6 +312,8 @@ class Trainer:
         }
         if gn is not None:
             values["grad_norm"] = float(gn)
+        if self.work is not None:
+            values["attention_work_imbalance"] = self.imbalance
         if not self.check.finite:
             values["skipped"] = self.check.describe()
         if sp.aux_loss is not None:  # included in the loss, times router_aux_loss_coef
@@ -398,7 +405,8 @@ class Trainer:
 
     def _epoch(self, epoch: int, start: int) -> Iterator[Batch]:
         src = train_batches(self.data.train, micro=self.micro, dp=self.dp, epoch=epoch, seed=self.args.seed,
-                            start=start, eos_id=self.eos)
+                            start=start, eos_id=self.eos, work=self.work if self.args.balance_steps else None)
+        self.epoch_order = src.order
         return iter(self.sp.dataloader(src, batch_size=self.micro))
 
     def _next_batch(self) -> Batch:
@@ -408,6 +416,11 @@ class Trainer:
             self.state["sequences_in_epoch"] = 0
             self.batches = self._epoch(self.state["epoch"], 0)
             batch = next(self.batches)
+        if self.work is not None:  # this round's rows, known on every rank
+            at = self.state["sequences_in_epoch"]
+            rows = self.epoch_order[at : at + self.micro * self.dp].tolist()
+            (ratio,) = round_balance(self.work, rows, per_replica=self.micro, replicas=self.dp)
+            self.imbalance = max(self.imbalance, ratio)
         return batch
 
     def _to_device(self, batch: Batch) -> Batch:

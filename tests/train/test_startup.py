@@ -96,6 +96,8 @@ def test_start_up_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "has 0 tokens, fewer than one sequence" in err
     (tmp_path / "nothing").mkdir()
     assert "holds no .txt/.jsonl/.parquet files" in _refusal(capsys, "--data", str(tmp_path / "nothing"), *out)
+    err = _refusal(capsys, "--balance_steps", *out)
+    assert "--balance_steps evens the documents' attention work, but without --document_masking" in err
     err = _refusal(capsys, "--seq_len", "10000", *out)  # tiny-llama: max_position_embeddings 8192
     assert "--seq_len 10000 is larger than the model's position limit max_position_embeddings = 8192" in err
     small = tmp_path / "small.json"
