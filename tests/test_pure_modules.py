@@ -27,6 +27,7 @@ PURE = [
     "ds_wallfacer.comm.dims",
     "ds_wallfacer.data.chunks",
     "ds_wallfacer.data.balance",
+    "ds_wallfacer.data.steps",
     "ds_wallfacer.attention.schedule",
     "ds_wallfacer.attention.fetch",
     "ds_wallfacer.attention.volume",

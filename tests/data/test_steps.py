@@ -133,3 +133,24 @@ def test_loader_refuses_what_it_cannot_balance() -> None:
         SequenceParallelLoader(iter([{"input_ids": torch.ones(1, 8)}]), spec, balance_steps=True)
     with pytest.raises(ValueError, match="give drop_last=True"):
         SequenceParallelLoader(_packed_items(4, 16), spec, drop_last=False, balance_steps=True)
+
+
+def test_bench_steps_end_to_end_at_one_timed_round(tmp_path) -> None:
+    """``benchmarks/bench_steps.py`` runs as documented (one timed round) and its JSON line shows the balance."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_steps.py"), "--replicas", "4",
+                          "--time-rounds", "1", "--repeats", "1", "--plot", "none", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = json.loads(res.stdout.strip().splitlines()[-1])
+    by = {(r["seq_len"], r["mix"], r["order"]): r for r in line["work"]}
+    for n in (8192, 32768, 131072):
+        for mix in ("short", "long"):
+            assert by[(n, mix, "balanced")]["mean"] <= 1.02 < 1.3 < by[(n, mix, "shuffled")]["mean"]
+    assert [r["order"] for r in line["time"]] == ["shuffled", "balanced"]
+    assert (tmp_path / "result.json").is_file()
