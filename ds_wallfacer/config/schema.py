@@ -71,6 +71,10 @@ class WallFacerConfig:
     sharding: Literal["zigzag", "contiguous", "balanced"] = "zigzag"
     """Load balancing of the ring dimension: zigzag (balanced causal work), contiguous chunks, or balanced
     (packed documents: more, smaller chunks assigned by attention work per batch; zigzag without documents)."""
+    balance_steps: bool = False
+    """Data-parallel replicas: each round of micro-batches takes rows of near-equal attention work (their documents'
+    squares; ``data/steps.py``). Read by ``SequenceParallel.dataloader`` (map-style datasets), the trainer (as
+    ``--balance_steps``) and ``WallfacerTrainer``."""
     kernel: str = "auto"
     """Block-attention kernel backend (``ds_wallfacer.attention.KERNELS``) or "auto" (by device and dtype)."""
     ulysses_head_groups: int = 2
@@ -130,6 +134,8 @@ class WallFacerConfig:
         if not _is_pos_int(self.ulysses_head_groups):
             raise ValueError(f"wallfacer.ulysses_head_groups = {self.ulysses_head_groups!r} is invalid: allowed is a "
                              "positive integer (1: no overlap)")
+        if not isinstance(self.balance_steps, bool):
+            raise ValueError(f"wallfacer.balance_steps = {self.balance_steps!r} is invalid: allowed are true and false")
         if not isinstance(self.self_check, bool):
             raise ValueError(f"wallfacer.self_check = {self.self_check!r} is invalid: allowed are true and false")
         _check_auto_int("self_check_tokens", self.self_check_tokens)

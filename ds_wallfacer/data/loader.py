@@ -268,11 +268,13 @@ def item_work(item: Any) -> int:
 
 
 class BalancedStepSampler(torch.utils.data.Sampler):
-    """This replica's item indices, in rounds whose micro-batches carry even attention work (``steps.py``): an
-    epoch's items (shuffled with ``seed`` and the epoch when ``shuffle``) ordered by ``balanced_order``, replica
-    ``dp_rank`` taking its ``batch_size`` items of each round. Items past the last whole round are dropped."""
+    """Item indices in rounds whose micro-batches carry even attention work (``steps.py``): an epoch's items
+    (shuffled with ``seed`` and the epoch when ``shuffle``) ordered by ``balanced_order``, replica ``dp_rank``
+    taking its ``batch_size`` items of each round; ``dp_rank=None``: every replica's, round by round (batch j of
+    ``batch_size`` then belongs to replica j mod ``dp_size``, as accelerate shards batches). Items past the last
+    whole round are dropped."""
 
-    def __init__(self, work: Sequence[int], *, batch_size: int, dp_rank: int, dp_size: int, shuffle: bool,
+    def __init__(self, work: Sequence[int], *, batch_size: int, dp_rank: int | None, dp_size: int, shuffle: bool,
                  seed: int, window: int | None = None) -> None:
         self.work, self.batch_size, self.dp_rank, self.dp_size = list(work), batch_size, dp_rank, dp_size
         self.shuffle, self.seed, self.window, self.epoch = shuffle, seed, window, 0
@@ -282,7 +284,8 @@ class BalancedStepSampler(torch.utils.data.Sampler):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.work) // (self.batch_size * self.dp_size) * self.batch_size
+        per = self.batch_size * (self.dp_size if self.dp_rank is None else 1)
+        return len(self.work) // (self.batch_size * self.dp_size) * per
 
     def __iter__(self) -> Iterator[int]:
         items = list(range(len(self.work)))
@@ -291,6 +294,9 @@ class BalancedStepSampler(torch.utils.data.Sampler):
             items = torch.randperm(len(items), generator=g).tolist()
         order = balanced_order([self.work[i] for i in items], per_replica=self.batch_size, replicas=self.dp_size,
                                seed=self.seed * 1_000_003 + self.epoch, window=self.window)
+        if self.dp_rank is None:
+            yield from (items[i] for i in order)
+            return
         per_round, lo = self.batch_size * self.dp_size, self.dp_rank * self.batch_size
         for a in range(0, len(order), per_round):
             yield from (items[i] for i in order[a + lo : a + lo + self.batch_size])

@@ -13,8 +13,8 @@ from typing import Any
 from ..config import RunConfig, parse_ds_config
 from ..config.alst import apply_alst_keys
 
-__all__ = ["UnsupportedTrainerOption", "refuse_accelerate_sp", "refuse_unsupported", "refuse_unsupported_model",
-           "take_wallfacer_section"]
+__all__ = ["UnsupportedTrainerOption", "refuse_accelerate_sp", "refuse_unbalanceable", "refuse_unsupported",
+           "refuse_unsupported_model", "take_wallfacer_section"]
 
 _SECTION = "wallfacer"
 _KEPT = "_wallfacer_section"  # where a taken section stays, for a second Trainer built from the same arguments
@@ -129,7 +129,8 @@ def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
          'the loss is the token-mean negative log-likelihood; set loss_type="nll"'),
         (args.n_gpu > 1, f"n_gpu = {args.n_gpu} (torch DataParallel)", "launch one process per device"),
         (str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance",
-         'train_sampling_strategy = "batch_rebalance"', 'use "random" or "group_by_length"'),
+         'train_sampling_strategy = "batch_rebalance"', 'use "random" or "group_by_length" (for rounds of even '
+         'attention work over the data-parallel replicas: "balance_steps": true in the "wallfacer" section)'),
         (bool(args.accelerator_config.dispatch_batches), "accelerator_config.dispatch_batches",
          "every rank must load its own batches (set dispatch_batches to False)"),
         (bool(args.accelerator_config.split_batches), "accelerator_config.split_batches", "set it to False"),
@@ -137,6 +138,22 @@ def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
     for bad, what, fix in checks:
         if bad:
             raise UnsupportedTrainerOption(f"{what} is not supported with sequence parallelism yet: {fix}")
+
+
+def refuse_unbalanceable(args: Any, train_dataset: Any) -> None:
+    """``"balance_steps": true`` orders the training items itself, so it needs every item weighable up front and
+    the Trainer's own ordering off."""
+    strategy = str(getattr(args, "train_sampling_strategy", "random"))
+    if strategy != "random":
+        raise UnsupportedTrainerOption(
+            f'wallfacer.balance_steps = true orders the training items itself: train_sampling_strategy = '
+            f'"{strategy}" would be ignored; set it to "random" or drop balance_steps'
+        )
+    if train_dataset is not None and not hasattr(train_dataset, "__len__"):
+        raise UnsupportedTrainerOption(
+            "wallfacer.balance_steps = true weighs every training item up front: give a map-style train_dataset "
+            "(with __len__), not an iterable one, or drop balance_steps"
+        )
 
 
 def refuse_unsupported_model(sp: Any) -> None:

@@ -35,8 +35,8 @@ from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
 from ..integration.loss import global_token_mean, logits_loss
 from .data import ShardingCollator, replica_dataloader
 from .metrics import LogMetrics
-from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_unsupported, refuse_unsupported_model,
-                      take_wallfacer_section)
+from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_unbalanceable, refuse_unsupported,
+                      refuse_unsupported_model, take_wallfacer_section)
 
 __all__ = ["WallfacerTrainer", "WallfacerTrainerMixin"]
 
@@ -58,6 +58,9 @@ class WallfacerTrainerMixin:
             self.model, run, pad_token_id=self._wf_pad_token_id(), seq_len=run.wallfacer.seq_len,
         )
         refuse_unsupported_model(self.sequence_parallel)
+        self._wf_balance = run.wallfacer.balance_steps
+        if self._wf_balance:
+            refuse_unbalanceable(self.args, self.train_dataset)
         self.wallfacer_metrics = LogMetrics(self.sequence_parallel.comm)
         ms = run.wallfacer.mini_sequence
         self.add_callback(_AtTrainBegin(self.wallfacer_metrics, keep_attention=ms is None or ms.keep_attention))
@@ -88,6 +91,20 @@ class WallfacerTrainerMixin:
                                         ignore_index=sp.ignore_index),
             loader_kwargs=kwargs,
         )
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """The Trainer's sampler; with ``"balance_steps": true``, rounds of one micro-batch per data-parallel
+        replica with even attention work (``BalancedStepSampler`` over every replica: accelerate hands batch j to
+        replica j mod D), each item weighed once by its documents (``data.loader.item_work``)."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if not self._wf_balance:
+            return super()._get_train_sampler(dataset)
+        from ..data.loader import BalancedStepSampler, item_work
+
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return BalancedStepSampler([item_work(dataset[i]) for i in range(len(dataset))],
+                                   batch_size=self._train_batch_size, dp_rank=None,
+                                   dp_size=self.sequence_parallel.setup.dims.dp_size, shuffle=True, seed=seed)
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's training loader, sharded over the data-parallel replicas, each batch sharded over the

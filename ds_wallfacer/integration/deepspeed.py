@@ -95,12 +95,13 @@ class SequenceParallel:
         drop_last: bool = True,
         pad: bool = True,
         verify: bool = True,
-        balance_steps: bool = False,
+        balance_steps: bool | None = None,
     ) -> SequenceParallelLoader:
         """Wrap a map-style dataset or an iterable of full batches (see ``SequenceParallelLoader``).
         ``batch_size`` defaults to ``train_micro_batch_size_per_gpu``; ``verify`` checks each batch is the same
-        on all ranks of the sequence-parallel group (one tiny all-gather per batch); ``balance_steps`` evens the
-        replicas' attention work in each round (a map-style dataset of packed items; ``data/steps.py``)."""
+        on all ranks of the sequence-parallel group (one tiny all-gather per batch); ``balance_steps`` (default:
+        the section's ``balance_steps``) evens the replicas' attention work in each round (a map-style dataset;
+        ``data/steps.py``)."""
         spec = self.groups.shard_spec
         bs = batch_size or self.config.micro_batch(dp_size=self.setup.dims.dp_size)
         check = None
@@ -113,7 +114,7 @@ class SequenceParallel:
         return SequenceParallelLoader(
             source, spec, batch_size=bs, shuffle=shuffle, seed=seed, drop_last=drop_last,
             pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad, verify=check,
-            balance_steps=balance_steps,
+            balance_steps=self.config.wallfacer.balance_steps if balance_steps is None else balance_steps,
         )
 
 

@@ -114,6 +114,11 @@ class Trainer:
             self.run_cfg = parse_ds_config(ds_config)
         except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
             raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
+        self.balance = args.balance_steps or self.run_cfg.wallfacer.balance_steps  # Note [Work-balanced steps]
+        if self.balance and not args.document_masking:
+            raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: wallfacer.balance_steps = true evens "
+                               "the documents' attention work, but without --document_masking every row is one causal "
+                               "stream of equal work: add --document_masking or drop the key")
         self.resume_candidates = ckpt.resume_candidates(args.resume, self.out)  # verified in resume()
         self.resume_tag = self.resume_candidates[0] if self.resume_candidates else None
         self.dtype = dtype_of(self.run_cfg.deepspeed)
@@ -405,9 +410,9 @@ class Trainer:
 
     def _epoch(self, epoch: int, start: int) -> Iterator[Batch]:
         src = train_batches(self.data.train, micro=self.micro, dp=self.dp, epoch=epoch, seed=self.args.seed,
-                            start=start, eos_id=self.eos, work=self.work if self.args.balance_steps else None)
+                            start=start, eos_id=self.eos, work=self.work if self.balance else None)
         self.epoch_order = src.order
-        return iter(self.sp.dataloader(src, batch_size=self.micro))
+        return iter(self.sp.dataloader(src, batch_size=self.micro, balance_steps=False))  # ordered above
 
     def _next_batch(self) -> Batch:
         batch = next(self.batches, None)

@@ -40,6 +40,7 @@ def test_defaults_and_documented_fields() -> None:
         ({"ulysses_degree": "4"}, "wallfacer.ulysses_degree = '4' is invalid"),
         ({"sequence_parallel_size": -2}, "wallfacer.sequence_parallel_size = -2 is invalid"),
         ({"sharding": "striped"}, "wallfacer.sharding = 'striped' is invalid: allowed are 'zigzag', 'contiguous'"),
+        ({"balance_steps": "yes"}, "wallfacer.balance_steps = 'yes' is invalid: allowed are true and false"),
         ({"kernel": "flash"}, "wallfacer.kernel = 'flash' is invalid: allowed are 'auto', 'reference', 'cpu_flash', "
                               "'cuda_sdpa', 'flash_attn', 'cudnn', 'flash_attn3', 'flash_attn4'"),
         ({"mode": "wallfacer", "ulysses_degree": 2}, 'needs mode "hybrid"'),

@@ -109,6 +109,9 @@ def test_start_up_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "wallfacer": {"ring_count": 0}}))
     err = _refusal(capsys, "--deepspeed_config", str(bad), *out)
     assert "wallfacer.ring_count = 0 is invalid" in err
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "wallfacer": {"balance_steps": True}}))
+    err = _refusal(capsys, "--deepspeed_config", str(bad), *out)
+    assert "wallfacer.balance_steps = true evens the documents' attention work, but without --document_masking" in err
 
 
 def test_shipped_examples_are_the_defaults_and_found_by_name(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
