@@ -8,7 +8,9 @@ over the mean replica's, in an epoch's shuffled order against ``balanced_order``
 Part 1 (work, pure): an epoch of rows of 8K, 32K and 128K tokens (4096, 2048 and 1024 rows), packed in order from
 log-normal documents (sigma 1.5) with median 2048 tokens ("short": bench_balance's mix) or median N / 8 ("long"),
 the document that does not fit cut at the row end; one row per micro-batch, D replicas. Work of a row = its
-documents' causal score entries. Per order: mean and worst round, and the share of rounds within 5 %.
+documents' causal score entries. Per order: mean and worst round, the share of rounds within 5 %, and the idle
+share: the replicas' attention time spent waiting for the busiest of their round, over the epoch, if time were work
+(the worst rounds of a balanced order are light ones, so they cost little).
 
 Part 2 (time, measured): the first ``--time-rounds`` rounds of each order at 8K (short mix, D = 4): every row's
 attention forward + backward on this process (``cpu_flash``, fp32, 4 heads of 32, one varlen call per block of
@@ -26,7 +28,7 @@ import time
 from harness import add_out_option, emit, plot_path, print_table, save_plot  # first: the repository on sys.path
 
 from ds_wallfacer.data.balance import lognormal_document_mix
-from ds_wallfacer.data.steps import balanced_order, round_balance, row_work
+from ds_wallfacer.data.steps import balanced_order, idle_share, round_balance, row_work
 
 TARGET = 1.05
 LENGTHS = {8192: 4096, 32768: 2048, 131072: 1024}
@@ -53,9 +55,9 @@ def _orders(work: list[int], replicas: int) -> dict[str, list[int]]:
     }
 
 
-def _summary(ratios: list[float]) -> dict:
+def _summary(ratios: list[float], idle: float) -> dict:
     return {"mean": statistics.mean(ratios), "worst": max(ratios),
-            "within_5pct": sum(r <= TARGET for r in ratios) / len(ratios)}
+            "within_5pct": sum(r <= TARGET for r in ratios) / len(ratios), "idle_share": idle}
 
 
 def work_table(replicas: list[int]) -> list[dict]:
@@ -68,8 +70,9 @@ def work_table(replicas: list[int]) -> list[dict]:
             for d in replicas:
                 for name, order in _orders(work, d).items():
                     ratios = round_balance(work, order, per_replica=1, replicas=d)
+                    idle = idle_share(work, order, per_replica=1, replicas=d)
                     out.append({"seq_len": seq_len, "mix": mix, "docs_per_row": docs, "replicas": d, "order": name,
-                                **_summary(ratios)})
+                                **_summary(ratios, idle)})
     return out
 
 
@@ -145,9 +148,9 @@ def main() -> None:
     args = ap.parse_args()
     work = work_table(args.replicas)
     print_table([("N", "d"), ("mix", "<"), ("docs/row", ".0f"), ("D", "d"), ("order", "<"), ("mean", ".3f"),
-                 ("worst", ".3f"), ("rounds <= 1.05", ".1%")],
+                 ("worst", ".3f"), ("rounds <= 1.05", ".1%"), ("idle share", ".2%")],
                 [[r["seq_len"], r["mix"], r["docs_per_row"], r["replicas"], r["order"], r["mean"], r["worst"],
-                  r["within_5pct"]] for r in work],
+                  r["within_5pct"], r["idle_share"]] for r in work],
                 title="attention work per round: busiest replica / mean replica")
     timed = time_table(args.time_rounds, args.repeats) if args.time_rounds else []
     if timed:

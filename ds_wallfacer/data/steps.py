@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .balance import segment_work
 
-__all__ = ["balanced_order", "round_balance", "row_work"]
+__all__ = ["balanced_order", "idle_share", "round_balance", "row_work"]
 
 
 def row_work(doc_lengths: Sequence[int], *, window: int | None = None) -> int:
@@ -76,13 +76,22 @@ def balanced_order(
     return order
 
 
+def _loads(work: Sequence[int], order: Sequence[int], per_replica: int, replicas: int) -> list[list[int]]:
+    """Per round of ``order``, each replica's work."""
+    per_round = _check(work, per_replica, replicas, None)
+    return [[sum(work[r] for r in order[a + d * per_replica : a + (d + 1) * per_replica]) for d in range(replicas)]
+            for a in range(0, len(order) // per_round * per_round, per_round)]
+
+
 def round_balance(work: Sequence[int], order: Sequence[int], *, per_replica: int, replicas: int) -> list[float]:
     """Per round of ``order``: the busiest replica's work over the mean replica's (1.0 = even; a round with no
     work counts as even)."""
-    per_round = _check(work, per_replica, replicas, None)
-    out = []
-    for a in range(0, len(order) // per_round * per_round, per_round):
-        loads = [sum(work[r] for r in order[a + d * per_replica : a + (d + 1) * per_replica]) for d in range(replicas)]
-        mean = sum(loads) / replicas
-        out.append(max(loads) / mean if mean else 1.0)
-    return out
+    return [max(x) * replicas / sum(x) if sum(x) else 1.0 for x in _loads(work, order, per_replica, replicas)]
+
+
+def idle_share(work: Sequence[int], order: Sequence[int], *, per_replica: int, replicas: int) -> float:
+    """The share of the replicas' attention time spent waiting over the whole ``order``, if time is work: every
+    round lasts as long as its busiest replica, sum over rounds of (D x busiest - total) / (D x busiest)."""
+    loads = _loads(work, order, per_replica, replicas)
+    span = sum(max(x) * replicas for x in loads)
+    return (span - sum(sum(x) for x in loads)) / span if span else 0.0

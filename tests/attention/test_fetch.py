@@ -88,7 +88,7 @@ def test_varlen_call_equals_a_call_per_document(kernel: str, dtype: torch.dtype)
     from ds_wallfacer.attention.kernels import get_kernel
     from ds_wallfacer.attention.schedule import KernelCall
 
-    lengths = [1, 5, 16, 17, 40, 3, 90, 64, 2]
+    lengths = [1, 5, 16, 17, 40, 3, 90, 64, 2, 600, 513]  # the last two: classes of their own
     n, spans, at = sum(lengths), [], 0
     for x in lengths:
         spans.append((at, at + x))
@@ -112,6 +112,26 @@ def test_varlen_call_equals_a_call_per_document(kernel: str, dtype: torch.dtype)
         tol = 2e-6 if dtype == torch.float32 else 2e-2
         for x, y in zip((out, lse, *grads), (o1, l1, *g1)):
             assert (x[:, :, a:b].float() - y.float()).abs().max().item() <= tol, (a, b)
+
+
+def test_length_classes_pad_short_spans_and_keep_long_ones_exact() -> None:
+    from ds_wallfacer.attention.kernels.varlen import length_class, span_classes
+
+    for n in range(1, 2000):
+        c = length_class(n)
+        assert c >= n and c % 8 == 0
+        assert c < n + 8 if n >= 512 else c * c <= max(2.2 * n * n, 16 * 16)  # about 2x the entries at most
+    # a 16K block of documents of 1..4000 tokens: launches = short classes + long spans, whatever the count
+    g = torch.Generator().manual_seed(3)
+    lengths = (torch.randint(1, 60, (300,), generator=g).tolist() + torch.randint(512, 4000, (4,), generator=g).tolist())
+    spans, at = [], 0
+    for x in lengths:
+        spans.append((at, at + x, at, at + x))
+        at += x
+    classes = span_classes(tuple(spans), True)
+    assert len(classes) <= 11 + sum(x >= 512 for x in lengths)
+    padded = sum((len(c[2]) // c[0]) * c[0] ** 2 for c in classes if c[0] >= 512)  # spans x class length^2
+    assert padded < 1.01 * sum(x * x for x in lengths if x >= 512)
 
 
 def test_kernel_calls_per_block_do_not_grow_with_documents() -> None:

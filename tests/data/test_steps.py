@@ -10,7 +10,7 @@ import torch
 
 from ds_wallfacer.data import SequenceParallelLoader, ShardSpec, lognormal_document_mix
 from ds_wallfacer.data.loader import item_work
-from ds_wallfacer.data.steps import balanced_order, round_balance, row_work
+from ds_wallfacer.data.steps import balanced_order, idle_share, round_balance, row_work
 from ds_wallfacer.train.data import row_works, train_batches
 
 
@@ -47,6 +47,16 @@ def test_rounds_balance_within_5_percent_where_arrival_order_does_not(seq_len: i
     assert statistics.mean(arrival) > 1.3
     assert statistics.mean(ratios) <= 1.02
     assert sum(r <= 1.05 for r in ratios) >= 0.95 * len(ratios)
+    order = balanced_order(work, per_replica=per_replica, replicas=replicas, seed=0)
+    arrived = list(range(len(work)))
+    assert idle_share(work, order, per_replica=per_replica, replicas=replicas) <= 0.01
+    assert idle_share(work, arrived, per_replica=per_replica, replicas=replicas) > 0.2
+
+
+def test_idle_share_counts_the_wait_for_the_busiest_replica() -> None:
+    # rounds of 2 replicas: (3, 1) waits 2 of 6, (2, 2) waits 0 of 4
+    assert idle_share([3, 1, 2, 2], [0, 1, 2, 3], per_replica=1, replicas=2) == pytest.approx(2 / 10)
+    assert round_balance([3, 1, 2, 2], [0, 1, 2, 3], per_replica=1, replicas=2) == [1.5, 1.0]
 
 
 def test_rounds_are_shuffled_not_sorted() -> None:

@@ -15,11 +15,17 @@ __all__ = ["length_class", "span_classes", "varlen_backward", "varlen_forward"]
 
 _MIN = 16
 """The shortest class: shorter spans are padded to it."""
+_EXACT = 512
+"""Spans at least this long are their own class, padded only to a multiple of 8: their work dwarfs a call's cost,
+and padding them up to a class would cost up to 2x their score entries."""
 
 
 def length_class(n: int) -> int:
-    """The padded length of a span of ``n`` tokens: the first of 16 * 2^(k/2), rounded up to a multiple of 8, that
-    holds it (a span computes at most about 2x the score entries it needs, 1.4x typically)."""
+    """The padded length of a span of ``n`` tokens: from ``_EXACT`` on, ``n`` rounded up to a multiple of 8; below,
+    the first of 16 * 2^(k/2), rounded up to a multiple of 8, that holds it (a short span computes at most about 2x
+    the score entries it needs, 1.4x typically)."""
+    if n >= _EXACT:
+        return -(-n // 8) * 8
     k = 0
     while True:
         size = -(-math.ceil(_MIN * 2 ** (k / 2)) // 8) * 8
@@ -122,9 +128,12 @@ def varlen_backward(backward, dout, q, k, v, o, lse, spans, *, causal: bool):
 # of calls per block, each paying a launch, slicing and an accumulator update. A varlen call covers them all:
 # the diagonal's causal segments of a block as one call, the full (off-diagonal) segments as another.
 # flash-attn's varlen functions would do it in one launch on the GPU; here, for every backend and on the CPU, the
-# spans are batched by length class instead: spans padded to the same lengths (classes a factor sqrt(2) apart, so
-# padding at most doubles a causal span's score entries) go through the backend's ordinary call as one batch, so
-# launches grow with the number of length classes (about 2 log2(longest / shortest)), not with documents. Right
+# spans are batched by length class instead: short spans padded to the same lengths (classes a factor sqrt(2)
+# apart, so padding at most doubles a short causal span's score entries) go through the backend's ordinary call as
+# one batch; a span of 512 tokens or more is its own class, padded to a multiple of 8 only (padded to a class it
+# could cost 2x its entries, and such spans carry most of a packed row's work: measured, rows of equal work then
+# took up to 1.25x each other's time). Launches are at most about 11 classes of short spans plus one per long span,
+# at most block length / 512: they do not grow with the number of documents. Right
 # padding is exact: on the diagonal, causal masking keeps a real query at row i on keys 0..i, all real; off it, a
 # key-padding mask [n, 1, 1, keys] hides the padded keys (backends without masks run such spans one by one). Padded
 # query rows compute something and are dropped; in the backward their dO is zero, so their ds = p (dO.v - delta) is
