@@ -1,9 +1,16 @@
 """Sequence sharding (zigzag / contiguous / balanced), global position ids, the causal block schedule, the
-sequence-parallel data loader (labels shifted before sharding), packed documents and their attention work."""
+sequence-parallel data loader (labels shifted before sharding), packed documents and their attention work, and
+rounds of micro-batches with even work over the data-parallel replicas."""
 from .._lazy import lazy_exports
 
 _EXPORTS = {
+    "BalancedStepSampler": ".loader",
     "SequenceParallelLoader": ".loader",
+    "item_work": ".loader",
+    "balanced_order": ".steps",
+    "idle_share": ".steps",
+    "round_balance": ".steps",
+    "row_work": ".steps",
     "ShardSpec": ".loader",
     "collate_right_padded": ".loader",
     "prepare_batch": ".loader",
