@@ -34,6 +34,14 @@ import torch
 import torch.distributed as dist
 
 MODES = (("ring", "wallfacer", 1, 1), ("wallfacer C=2", "wallfacer", 1, 2), ("hybrid U=2", "hybrid", 2, 1))
+"""(name, mode, U, C); those the rank count cannot hold are left out (``modes``)."""
+
+
+def modes(world: int) -> tuple:
+    """The ``MODES`` that ``world`` ranks can run: U divides P, a ring of at least 2 ranks beside Ulysses, and C * C
+    dividing the ring dimension."""
+    return tuple(m for m in MODES if world % m[2] == 0 and (m[2] == 1 or world // m[2] >= 2)
+                 and (world // m[2]) % (m[3] * m[3]) == 0)
 
 
 def parse() -> argparse.Namespace:
@@ -120,7 +128,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from ds_wallfacer.planner.auto import ParallelSetup
 
     attns = {}
-    for name, mode, u, c in MODES:
+    for name, mode, u, c in modes(world):
         dims = ParallelDims(world_size=world, sp_size=world, mode=mode, ulysses_degree=u, ring_count=c,
                             num_heads=args.heads, num_kv_heads=args.kv_heads)
         groups = build_sequence_parallel(ParallelSetup(dims, kernel="cpu_flash"))
@@ -133,7 +141,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         shape = AttnShape(1, n, args.heads, args.kv_heads, args.head_dim, elem_bytes=4)
         runs = [("ring", "dense", "zigzag")]
         for mix in ("lognormal", "long-tail"):
-            runs += [(m[0], mix, s) for m in MODES for s in ("zigzag", "balanced")]
+            runs += [(m[0], mix, s) for m in modes(world) for s in ("zigzag", "balanced")]
         runs += [("ring", "window", "zigzag")]
         all_mixes = mixes(n, world, args.seed)
         for mode, mix, sharding in runs:
