@@ -181,7 +181,7 @@ class _Batches:
                  order: np.ndarray | None = None) -> None:
         self._rows, self._eos = rows, eos_id
         self.order = order
-        """Training batches: the epoch's sequence indices, in the order its rounds take them."""
+        """The whole epoch's sequence indices in the order its rounds take them (from the epoch's start)."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for ids, labels in self._rows:
