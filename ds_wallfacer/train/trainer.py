@@ -22,7 +22,7 @@ from ..hf_config import text_config
 from . import checkpoint as ckpt
 from . import manifest
 from .cli import StartupError, offline_defaults, read_ds_config
-from .data import eval_batches, load_token_data, row_works, train_batches
+from .data import eval_batches, load_token_data, resume_order_error, row_works, train_batches
 from .export import export_hf
 from .metrics import (comm_bytes, gather_rows, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops,
                       replica_mean, split_wandb_section)
@@ -192,6 +192,10 @@ class Trainer:
         self.saved = ckpt.load(self.engine, tag, universal=self.universal)
         self.step = int(self.saved["step"])
         self.state = {k: self.saved[k] for k in self.state}
+        error = resume_order_error(int(self.saved.get("balanced_round", 0)), self._balanced_round(),
+                                   self.state["sequences_in_epoch"])
+        if error is not None:
+            raise StartupError(f"{tag}: {error}")
         if self.state["sequences_in_epoch"] % (self.micro * self.dp):
             raise StartupError(
                 f"{tag} stopped after {self.state['sequences_in_epoch']} sequences of its epoch, not a multiple of "
@@ -348,7 +352,7 @@ class Trainer:
         back as soon as the state is copied to host memory; ``settle_save`` marks the tag, then prunes."""
         self.settle_save(wait=True)  # one save at a time
         position = {"micro_batches_in_epoch": self.state["sequences_in_epoch"] // (self.micro * self.dp),
-                    "global_batch": self.seq_per_step}
+                    "global_batch": self.seq_per_step, "balanced_round": self._balanced_round()}
         estimate = manifest.estimate_bytes(self.last_ckpt, params=self.n_params, param_bytes=self.dtype.itemsize)
         try:
             saved = ckpt.save(self.engine, self.out / "checkpoints", step=self.step, state={**self.state, **position},
@@ -413,6 +417,10 @@ class Trainer:
                             start=start, eos_id=self.eos, work=self.work if self.balance else None)
         self.epoch_order = src.order
         return iter(self.sp.dataloader(src, batch_size=self.micro, balance_steps=False))  # ordered above
+
+    def _balanced_round(self) -> int:
+        """Rows per work-balanced round of this run's data order; 0 when it is the plain shuffle."""
+        return self.micro * self.dp if self.balance else 0
 
     def _next_batch(self) -> Batch:
         batch = next(self.batches, None)

@@ -11,7 +11,7 @@ import torch
 from ds_wallfacer.data import SequenceParallelLoader, ShardSpec, lognormal_document_mix
 from ds_wallfacer.data.loader import item_work
 from ds_wallfacer.data.steps import balanced_order, idle_share, round_balance, row_work
-from ds_wallfacer.train.data import row_works, train_batches
+from ds_wallfacer.train.data import resume_order_error, row_works, train_batches
 
 
 def _works(rows: int, seq_len: int, seed: int = 1) -> list[int]:
@@ -108,6 +108,21 @@ def test_trainer_rounds_are_balanced_and_resume_exactly() -> None:
                                  work=work))
     assert len(resumed) == len(batches) - 4 * dp
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed, batches[4 * dp :]))
+
+
+def test_a_resume_in_another_order_is_refused_mid_epoch() -> None:
+    assert resume_order_error(6, 6, 12) is None and resume_order_error(0, 0, 12) is None
+    assert resume_order_error(6, 4, 0) is None  # an epoch boundary: any order may start
+    assert "work-balanced rounds of 6 rows, but this run orders the epoch in work-balanced rounds of 4 rows" in \
+        resume_order_error(6, 4, 12)
+    assert "in the plain shuffle, but this run orders the epoch in work-balanced rounds of 6" in \
+        resume_order_error(0, 6, 12)
+    # a balanced epoch resumed in another split would repeat rows: what the refusal prevents
+    seqs = _token_rows(48, 128, eos=0)
+    work = row_works(seqs, 0)
+    a = train_batches(seqs, micro=1, dp=6, epoch=0, seed=0, eos_id=0, work=work).order[:12].tolist()
+    b = train_batches(seqs, micro=1, dp=4, epoch=0, seed=0, eos_id=0, work=work).order[12:].tolist()
+    assert set(a) & set(b)
 
 
 def _packed_items(count: int, seq_len: int) -> list[dict]:
