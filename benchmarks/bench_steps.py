@@ -12,9 +12,9 @@ documents' causal score entries. Per order: mean and worst round, the share of r
 share: the replicas' attention time spent waiting for the busiest of their round, over the epoch, if time were work
 (the worst rounds of a balanced order are light ones, so they cost little).
 
-Part 2 (time, measured): the first ``--time-rounds`` rounds of each order at 8K (short mix, D = 4): every row's
-attention forward + backward on this process (``cpu_flash``, fp32, 4 heads of 32, one varlen call per block of
-documents), each replica's time summed per round. Replicas wait for the slowest at every round (ZeRO reduces each
+Part 2 (time, measured): the first ``--time-rounds`` rounds of each order at 8K (``--time-seq-len``; short mix,
+D = 4): every row's attention forward + backward on this process (``cpu_flash``, fp32, 4 heads of 32, one varlen
+call per block of documents), each replica's time summed per round. Replicas wait for the slowest at every round (ZeRO reduces each
 micro-batch's gradients), so the busiest replica's time over the mean is the share of the step the others idle.
 
 Prints the tables, writes ``runs/bench/steps/`` (``--out``: result.json, plot.png) and ends with a JSON line.
@@ -99,12 +99,12 @@ def _row_seconds(docs: list[int], heads: int, dim: int, repeats: int) -> float:
     return best
 
 
-def time_table(rounds: int, repeats: int) -> list[dict]:
+def time_table(rounds: int, repeats: int, seq_len: int = 8192) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
-    seq_len, replicas = 8192, 4
-    epoch = _epoch(seq_len, LENGTHS[seq_len], "short")
+    replicas = 4
+    epoch = _epoch(seq_len, LENGTHS.get(seq_len, 8192), "short")
     work = [row_work(r) for r in epoch]
     out = []
     cache: dict[int, float] = {}
@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=_ints, default=[4, 8], help="comma list of data-parallel replica counts D")
     ap.add_argument("--time-rounds", type=int, default=12, help="rounds timed per order in part 2 (0: skip)")
     ap.add_argument("--repeats", type=int, default=2, help="timings per row in part 2 (the fastest counts)")
+    ap.add_argument("--time-seq-len", type=int, default=8192, choices=sorted(LENGTHS) + [2048],
+                    help="row length of part 2's epoch (2048: 8192 rows, a quick check)")
     add_out_option(ap, "steps")
     args = ap.parse_args()
     work = work_table(args.replicas)
@@ -152,7 +154,7 @@ def main() -> None:
                 [[r["seq_len"], r["mix"], r["docs_per_row"], r["replicas"], r["order"], r["mean"], r["worst"],
                   r["within_5pct"], r["idle_share"]] for r in work],
                 title="attention work per round: busiest replica / mean replica")
-    timed = time_table(args.time_rounds, args.repeats) if args.time_rounds else []
+    timed = time_table(args.time_rounds, args.repeats, args.time_seq_len) if args.time_rounds else []
     if timed:
         print()
         print_table([("N", "d"), ("D", "d"), ("order", "<"), ("rounds", "d"), ("work mean", ".3f"),

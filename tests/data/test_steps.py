@@ -169,7 +169,8 @@ def test_bench_steps_end_to_end_at_one_timed_round(tmp_path) -> None:
 
     root = Path(__file__).resolve().parents[2]
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_steps.py"), "--replicas", "4",
-                          "--time-rounds", "1", "--repeats", "1", "--plot", "none", "--out", str(tmp_path)],
+                          "--time-rounds", "1", "--repeats", "1", "--time-seq-len", "2048", "--plot", "none",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     line = json.loads(res.stdout.strip().splitlines()[-1])
