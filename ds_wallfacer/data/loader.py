@@ -29,7 +29,7 @@ from .packing import (
     normalize_document_lengths,
 )
 from .pieces import check_sequence_length, sequence_chunk_ids, sequence_position_ids, shard_sequence, unshard_sequence
-from .steps import balanced_order, row_work
+from .steps import balanced_order, check_rounds, row_work
 
 __all__ = [
     "BalancedStepSampler",
@@ -257,14 +257,8 @@ def item_work(item: Any) -> int:
     ``document_lengths`` or ``position_ids``; an item without them is one document."""
     row = item if isinstance(item, Mapping) else {"input_ids": item}
     n = int(torch.as_tensor(row["input_ids"]).numel())
-    if "position_ids" in row or "document_lengths" in row:
-        batch = {k: torch.as_tensor(row[k]).reshape(1, -1) for k in ("position_ids",) if k in row}
-        if "document_lengths" in row:
-            batch["document_lengths"] = [[int(v) for v in torch.as_tensor(row["document_lengths"]).reshape(-1)]]
-        docs = _documents(batch, None, torch.Size([1, n]))
-        assert docs is not None
-        return row_work(docs[0])
-    return row_work([n])
+    docs = _documents({k: row[k] for k in ("position_ids", "document_lengths") if k in row}, None, torch.Size([1, n]))
+    return row_work(docs[0] if docs is not None else [n])
 
 
 class BalancedStepSampler(torch.utils.data.Sampler):
@@ -278,7 +272,7 @@ class BalancedStepSampler(torch.utils.data.Sampler):
                  seed: int, window: int | None = None) -> None:
         self.work, self.batch_size, self.dp_rank, self.dp_size = list(work), batch_size, dp_rank, dp_size
         self.shuffle, self.seed, self.window, self.epoch = shuffle, seed, window, 0
-        balanced_order(self.work, per_replica=batch_size, replicas=dp_size, seed=seed, window=window)  # checks
+        check_rounds(self.work, batch_size, dp_size, window)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

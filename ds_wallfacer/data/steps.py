@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .balance import segment_work
 
-__all__ = ["balanced_order", "idle_share", "round_balance", "row_work"]
+__all__ = ["balanced_order", "check_rounds", "idle_share", "round_balance", "row_work"]
 
 
 def row_work(doc_lengths: Sequence[int], *, window: int | None = None) -> int:
@@ -30,7 +30,8 @@ def row_work(doc_lengths: Sequence[int], *, window: int | None = None) -> int:
     return sum(segment_work(0, length, window=window) for length in doc_lengths)
 
 
-def _check(work: Sequence[int], per_replica: int, replicas: int, window: int | None) -> int:
+def check_rounds(work: Sequence[int], per_replica: int, replicas: int, window: int | None) -> int:
+    """Rows per round, after checking the sizes, the window and every work (a clear error for each)."""
     if per_replica < 1 or replicas < 1:
         raise ValueError(f"per_replica = {per_replica} and replicas = {replicas} must be positive")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -63,7 +64,7 @@ def balanced_order(
     Rows are taken in the given order, ``window`` rounds at a time (None: all), sorted by work and cut into rounds
     of neighbours; the rounds of a window are shuffled with ``seed``. Rows past the last whole round are left out,
     as an epoch of whole rounds leaves them."""
-    per_round = _check(work, per_replica, replicas, window)
+    per_round = check_rounds(work, per_replica, replicas, window)
     end = len(work) // per_round * per_round
     span = end if window is None else window * per_round
     rng = random.Random(seed)
@@ -78,7 +79,7 @@ def balanced_order(
 
 def _loads(work: Sequence[int], order: Sequence[int], per_replica: int, replicas: int) -> list[list[int]]:
     """Per round of ``order``, each replica's work."""
-    per_round = _check(work, per_replica, replicas, None)
+    per_round = check_rounds(work, per_replica, replicas, None)
     return [[sum(work[r] for r in order[a + d * per_replica : a + (d + 1) * per_replica]) for d in range(replicas)]
             for a in range(0, len(order) // per_round * per_round, per_round)]
 
