@@ -24,8 +24,8 @@ import torch
 from ..data.steps import balanced_order, row_work
 from .cli import StartupError
 
-__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_token_data", "resume_order_error",
-           "row_works", "token_rows", "train_batches"]
+__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_token_data", "row_works", "token_rows",
+           "train_batches"]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CACHE_VERSION = 1
@@ -216,19 +216,6 @@ def train_batches(
         perm = perm[order]
     return _Batches([(seqs[perm[j : j + micro]], None) for j in range(start, end, micro)], eos_id=eos_id,
                     order=perm[:end])
-
-
-def resume_order_error(saved_round: int, round_now: int, sequences_in_epoch: int) -> str | None:
-    """Why a checkpoint cannot continue its epoch in this run's data order, or None. ``*_round``: rows per
-    work-balanced round (``--balance_steps``: micro batch x data-parallel size), 0 for the plain shuffle. Rounds of
-    another size hold other rows, so mid-epoch the rest of the epoch would repeat some rows and skip others; at an
-    epoch boundary any order may start."""
-    if saved_round == round_now or sequences_in_epoch == 0:
-        return None
-    saved, now = (f"work-balanced rounds of {r} rows" if r else "the plain shuffle" for r in (saved_round, round_now))
-    return (f"saved after {sequences_in_epoch} sequences of its epoch in {saved}, but this run orders the epoch in "
-            f"{now}: the rest of the epoch would repeat some sequences and skip others. Resume with the saved run's "
-            "--balance_steps setting and micro batch x data-parallel size")
 
 
 def eval_batches(

@@ -10,6 +10,7 @@ Design: Note [Model FLOPs and MFU] in docs/design.md §7; Note [wandb beside Dee
 """
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -19,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PEAK_TFLOPS", "comm_bytes", "gather_rows", "init_wandb", "model_flops_per_step", "peak_memory_bytes",
-           "peak_tflops", "replica_mean", "split_wandb_section"]
+__all__ = ["PEAK_TFLOPS", "comm_bytes", "gather_rows", "init_wandb", "log_step", "model_flops_per_step",
+           "peak_memory_bytes", "peak_tflops", "replica_mean", "split_wandb_section"]
 
 PEAK_TFLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100": {torch.bfloat16: 989.0, torch.float16: 989.0},
@@ -96,3 +97,25 @@ def replica_mean(rows: torch.Tensor, *, dims: Any) -> torch.Tensor:
     (one value per replica, so D = 1 returns the value exactly)."""
     firsts = [rows[dims.sp_ranks(d)[0]] for d in range(dims.dp_size)]
     return torch.stack(firsts).double().mean(0)
+
+
+def log_step(values: dict[str, Any], *, log_file: Path, wandb_run: Any, bar: Any) -> None:
+    """One step's ``values``: a line of ``log_file`` (``metrics.jsonl``), wandb (when ``wandb_run``), and the
+    step's line on stdout (through the progress ``bar`` if any)."""
+    with open(log_file, "a") as f:
+        f.write(json.dumps(values) + "\n")
+    if wandb_run is not None:
+        wandb_run.log({k: v for k, v in values.items() if k != "step"}, step=values["step"])
+    loss_v, lr, dt = values["loss"], values["lr"], values["step_time_s"]
+    line = f"step {values['step']} loss {loss_v:.4f} lr {lr:.2e} {values['tokens_per_s']:.0f} tok/s {dt:.2f}s"
+    if "eval_loss" in values:
+        line += f" eval_loss {values['eval_loss']:.4f}"
+    if "skipped" in values:
+        line += f" skipped: {values['skipped']}"
+    if bar is not None:
+        bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{values['tokens_per_s']:.0f}",
+                        mem=f"{values['peak_memory_bytes'] / 2**30:.2f}GiB")
+        bar.update(1)
+        bar.write(line, file=sys.stdout)
+    else:
+        print(line, flush=True)

@@ -17,17 +17,17 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ..data.steps import round_balance
 from ..hf_config import text_config
 from . import checkpoint as ckpt
 from . import manifest
 from .cli import StartupError, offline_defaults, read_ds_config
-from .data import eval_batches, load_token_data, resume_order_error, row_works, train_batches
+from .data import eval_batches, load_token_data
 from .export import export_hf
-from .metrics import (comm_bytes, gather_rows, init_wandb, model_flops_per_step, peak_memory_bytes, peak_tflops,
-                      replica_mean, split_wandb_section)
+from .metrics import (comm_bytes, gather_rows, init_wandb, log_step, model_flops_per_step, peak_memory_bytes,
+                      peak_tflops, replica_mean, split_wandb_section)
 from .model import dtype_of, load_model
 from .nonfinite import NonFiniteRun, UpdateGate, check_step
+from .order import DataOrder
 from .schedule import scheduler_of
 from .preempt import PREEMPTED_EXIT_CODE, Preemption, stop_reason
 from .signals import SIGNAL_EXIT, SignalRelay
@@ -64,6 +64,7 @@ class Trainer:
     gas: int
     seq_per_step: int
     eos: int | None
+    order: DataOrder
     # set by start()
     flops: float
     peak: float | None
@@ -114,8 +115,7 @@ class Trainer:
             self.run_cfg = parse_ds_config(ds_config)
         except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
             raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
-        self.balance = args.balance_steps or self.run_cfg.wallfacer.balance_steps  # Note [Work-balanced steps]
-        if self.balance and not args.document_masking:
+        if self.run_cfg.wallfacer.balance_steps and not args.document_masking:  # the flag: refused by cli.py
             raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: wallfacer.balance_steps = true evens "
                                "the documents' attention work, but without --document_masking every row is one causal "
                                "stream of equal work: add --document_masking or drop the key")
@@ -138,9 +138,8 @@ class Trainer:
         self.gas = self.engine.gradient_accumulation_steps()
         self.seq_per_step = self.micro * self.dp * self.gas
         self.eos = loaded.eos_id if args.document_masking else None  # documents end at EOS (train/data.py)
-        # Note [Work-balanced steps]: the rows' attention work, weighed once; logged per step, balanced on request
-        self.work = row_works(self.data.train, self.eos) if self.eos is not None else None
-        self.imbalance = 1.0  # the step's worst round: busiest replica's attention work / the mean replica's
+        self.order = DataOrder(self.data.train, micro=self.micro, dp=self.dp, seed=args.seed, eos_id=self.eos,
+                               balance=args.balance_steps or self.run_cfg.wallfacer.balance_steps)
         if len(self.data.train) < self.micro * self.dp:
             raise StartupError(
                 f"the training split has {len(self.data.train)} sequences of {args.seq_len} tokens, fewer than one "
@@ -192,8 +191,7 @@ class Trainer:
         self.saved = ckpt.load(self.engine, tag, universal=self.universal)
         self.step = int(self.saved["step"])
         self.state = {k: self.saved[k] for k in self.state}
-        error = resume_order_error(int(self.saved.get("balanced_round", 0)), self._balanced_round(),
-                                   self.state["sequences_in_epoch"])
+        error = self.order.resume_error(int(self.saved.get("balanced_round", 0)), self.state["sequences_in_epoch"])
         if error is not None:
             raise StartupError(f"{tag}: {error}")
         if self.state["sequences_in_epoch"] % (self.micro * self.dp):
@@ -286,9 +284,11 @@ class Trainer:
         sp.comm.reset()
         t0 = time.perf_counter()
         acc = torch.zeros(3, device=engine.device)  # loss, MoE router aux loss, stop request
-        self.imbalance = 1.0
+        imbalance = []  # of each round: busiest replica's attention work / the mean replica's
         for i in range(self.gas):
-            loss = engine(**self._to_device(self._next_batch()))
+            batch = self._next_batch()
+            imbalance.append(self.order.imbalance(self.state["sequences_in_epoch"]))
+            loss = engine(**self._to_device(batch))
             engine.backward(loss)
             acc[0] += loss.detach().float()
             if sp.aux_loss is not None:
@@ -321,8 +321,8 @@ class Trainer:
         }
         if gn is not None:
             values["grad_norm"] = float(gn)
-        if self.work is not None:
-            values["attention_work_imbalance"] = self.imbalance
+        if imbalance[0] is not None:  # the step's worst round
+            values["attention_work_imbalance"] = max(imbalance)
         if not self.check.finite:
             values["skipped"] = self.check.describe()
         if sp.aux_loss is not None:  # included in the loss, times router_aux_loss_coef
@@ -352,7 +352,7 @@ class Trainer:
         back as soon as the state is copied to host memory; ``settle_save`` marks the tag, then prunes."""
         self.settle_save(wait=True)  # one save at a time
         position = {"micro_batches_in_epoch": self.state["sequences_in_epoch"] // (self.micro * self.dp),
-                    "global_batch": self.seq_per_step, "balanced_round": self._balanced_round()}
+                    "global_batch": self.seq_per_step, "balanced_round": self.order.round_rows}
         estimate = manifest.estimate_bytes(self.last_ckpt, params=self.n_params, param_bytes=self.dtype.itemsize)
         try:
             saved = ckpt.save(self.engine, self.out / "checkpoints", step=self.step, state={**self.state, **position},
@@ -392,35 +392,12 @@ class Trainer:
 
     def log(self, values: dict[str, Any]) -> None:
         """Rank 0: a line of ``metrics.jsonl``, wandb, and the step's line (through the progress bar if any)."""
-        if self.rank != 0:
-            return
-        with open(self.log_file, "a") as f:
-            f.write(json.dumps(values) + "\n")
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in values.items() if k != "step"}, step=values["step"])
-        loss_v, lr, dt = values["loss"], values["lr"], values["step_time_s"]
-        line = f"step {self.step} loss {loss_v:.4f} lr {lr:.2e} {values['tokens_per_s']:.0f} tok/s {dt:.2f}s"
-        if "eval_loss" in values:
-            line += f" eval_loss {self.eval_loss:.4f}"
-        if "skipped" in values:
-            line += f" skipped: {values['skipped']}"
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss_v:.4f}", tok_s=f"{values['tokens_per_s']:.0f}",
-                                 mem=f"{values['peak_memory_bytes'] / 2**30:.2f}GiB")
-            self.bar.update(1)
-            self.bar.write(line, file=sys.stdout)
-        else:
-            print(line, flush=True)
+        if self.rank == 0:
+            log_step(values, log_file=self.log_file, wandb_run=self.wandb_run, bar=self.bar)
 
     def _epoch(self, epoch: int, start: int) -> Iterator[Batch]:
-        src = train_batches(self.data.train, micro=self.micro, dp=self.dp, epoch=epoch, seed=self.args.seed,
-                            start=start, eos_id=self.eos, work=self.work if self.balance else None)
-        self.epoch_order = src.order
-        return iter(self.sp.dataloader(src, batch_size=self.micro, balance_steps=False))  # ordered above
-
-    def _balanced_round(self) -> int:
-        """Rows per work-balanced round of this run's data order; 0 when it is the plain shuffle."""
-        return self.micro * self.dp if self.balance else 0
+        src = self.order.epoch(epoch, start)
+        return iter(self.sp.dataloader(src, batch_size=self.micro, balance_steps=False))  # ordered already
 
     def _next_batch(self) -> Batch:
         batch = next(self.batches, None)
@@ -429,11 +406,6 @@ class Trainer:
             self.state["sequences_in_epoch"] = 0
             self.batches = self._epoch(self.state["epoch"], 0)
             batch = next(self.batches)
-        if self.work is not None:  # this round's rows, known on every rank
-            at = self.state["sequences_in_epoch"]
-            rows = self.epoch_order[at : at + self.micro * self.dp].tolist()
-            (ratio,) = round_balance(self.work, rows, per_replica=self.micro, replicas=self.dp)
-            self.imbalance = max(self.imbalance, ratio)
         return batch
 
     def _to_device(self, batch: Batch) -> Batch:
