@@ -23,18 +23,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..mixers import gather_heads, scatter_heads
-from .mixer_shards import causal_depthwise, convolve_channels, has_form, per_document, refuse_cache, runs_of, shards_of
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, has_form, per_document,
+                           refuse_cache, runs_of, shards_of)
 
 __all__ = ["SETTINGS", "head_counts", "is_delta_net", "read_parameters", "sharded_forward"]
 
-_SCAN = re.compile(r"\btorch_chunk_gated_delta_rule\(\s*\w+\s*,\s*\w+\s*,\s*\w+\s*,\s*g\s*=\s*g\s*,\s*beta\s*=\s*beta"
-                   r"\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*output_final_state\s*=\s*[\w ]+,\s*"
-                   r"use_qk_l2norm_in_kernel\s*=\s*True")
-"""The scan every recognised class runs (keys and queries l2-normalised in the kernel)."""
+def _scan(prefix: str) -> re.Pattern:
+    """The scan every recognised class runs (keys and queries l2-normalised in the kernel); transformers 5.25 names
+    its decay and beta ``chunked_g`` / ``chunked_beta`` (``prefix``): the whole sequence without a cache."""
+    return re.compile(r"\btorch_chunk_gated_delta_rule\(\s*\w+\s*,\s*\w+\s*,\s*\w+\s*,\s*g\s*=\s*" + prefix + r"g\s*,\s*"
+                      r"beta\s*=\s*" + prefix + r"beta\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*"
+                      r"output_final_state\s*=\s*[\w ]+,\s*use_qk_l2norm_in_kernel\s*=\s*True")
+
+
+_SCAN_FORMS = ((_scan(""),),
+               (_scan("chunked_"), re.compile(r"\bcache\.get_recurrent_states_to_keep\(self\.layer_idx\)\s*if\s+cache"
+                                              r"\s+is\s+not\s+None\s+else\s+0\b")))
+"""The scan as transformers <= 5.24 and as 5.25 write it (5.25 keeps the last tokens' states only with a cache)."""
 
 _QWEN_CORE = (
-    re.compile(r"\bcausal_conv1d_fn\(\s*mixed_qkv\s*,\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*self\.conv1d\.bias\s*,"
-               r"\s*activation\s*=\s*self\.activation"),
     re.compile(r"\bquery\s*,\s*key\s*,\s*value\s*=\s*torch\.split\(\s*mixed_qkv\s*,\s*\[\s*self\.key_dim\s*,\s*"
                r"self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
     re.compile(r"\bbeta\s*=\s*b\.sigmoid\(\)"),
@@ -42,8 +49,8 @@ _QWEN_CORE = (
     re.compile(r"\bself\.norm\(core_attn_out\s*,\s*z\)"),
     re.compile(r"\bself\.out_proj\(core_attn_out\)"),
 )
-"""What the Qwen classes compute after their projections: the convolution with its activation, the split, the
-decay, the gated norm and the output projection."""
+"""What the Qwen classes compute after their projections: the split, the decay, the gated norm and the output
+projection."""
 
 
 def _qwen3_next_inputs(m: nn.Module, h: torch.Tensor):
@@ -67,35 +74,40 @@ def _olmo_hybrid_inputs(m: nn.Module, h: torch.Tensor):
 
 @dataclass(frozen=True)
 class _Family:
-    """One recognised form: its children, the expression of its forward, how it computes q, k, v, the gate z, b and
+    """One recognised form: its children, the expression of its forward (``_forms``), how it computes q, k, v, the gate z, b and
     a, the factor on beta (OLMo-hybrid's negative eigenvalues: 2) and the names of its gated norm and output."""
 
     children: frozenset[str]
-    form: tuple[re.Pattern, ...]
+    forms: tuple[Form, ...]
     inputs: Callable
     beta_scale: Callable[[nn.Module], float]
     norm: str
     out: str
 
 
+def _forms(core: tuple[re.Pattern, ...], *, keywords: bool = False) -> tuple[Form, ...]:
+    """``core`` with the convolution of q, k, v and the scan, as transformers <= 5.24 and as 5.25 write them."""
+    kernel, helper = conv_call("mixed_qkv", "conv1d", activation=True, keywords=keywords)
+    old, new = _SCAN_FORMS
+    return Form(core + (kernel,) + old), Form(core + (helper,) + new, (CONV_HELPER,))
+
+
 _FAMILIES = (
     _Family(frozenset({"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"}),
-            (re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*"
+            _forms((re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*"
                         r"projected_states_ba\s*\)"),
              re.compile(r"\bprojected_states_qkvz\s*=\s*self\.in_proj_qkvz\(hidden_states\)"),
              re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\(query\s*,\s*key\s*,\s*value\)\s*,\s*dim\s*=\s*-1\)"))
-            + _QWEN_CORE, _qwen3_next_inputs, lambda m: 1.0, "norm", "out_proj"),
+            + _QWEN_CORE), _qwen3_next_inputs, lambda m: 1.0, "norm", "out_proj"),
     _Family(frozenset({"conv1d", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"}),
-            (re.compile(r"\bmixed_qkv\s*=\s*self\.in_proj_qkv\(hidden_states\)"),
+            _forms((re.compile(r"\bmixed_qkv\s*=\s*self\.in_proj_qkv\(hidden_states\)"),
              re.compile(r"\bz\s*=\s*self\.in_proj_z\(hidden_states\)"),
              re.compile(r"\bb\s*=\s*self\.in_proj_b\(hidden_states\)"),
-             re.compile(r"\ba\s*=\s*self\.in_proj_a\(hidden_states\)")) + _QWEN_CORE,
+             re.compile(r"\ba\s*=\s*self\.in_proj_a\(hidden_states\)")) + _QWEN_CORE),
             _qwen3_5_inputs, lambda m: 1.0, "norm", "out_proj"),
     _Family(frozenset({"conv1d", "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"}),
-            (re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\s*\[\s*self\.q_proj\(hidden_states\)\s*,\s*self\.k_proj\("
+            _forms((re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\s*\[\s*self\.q_proj\(hidden_states\)\s*,\s*self\.k_proj\("
                         r"hidden_states\)\s*,\s*self\.v_proj\(hidden_states\)\s*,?\s*\]\s*,\s*dim\s*=\s*-1\s*,?\s*\)"),
-             re.compile(r"\bcausal_conv1d_fn\(\s*mixed_qkv\s*,\s*weight\s*=\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*"
-                        r"bias\s*=\s*self\.conv1d\.bias\s*,\s*activation\s*=\s*self\.activation"),
              re.compile(r"\bq\s*,\s*k\s*,\s*v\s*=\s*torch\.split\(\s*mixed_qkv\.transpose\(1\s*,\s*2\)\s*,\s*"
                         r"\[\s*self\.key_dim\s*,\s*self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
              re.compile(r"\bbeta\s*=\s*self\.b_proj\(hidden_states\)\.sigmoid\(\)\s*if\s+self\.allow_neg_eigval\s*:\s*"
@@ -104,10 +116,10 @@ _FAMILIES = (
                         r"\.float\(\)\s*\+\s*self\.dt_bias\)"),
              re.compile(r"\bgate\s*=\s*self\.g_proj\(hidden_states\)"),
              re.compile(r"\boutput\s*=\s*self\.o_norm\(output\s*,\s*gate\)"),
-             re.compile(r"\boutput\s*=\s*self\.o_proj\(output\)")),
+             re.compile(r"\boutput\s*=\s*self\.o_proj\(output\)")), keywords=True),
             _olmo_hybrid_inputs, lambda m: 2.0 if m.allow_neg_eigval else 1.0, "o_norm", "o_proj"),
 )
-"""The recognised forms (Qwen3-Next, Qwen3.5, OLMo-hybrid); each form's expression includes the scan (``_SCAN``)."""
+"""The recognised forms (Qwen3-Next, Qwen3.5, OLMo-hybrid)."""
 
 
 def _family(m: nn.Module) -> _Family | None:
@@ -115,7 +127,7 @@ def _family(m: nn.Module) -> _Family | None:
     own = {n for n, _ in m.named_parameters(recurse=False)}
     if own != {"dt_bias", "A_log"}:
         return None
-    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), f.form + (_SCAN,))), None)
+    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), f.forms)), None)
 
 
 def is_delta_net(m: nn.Module) -> bool:

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..mixers import gather_heads, scatter_heads
-from .mixer_shards import causal_depthwise, convolve_channels, has_form, per_document, refuse_cache, runs_of, shards_of
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, has_form, per_document,
+                           refuse_cache, runs_of, shards_of)
 
 __all__ = ["SETTINGS", "head_counts", "is_mamba_mixer", "read_parameters", "sharded_forward"]
 
@@ -31,27 +32,52 @@ _CONV_SPLIT = (
     re.compile(r"\bA\s*=\s*-torch\.exp\(self\.A_log\.float\(\)\)"),
     re.compile(r"\bgate\s*,\s*hidden_states_B_C\s*,\s*dt\s*=\s*projected_states\.split\(\s*\[\s*self\.intermediate_size"
                r"\s*,\s*self\.conv_dim\s*,\s*self\.num_heads\s*\]\s*,\s*dim\s*=\s*-1"),
-    re.compile(r"\bcausal_conv1d_fn\(\s*hidden_states_B_C\s*,\s*self\.conv1d\.weight\.squeeze\(1\)\s*,\s*"
-               r"self\.conv1d\.bias\s*,\s*activation\s*=\s*self\.activation"),
     re.compile(r"\bhidden_states\s*,\s*B\s*,\s*C\s*=\s*torch\.split\(\s*hidden_states_B_C\s*,\s*\[\s*self\."
                r"intermediate_size\s*,\s*self\.n_groups\s*\*\s*self\.ssm_state_size\s*,\s*self\.n_groups\s*\*\s*self\."
                r"ssm_state_size\s*\]"),
     re.compile(r"\bself\.out_proj\(scan_output\.to\(dtype\)\)"),
 )
-"""What every recognised mixer computes: the projection split into gate | x B C | dt, the convolution with its
-activation, the split of x, B and C, the output projection."""
+"""What every recognised mixer computes: the projection split into gate | x B C | dt, the split of x, B and C, the
+output projection."""
 
 
-def _scan_call(heads: str, state: str) -> re.Pattern:
-    """The chunked scan's call (D skip and dt bias, softplus and limits inside it), ``heads`` / ``state`` the way
-    the class writes the head count and the state size in its views."""
+def _scan_call(owner: str, heads: str, state: str, *, chunked: bool) -> re.Pattern:
+    """The chunked scan's call (D skip and dt bias, softplus and limits inside it) on the whole sequence: by the
+    mixer's forward (``owner`` ``self``, transformers <= 5.24) or by 5.25's helper ``mamba2_scan_forward``
+    (``owner`` ``module``, its inputs named ``chunked_*``: without a cache, every token); ``heads`` / ``state`` the
+    way the code writes the head count and the state size in its views."""
+    o, c = owner + r"\.", "chunked_" if chunked else ""
+    n = "effective_sequence_length" if chunked else "seq_len"
+    final = r"cache\s+is\s+not\s+None" if chunked else "output_final_state"
     return re.compile(
-        r"\bmamba2_chunk_scan\(\s*hidden_states\.view\(batch_size\s*,\s*seq_len\s*,\s*" + heads + r"\s*,\s*"
-        r"self\.head_dim\)\s*,\s*dt\s*,\s*A\s*,\s*B\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*"
-        + state + r"\)\s*,\s*C\.view\(batch_size\s*,\s*seq_len\s*,\s*self\.n_groups\s*,\s*" + state + r"\)\s*,\s*"
-        r"chunk_size\s*=\s*self\.chunk_size\s*,\s*D\s*=\s*self\.D\s*,\s*z\s*=\s*None\s*,\s*return_final_states\s*=\s*"
-        r"output_final_state\s*,\s*dt_bias\s*=\s*self\.dt_bias\s*,\s*dt_softplus\s*=\s*True\s*,\s*initial_states\s*=\s*"
-        r"recurrent_state\s*,\s*dt_limit\s*=\s*self\.time_step_limit")
+        r"\bmamba2_chunk_scan\(\s*" + c + r"hidden_states\.view\(batch_size\s*,\s*" + n + r"\s*,\s*" + heads + r"\s*,\s*"
+        + o + r"head_dim\)\s*,\s*" + c + r"dt\s*,\s*A\s*,\s*" + c + r"B\.view\(batch_size\s*,\s*" + n + r"\s*,\s*" + o
+        + r"n_groups\s*,\s*" + state + r"\)\s*,\s*" + c + r"C\.view\(batch_size\s*,\s*" + n + r"\s*,\s*" + o
+        + r"n_groups\s*,\s*" + state + r"\)\s*,\s*chunk_size\s*=\s*" + o + r"chunk_size\s*,\s*D\s*=\s*" + o
+        + r"D\s*,\s*z\s*=\s*None\s*,\s*return_final_states\s*=\s*" + final + r"\s*,\s*dt_bias\s*=\s*" + o
+        + r"dt_bias\s*,\s*dt_softplus\s*=\s*True\s*,\s*initial_states\s*=\s*recurrent_state\s*,\s*dt_limit\s*=\s*"
+        + o + r"time_step_limit")
+
+
+_SCAN_HELPER = ("mamba2_scan_forward", (
+    re.compile(r"\bA\s*=\s*-torch\.exp\(module\.A_log\.float\(\)\)"),
+    re.compile(r"\brecurrent_state\s*=\s*cache\.get_recurrent_state\([^)]*\)\s*if\s+cache\s+is\s+not\s+None\s+else\s+"
+               r"None"),
+    re.compile(r"\bcache\.get_recurrent_states_to_keep\(module\.layer_idx\)\s*if\s+cache\s+is\s+not\s+None\s+else\s+0\b"),
+    _scan_call("module", r"module\.num_heads", r"module\.ssm_state_size", chunked=True),
+))
+"""transformers 5.25's ``mamba2_scan_forward`` without a cache: the chunked scan over every token."""
+
+_CONV_KERNEL, _CONV_HELPER = conv_call("hidden_states_B_C", "conv1d", activation=True)
+
+
+def _forms(old: tuple[re.Pattern, ...], new: tuple[re.Pattern, ...]) -> tuple[Form, ...]:
+    """The mixer's expression as transformers <= 5.24 writes it (``old``: the convolution and the scan called in the
+    forward) and as 5.25 does (``new``: both through the cache-aware helpers)."""
+    scan = re.compile(r"\bscan_output\s*=\s*mamba2_scan_forward\(\s*self\s*,\s*hidden_states\s*,\s*B\s*,\s*C\s*,\s*dt\s*,"
+                      r"\s*cache\b")
+    return (Form(_CONV_SPLIT + (_CONV_KERNEL,) + old),
+            Form(_CONV_SPLIT + (_CONV_HELPER, scan) + new, (CONV_HELPER, _SCAN_HELPER)))
 
 
 def _mamba2_gate(m: nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -68,24 +94,29 @@ class _Family:
     projection (Falcon-H1's muP multipliers; None: none) and how it gates the scan's output."""
 
     children: frozenset[str]
-    form: tuple[re.Pattern, ...]
+    forms: tuple[Form, ...]
     input_scale: str | None
     projection_scale: str | None
     gate: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+_PROJECTION = re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)\s*(?:#[^\n]*\s*)*A\s*=")
+_NORM = re.compile(r"\bscan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)\s*(?:#[^\n]*\s*)*contextualized_states\s*="
+                   r"\s*self\.out_proj\(")
+"""Mamba-2's projection of the input as it is and its gated norm right before the output projection (which tells it
+from Falcon-H1's, with muP multipliers and an optional norm, now that both call the same helpers)."""
+_FALCON = (re.compile(r"\bhidden_states\s*=\s*hidden_states\s*\*\s*self\.ssm_in_multiplier"),
+           re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)\s*projected_states\s*=\s*"
+                      r"projected_states\s*\*\s*self\.mup_vector"),
+           re.compile(r"\bif\s+self\.mamba_rms_norm\s*:\s*scan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)\s*"
+                      r"else\s*:\s*scan_output\s*=\s*scan_output\s*\*\s*torch\.nn\.functional\.silu\(gate\)"))
+
 _FAMILIES = (
     _Family(frozenset({"conv1d", "in_proj", "norm", "out_proj"}),
-            (re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)"),
-             _scan_call(r"self\.num_heads", r"self\.ssm_state_size"),
-             re.compile(r"\bscan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)")), None, None, _mamba2_gate),
+            _forms((_PROJECTION, _scan_call("self", r"self\.num_heads", r"self\.ssm_state_size", chunked=False), _NORM),
+                   (_PROJECTION, _NORM)), None, None, _mamba2_gate),
     _Family(frozenset({"conv1d", "in_proj", "norm", "out_proj"}),  # Falcon-H1 (norm: gated RMSNorm or Identity)
-            (re.compile(r"\bhidden_states\s*=\s*hidden_states\s*\*\s*self\.ssm_in_multiplier"),
-             re.compile(r"\bprojected_states\s*=\s*self\.in_proj\(hidden_states\)\s*projected_states\s*=\s*"
-                        r"projected_states\s*\*\s*self\.mup_vector"),
-             _scan_call("-1", "-1"),
-             re.compile(r"\bif\s+self\.mamba_rms_norm\s*:\s*scan_output\s*=\s*self\.norm\(scan_output\s*,\s*gate\)\s*"
-                        r"else\s*:\s*scan_output\s*=\s*scan_output\s*\*\s*torch\.nn\.functional\.silu\(gate\)")),
+            _forms(_FALCON + (_scan_call("self", "-1", "-1", chunked=False),), _FALCON),
             "ssm_in_multiplier", "mup_vector", _falcon_h1_gate),
 )
 
@@ -95,7 +126,7 @@ def _family(m: nn.Module) -> _Family | None:
     own = {n for n, _ in m.named_parameters(recurse=False)}
     if own != {"dt_bias", "A_log", "D"}:
         return None
-    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), _CONV_SPLIT + f.form)), None)
+    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), f.forms)), None)
 
 
 _NEEDED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim", "chunk_size",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
@@ -18,8 +19,8 @@ from ..attention.documents import SequenceBatch
 from ..comm import CommLayer
 from ..mixers import ChunkRing
 
-__all__ = ["ATTR", "MixerInputs", "MixerShards", "causal_depthwise", "convolve_channels", "has_form", "per_document",
-           "refuse_cache", "runs_of", "shards_of"]
+__all__ = ["ATTR", "CONV_HELPER", "Form", "MixerInputs", "MixerShards", "causal_depthwise", "closest_misses", "conv_call",
+           "convolve_channels", "form_misses", "has_form", "per_document", "refuse_cache", "runs_of", "shards_of"]
 
 ATTR = "_wallfacer_mixer"
 
@@ -70,14 +71,81 @@ def _ring(peers: tuple[int, ...], index: int, sharding: str, ulysses_degree: int
     return ChunkRing(peers=peers, index=index, sharding=sharding, ulysses_degree=ulysses_degree, assignment=assignment)
 
 
-@lru_cache(maxsize=None)
-def has_form(cls: type, patterns: tuple[re.Pattern, ...]) -> bool:
-    """Whether ``cls.forward``'s source matches every pattern (the expression a sharded forward reproduces)."""
+@dataclass(frozen=True)
+class Form:
+    """An expression a sharded forward reproduces, as one transformers release writes it: patterns the class's
+    ``forward`` source matches and, for each function of the model's module the forward calls in place of a kernel
+    (from transformers 5.25 the cache-aware helpers ``causal_conv1d_forward`` and ``mamba2_scan_forward``), the
+    patterns that function's source matches (that without a cache it is the kernel the sharded forward calls)."""
+
+    forward: tuple[re.Pattern, ...]
+    helpers: tuple[tuple[str, tuple[re.Pattern, ...]], ...] = ()
+
+
+def _plain_function(obj: Any) -> Any:
+    """The Python function behind ``obj``: itself, or the function a kernel-hub wrapper calls when no kernel was
+    chosen (``kernels``' ``use_kernel_forward_from_hub`` turns a function into a module whose forward calls it)."""
+    if inspect.isfunction(obj):
+        return inspect.unwrap(obj)
+    forward = getattr(type(obj), "forward", None)
+    if inspect.isfunction(forward):
+        inner = inspect.getclosurevars(forward).nonlocals.get("func")
+        if inspect.isfunction(inner):
+            return inspect.unwrap(inner)
+    return None
+
+
+def _source(obj: Any) -> str:
     try:
-        src = inspect.getsource(cls.forward)
+        return inspect.getsource(obj)
     except (OSError, TypeError):
-        return False
-    return all(p.search(src) for p in patterns)
+        return ""
+
+
+def form_misses(cls: type, form: Form) -> list[str]:
+    """What of ``form`` ``cls`` does not match: each missing pattern as ``where: pattern`` (``forward``, or the
+    helper's name), so a refusal can say which recogniser stopped matching. Empty: ``cls`` has the form."""
+    module = sys.modules.get(cls.__module__)
+    parts = [("forward", _source(cls.forward), form.forward)]
+    parts += [(name, _source(_plain_function(getattr(module, name, None))), pats) for name, pats in form.helpers]
+    return [f"{where}: {p.pattern}" for where, src, pats in parts for p in pats if not p.search(src)]
+
+
+@lru_cache(maxsize=None)
+def has_form(cls: type, forms: tuple[Form, ...]) -> bool:
+    """Whether ``cls`` has one of ``forms`` (one per transformers release that wrote the layer differently)."""
+    return any(not form_misses(cls, f) for f in forms)
+
+
+def closest_misses(cls: type, forms: tuple[Form, ...]) -> list[str]:
+    """``form_misses`` of the form ``cls`` comes closest to."""
+    return min((form_misses(cls, f) for f in forms), key=len, default=[])
+
+
+def conv_call(x: str, conv: str, *, activation: bool, keywords: bool = False) -> tuple[re.Pattern, re.Pattern]:
+    """The layer's causal depthwise convolution of ``x`` by ``self.<conv>`` (with ``activation=self.activation``
+    when ``activation``), as transformers <= 5.24 calls the kernel (``causal_conv1d_fn``, weight and bias passed by
+    keyword when ``keywords``) and as 5.25 calls the cache-aware helper (``causal_conv1d_forward``, whose form is
+    ``CONV_HELPER``)."""
+    act = r"\s*,\s*activation\s*=\s*self\.activation" if activation else r"(?!\s*,\s*activation)"
+    kw_w, kw_b = (r"weight\s*=\s*", r"bias\s*=\s*") if keywords else ("", "")
+    kernel = re.compile(r"\bcausal_conv1d_fn\(\s*" + x + r"\s*,\s*" + kw_w + r"self\." + conv
+                        + r"\.weight\.squeeze\(1\)\s*,\s*" + kw_b + r"self\." + conv + r"\.bias" + act)
+    helper = re.compile(r"\bcausal_conv1d_forward\(\s*self\." + conv + r"\s*,\s*" + x
+                        + r"\s*,\s*cache\s*,\s*self\.layer_idx" + (act if activation else r"\s*,\s*\*\*kwargs\s*\)"))
+    return kernel, helper
+
+
+CONV_HELPER = ("causal_conv1d_forward", (
+    re.compile(r"\bconv_state\s*=\s*cache\.get_conv_state\([^)]*\)\s*if\s+cache\s+is\s+not\s+None\s+else\s+None"),
+    re.compile(r"\bweight\s*=\s*conv1d\.weight\.squeeze\(1\)"),
+    re.compile(r"\bif\s+conv_state\s+is\s+not\s+None\s+and\s+seq_len\s*==\s*1"),
+    re.compile(r"\bif\s+cache\s+is\s+not\s+None\s*:\s*hidden_states\s*=\s*cache\.update_conv_state\("),
+    re.compile(r"\bhidden_states\s*=\s*causal_conv1d_fn\(\s*hidden_states\s*,\s*weight\s*,\s*conv1d\.bias\s*,\s*"
+               r"activation\s*=\s*activation\b"),
+))
+"""transformers 5.25's ``causal_conv1d_forward`` without a cache: the kernel ``causal_conv1d_fn`` on the layer's
+weight and bias with the given activation (a cache adds its conv state, which sharded layers refuse)."""
 
 
 def shards_of(m: nn.Module) -> MixerShards:

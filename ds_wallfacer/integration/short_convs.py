@@ -16,15 +16,16 @@ import torch
 from torch import nn
 
 from ..mixers import sharded_causal_conv1d
-from .mixer_shards import causal_depthwise, has_form, refuse_cache, shards_of
+from .mixer_shards import CONV_HELPER, Form, causal_depthwise, conv_call, has_form, refuse_cache, shards_of
 
 __all__ = ["head_counts", "is_short_conv", "read_parameters", "sharded_forward"]
 
-_FORM = (re.compile(r"\bB\s*,\s*C\s*,\s*x\s*=\s*BCx\.chunk\(\s*3\s*,\s*dim\s*=\s*-2\s*\)"),
-         re.compile(r"\bB\s*\*\s*x\b"), re.compile(r"\bC\s*\*\s*hidden_states\b"),
-         re.compile(r"\bcausal_conv1d_fn\(\s*hidden_states\s*,\s*self\.conv\.weight\.squeeze\(1\)\s*,\s*self\.conv"
-                    r"\.bias"))
-"""The expression of the layer's forward: in_proj split three ways, B * x convolved, C times the result."""
+_CORE = (re.compile(r"\bB\s*,\s*C\s*,\s*x\s*=\s*BCx\.chunk\(\s*3\s*,\s*dim\s*=\s*-2\s*\)"),
+         re.compile(r"\bB\s*\*\s*x\b"), re.compile(r"\bC\s*\*\s*hidden_states\b"))
+_KERNEL, _HELPER = conv_call("hidden_states", "conv", activation=False)
+_FORMS = (Form(_CORE + (_KERNEL,)), Form(_CORE + (_HELPER,), (CONV_HELPER,)))
+"""The expression of the layer's forward: in_proj split three ways, B * x convolved (no activation), C times the
+result; the convolution as transformers <= 5.24 and as 5.25 call it."""
 
 
 def is_short_conv(m: nn.Module) -> bool:
@@ -37,7 +38,7 @@ def is_short_conv(m: nn.Module) -> bool:
         return False
     d = conv.in_channels
     return (inp.in_features == d and inp.out_features == 3 * d and out.in_features == d
-            and has_form(type(m), _FORM))
+            and has_form(type(m), _FORMS))
 
 
 def read_parameters(m: nn.Module) -> list[nn.Parameter]:
