@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..mixers import gather_heads, scatter_heads
-from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, has_form, per_document,
-                           refuse_cache, runs_of, shards_of)
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, closest_misses, conv_call, convolve_channels, has_form,
+                           per_document, refuse_cache, runs_of, shards_of)
 
-__all__ = ["SETTINGS", "head_counts", "is_delta_net", "read_parameters", "sharded_forward"]
+__all__ = ["SETTINGS", "form_misses", "head_counts", "is_delta_net", "read_parameters", "sharded_forward"]
 
 def _scan(prefix: str) -> re.Pattern:
     """The scan every recognised class runs (keys and queries l2-normalised in the kernel); transformers 5.25 names
@@ -122,20 +122,36 @@ _FAMILIES = (
 """The recognised forms (Qwen3-Next, Qwen3.5, OLMo-hybrid)."""
 
 
-def _family(m: nn.Module) -> _Family | None:
+def _built_like(m: nn.Module) -> list[_Family]:
+    """The families whose parts ``m`` has: the attributes, a depthwise causal convolution over q, k, v, the own
+    parameters and the children (the expression of the forward aside)."""
+    needed = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "activation")
+    if not all(hasattr(m, a) for a in needed) or not causal_depthwise(getattr(m, "conv1d", None)):
+        return []
+    if m.conv1d.in_channels != 2 * m.key_dim + m.value_dim:
+        return []
+    if {n for n, _ in m.named_parameters(recurse=False)} != {"dt_bias", "A_log"}:
+        return []
     children = {n for n, _ in m.named_children()}
-    own = {n for n, _ in m.named_parameters(recurse=False)}
-    if own != {"dt_bias", "A_log"}:
+    return [f for f in _FAMILIES if children == f.children]
+
+
+def _family(m: nn.Module) -> _Family | None:
+    return next((f for f in _built_like(m) if has_form(type(m), f.forms)), None)
+
+
+def form_misses(m: nn.Module) -> tuple[str, ...] | None:
+    """None: ``m`` is not built like a gated delta-net; (): it is one of a recognised form; else what its forward
+    misses of the closest form (``mixer_shards.form_misses``)."""
+    families = _built_like(m)
+    if not families:
         return None
-    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), f.forms)), None)
+    return min((closest_misses(type(m), f.forms) for f in families), key=len)
 
 
 def is_delta_net(m: nn.Module) -> bool:
     """Whether ``m`` is a gated delta-net of a recognised form, with a depthwise causal convolution over q, k, v."""
-    needed = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "activation")
-    if not all(hasattr(m, a) for a in needed) or not causal_depthwise(getattr(m, "conv1d", None)):
-        return False
-    return m.conv1d.in_channels == 2 * m.key_dim + m.value_dim and _family(m) is not None
+    return form_misses(m) == ()
 
 
 def read_parameters(m: nn.Module) -> list[nn.Parameter]:

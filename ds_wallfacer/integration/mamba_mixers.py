@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from ..mixers import gather_heads, scatter_heads
-from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, has_form, per_document,
-                           refuse_cache, runs_of, shards_of)
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, closest_misses, conv_call, convolve_channels, has_form,
+                           per_document, refuse_cache, runs_of, shards_of)
 
-__all__ = ["SETTINGS", "head_counts", "is_mamba_mixer", "read_parameters", "sharded_forward"]
+__all__ = ["SETTINGS", "form_misses", "head_counts", "is_mamba_mixer", "read_parameters", "sharded_forward"]
 
 _CONV_SPLIT = (
     re.compile(r"\bA\s*=\s*-torch\.exp\(self\.A_log\.float\(\)\)"),
@@ -121,24 +121,40 @@ _FAMILIES = (
 )
 
 
-def _family(m: nn.Module) -> _Family | None:
-    children = {n for n, _ in m.named_children()} - {"act"}
-    own = {n for n, _ in m.named_parameters(recurse=False)}
-    if own != {"dt_bias", "A_log", "D"}:
-        return None
-    return next((f for f in _FAMILIES if children == f.children and has_form(type(m), f.forms)), None)
-
-
 _NEEDED = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim", "chunk_size",
            "time_step_limit", "activation")
 
 
+def _built_like(m: nn.Module) -> list[_Family]:
+    """The families whose parts ``m`` has: the attributes and sizes, a depthwise causal convolution over x, B and C,
+    the own parameters and the children (the expression of the forward aside)."""
+    if not all(hasattr(m, a) for a in _NEEDED) or not causal_depthwise(getattr(m, "conv1d", None)):
+        return []
+    if not (m.conv1d.in_channels == m.conv_dim == m.intermediate_size + 2 * m.n_groups * m.ssm_state_size
+            and m.intermediate_size == m.num_heads * m.head_dim):
+        return []
+    if {n for n, _ in m.named_parameters(recurse=False)} != {"dt_bias", "A_log", "D"}:
+        return []
+    children = {n for n, _ in m.named_children()} - {"act"}
+    return [f for f in _FAMILIES if children == f.children]
+
+
+def _family(m: nn.Module) -> _Family | None:
+    return next((f for f in _built_like(m) if has_form(type(m), f.forms)), None)
+
+
+def form_misses(m: nn.Module) -> tuple[str, ...] | None:
+    """None: ``m`` is not built like a Mamba-2 mixer; (): it is one of a recognised form; else what its forward
+    misses of the closest form (``mixer_shards.form_misses``)."""
+    families = _built_like(m)
+    if not families:
+        return None
+    return min((closest_misses(type(m), f.forms) for f in families), key=len)
+
+
 def is_mamba_mixer(m: nn.Module) -> bool:
     """Whether ``m`` is a Mamba-2 mixer of the recognised form."""
-    if not all(hasattr(m, a) for a in _NEEDED) or not causal_depthwise(getattr(m, "conv1d", None)):
-        return False
-    return (m.conv1d.in_channels == m.conv_dim == m.intermediate_size + 2 * m.n_groups * m.ssm_state_size
-            and m.intermediate_size == m.num_heads * m.head_dim and _family(m) is not None)
+    return form_misses(m) == ()
 
 
 def read_parameters(m: nn.Module) -> list[nn.Parameter]:

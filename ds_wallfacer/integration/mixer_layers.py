@@ -22,13 +22,15 @@ from ..comm.dims import splits_heads
 from . import delta_nets, mamba_mixers, short_convs
 from .mixer_shards import ATTR, MixerShards
 
-__all__ = ["MixerShards", "attach_mixers", "mixer_head_counts", "mixer_layers", "model_forwards"]
+__all__ = ["MixerShards", "attach_mixers", "mixer_head_counts", "mixer_layers", "model_forwards", "near_misses"]
 
 
 class _Kind(NamedTuple):
     """One kind of mixer layer, as its module provides it."""
 
-    recognise: Callable[[nn.Module], bool]
+    name: str
+    misses: Callable[[nn.Module], tuple[str, ...] | None]
+    """None: not built like this kind; (): recognised; else what the forward misses of the closest known form."""
     forward: Callable
     """The sharded forward."""
     reads: Callable[[nn.Module], list[nn.Parameter]]
@@ -40,17 +42,17 @@ class _Kind(NamedTuple):
 
 
 _KINDS = (
-    _Kind(short_convs.is_short_conv, short_convs.sharded_forward, short_convs.read_parameters,
+    _Kind("LFM2 gated short convolution", short_convs.form_misses, short_convs.sharded_forward, short_convs.read_parameters,
           short_convs.head_counts, ""),
-    _Kind(delta_nets.is_delta_net, delta_nets.sharded_forward, delta_nets.read_parameters, delta_nets.head_counts,
+    _Kind("gated delta-net", delta_nets.form_misses, delta_nets.sharded_forward, delta_nets.read_parameters, delta_nets.head_counts,
           delta_nets.SETTINGS),
-    _Kind(mamba_mixers.is_mamba_mixer, mamba_mixers.sharded_forward, mamba_mixers.read_parameters,
+    _Kind("Mamba-2 mixer", mamba_mixers.form_misses, mamba_mixers.sharded_forward, mamba_mixers.read_parameters,
           mamba_mixers.head_counts, mamba_mixers.SETTINGS),
 )
 
 
 def _kind(m: nn.Module) -> _Kind | None:
-    return next((k for k in _KINDS if k.recognise(m)), None)
+    return next((k for k in _KINDS if k.misses(m) == ()), None)
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.Module, _Kind]]:
@@ -60,6 +62,18 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.Module, _Kind]]:
 def mixer_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's recognised mixer layers (pure)."""
     return [(n, m) for n, m, _ in _layers(model)]
+
+
+def near_misses(model: nn.Module) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(name, kind, what its forward misses) of each layer built like a mixer kind whose forward matches none of the
+    forms this package knows (e.g. a transformers release rewrote it): the recogniser that stopped matching, for
+    the refusal and the sweep to name (pure)."""
+    out = []
+    for n, m in model.named_modules():
+        found = [(k.name, miss) for k in _KINDS if (miss := k.misses(m))]
+        if found and _kind(m) is None:
+            out.append((n, *min(found, key=lambda f: len(f[1]))))
+    return out
 
 
 def attach_mixers(model: nn.Module, shards: MixerShards) -> list[str]:

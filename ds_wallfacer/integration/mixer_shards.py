@@ -111,15 +111,15 @@ def form_misses(cls: type, form: Form) -> list[str]:
     return [f"{where}: {p.pattern}" for where, src, pats in parts for p in pats if not p.search(src)]
 
 
-@lru_cache(maxsize=None)
 def has_form(cls: type, forms: tuple[Form, ...]) -> bool:
     """Whether ``cls`` has one of ``forms`` (one per transformers release that wrote the layer differently)."""
-    return any(not form_misses(cls, f) for f in forms)
+    return not closest_misses(cls, forms)
 
 
-def closest_misses(cls: type, forms: tuple[Form, ...]) -> list[str]:
-    """``form_misses`` of the form ``cls`` comes closest to."""
-    return min((form_misses(cls, f) for f in forms), key=len, default=[])
+@lru_cache(maxsize=None)
+def closest_misses(cls: type, forms: tuple[Form, ...]) -> tuple[str, ...]:
+    """``form_misses`` of the form ``cls`` comes closest to; () when ``cls`` has one of ``forms``."""
+    return tuple(min((form_misses(cls, f) for f in forms), key=len, default=[]))
 
 
 def conv_call(x: str, conv: str, *, activation: bool, keywords: bool = False) -> tuple[re.Pattern, re.Pattern]:

@@ -23,7 +23,7 @@ from torch.nn.modules import activation, conv, dropout, normalization, padding, 
 
 from . import positional
 from .peft_rules import peft_findings
-from .mixer_layers import mixer_layers
+from .mixer_layers import mixer_layers, near_misses
 
 __all__ = ["Finding", "sequence_findings"]
 
@@ -247,6 +247,7 @@ def sequence_findings(
     # recognised mixer layers and their convolutions run on shards (mixer_layers.py)
     layers = [m for _, m in mixer_layers(model)]
     mixers = {id(x) for m in layers for x in (m, *(c for c in m.children() if isinstance(c, conv._ConvNd)))}
+    near = {name: (kind, misses) for name, kind, misses in near_misses(model)}
     off_path = _off_text_path(model)
     peft_wrappers, peft_problems = peft_findings(model)
     found: dict[tuple[str, str], Finding] = {}
@@ -277,6 +278,11 @@ def sequence_findings(
             if ops:
                 add(path, m, f"its own code calls {', '.join(ops)}, which can mix tokens along the sequence outside "
                     "the attention function", NOT_YET)
+        if path in near:
+            kind, misses = near[path]
+            add(path, m, f"built like a {kind}, but its forward matches none of the forms ds_wallfacer runs on "
+                f"shards (a transformers release may have rewritten it; {len(misses)} part(s) missing, first "
+                f"{misses[0]})", NOT_YET)
     out = list(found.values()) + [Finding(path, cls, what, NOT_YET) for path, cls, what in peft_problems]
     if not attn_ids and not layers:
         out.insert(0, Finding("<model>", type(model).__name__, "has no attention layer that calls transformers' "

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ..mixers import sharded_causal_conv1d
-from .mixer_shards import CONV_HELPER, Form, causal_depthwise, conv_call, has_form, refuse_cache, shards_of
+from .mixer_shards import CONV_HELPER, Form, causal_depthwise, closest_misses, conv_call, refuse_cache, shards_of
 
-__all__ = ["head_counts", "is_short_conv", "read_parameters", "sharded_forward"]
+__all__ = ["form_misses", "head_counts", "is_short_conv", "read_parameters", "sharded_forward"]
 
 _CORE = (re.compile(r"\bB\s*,\s*C\s*,\s*x\s*=\s*BCx\.chunk\(\s*3\s*,\s*dim\s*=\s*-2\s*\)"),
          re.compile(r"\bB\s*\*\s*x\b"), re.compile(r"\bC\s*\*\s*hidden_states\b"))
@@ -28,17 +28,24 @@ _FORMS = (Form(_CORE + (_KERNEL,)), Form(_CORE + (_HELPER,), (CONV_HELPER,)))
 result; the convolution as transformers <= 5.24 and as 5.25 call it."""
 
 
-def is_short_conv(m: nn.Module) -> bool:
-    """Whether ``m`` is LFM2's gated short convolution: children ``in_proj`` (D -> 3D), a depthwise causal ``conv``
-    (D channels) and ``out_proj`` (D -> D), and that expression."""
+def form_misses(m: nn.Module) -> tuple[str, ...] | None:
+    """None: ``m`` is not built like LFM2's gated short convolution (children ``in_proj`` D -> 3D, a depthwise causal
+    ``conv`` of D channels, ``out_proj`` D -> D); (): it is, with that expression; else what its forward misses of
+    the closest form (``mixer_shards.form_misses``)."""
     conv, inp, out = (getattr(m, n, None) for n in ("conv", "in_proj", "out_proj"))
     if not (causal_depthwise(conv) and isinstance(inp, nn.Linear) and isinstance(out, nn.Linear)):
-        return False
+        return None
     if {n for n, _ in m.named_children()} != {"conv", "in_proj", "out_proj"}:
-        return False
+        return None
     d = conv.in_channels
-    return (inp.in_features == d and inp.out_features == 3 * d and out.in_features == d
-            and has_form(type(m), _FORMS))
+    if not (inp.in_features == d and inp.out_features == 3 * d and out.in_features == d):
+        return None
+    return closest_misses(type(m), _FORMS)
+
+
+def is_short_conv(m: nn.Module) -> bool:
+    """Whether ``m`` is LFM2's gated short convolution (``form_misses``)."""
+    return form_misses(m) == ()
 
 
 def read_parameters(m: nn.Module) -> list[nn.Parameter]:
