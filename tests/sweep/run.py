@@ -14,6 +14,7 @@ DeepSpeed engine (ZeRO-1, SGD, no clipping). Verdicts:
   refusal that differs between ranks), ``HANG``.
 
     python -m tests.sweep.run [--only llama,gpt_oss] [--write docs/models.md]
+    python -m tests.sweep.run --compare docs/models.md runs/latest/models.md   (verdicts that changed)
 
 Ranks are forked (``run_distributed(start_method="fork")``) and share the parent's imports, so each class costs
 its own work, not a Python start-up.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import sys
 import time
 import traceback
@@ -178,6 +180,18 @@ def sweep_one(model_type: str, cls: str) -> Row:
     return row
 
 
+def recogniser_misses(model_type: str, cls: str) -> list[str]:
+    """For a class that should be exact: each layer built like a mixer kind that no recogniser matched, with the
+    parts of the closest known form its forward lacks (where a transformers release changed the layer)."""
+    from ds_wallfacer.integration.mixer_layers import near_misses
+
+    try:
+        model = build_tiny(model_type, cls)
+    except NotBuildable as err:
+        return [f"not buildable: {err}"]
+    return [f"{name}: {kind}: missing {miss}" for name, kind, misses in near_misses(model) for miss in misses]
+
+
 def write_table(rows: list[Row], path: Path) -> None:
     import transformers
 
@@ -201,6 +215,29 @@ def write_table(rows: list[Row], path: Path) -> None:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {r.cls} | {r.model_type} | {r.verdict} | {r.mode} | {detail} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def read_table(path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
+    """(the transformers version it names, {class: (verdict, detail)}) of a table ``write_table`` wrote."""
+    text = Path(path).read_text()
+    named = re.search(r"transformers (\S+)", text)
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| ") and len(cells) == 5 and cells[2] in (*PASSING, "WRONG", "FAILED", "HANG"):
+            rows[cells[0]] = (cells[2], cells[4])
+    return (named.group(1) if named else "?"), rows
+
+
+def compare_tables(old: Path, new: Path) -> list[str]:
+    """Lines saying which classes changed verdict from table ``old`` to table ``new``, and which appeared or went."""
+    (v_old, a), (v_new, b) = read_table(old), read_table(new)
+    out = [f"{c}: {a[c][0]} -> {b[c][0]} ({b[c][1][:160]})" for c in sorted(a.keys() & b.keys())
+           if a[c][0] != b[c][0]]
+    out += [f"{c}: new, {b[c][0]} ({b[c][1][:160]})" for c in sorted(b.keys() - a.keys())]
+    out += [f"{c}: gone (was {a[c][0]})" for c in sorted(a.keys() - b.keys())]
+    head = f"verdicts, transformers {v_old} ({old}) -> {v_new} ({new}): {len(out)} change(s)"
+    return [head] + ["  " + line for line in out]
 
 
 def _preload() -> None:
@@ -235,7 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.sweep.run", description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="comma-separated model types or class names")
     p.add_argument("--write", default=None, help="write the markdown table here (e.g. docs/models.md)")
+    p.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), default=None,
+                   help="only print which classes changed verdict between two written tables")
     args = p.parse_args(argv)
+    if args.compare:
+        print("\n".join(compare_tables(*map(Path, args.compare))))
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("WANDB_MODE", "offline")

@@ -26,7 +26,7 @@ MUST_BE_REFUSED = ("RecurrentGemmaForCausalLM",
 
 
 def test_every_causal_lm_is_exact_or_refused(tmp_path: Path) -> None:
-    from tests.sweep.run import PASSING, run, write_table
+    from tests.sweep.run import PASSING, recogniser_misses, run, write_table
 
     rows = run()
     table = Path(os.environ.get("WALLFACER_SWEEP_TABLE") or tmp_path / "models.md")
@@ -34,5 +34,9 @@ def test_every_causal_lm_is_exact_or_refused(tmp_path: Path) -> None:
     bad = [f"{r.cls}: {r.verdict}: {r.detail}" for r in rows if r.verdict not in PASSING]
     assert not bad, "\n".join(bad)
     verdict = {r.cls: r.verdict for r in rows}
-    assert [c for c in MUST_BE_EXACT if verdict.get(c) != "exact"] == []
+    not_exact = [r for r in rows if r.cls in MUST_BE_EXACT and r.verdict != "exact"]
+    missing = [c for c in MUST_BE_EXACT if c not in verdict]
+    assert not not_exact and not missing, "\n".join(
+        [f"{r.cls}: {r.verdict}: {r.detail}" + "".join(f"\n    {m}" for m in recogniser_misses(r.model_type, r.cls))
+         for r in not_exact] + [f"{c}: not in this transformers" for c in missing])
     assert [c for c in MUST_BE_REFUSED if verdict.get(c) != "refused"] == []
