@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "backend_device_types", "exposed", "exposed_share"]
+__all__ = ["CommLayer", "KINDS", "OpRecord", "Pending", "all_gather_single", "backend_device_types", "exposed",
+           "exposed_share", "reduce_scatter_single"]
 
 KINDS = (
     "all_gather", "reduce_scatter", "ring", "skew", "fetch", "fetch_grad", "all_to_all", "halo", "heads", "check",
@@ -29,9 +30,9 @@ short-convolution halos (``mixers.short_conv``), the head-parallel all-to-alls o
 (``mixers.head_parallel``) and the cross-rank checks."""
 
 
-# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older releases have only those.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -239,7 +240,7 @@ class CommLayer:
         flat = x.reshape(-1)
         out = torch.empty(n * flat.numel(), dtype=x.dtype, device=x.device)
         with self._timed(kind, 2 * (n - 1) * _nbytes(x)):
-            _all_gather(out, flat, group=group)
+            all_gather_single(out, flat, group=group)
         self._count(kind, (n - 1) * _nbytes(x))
         return out.view(n, *x.shape)
 
@@ -254,7 +255,7 @@ class CommLayer:
         out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
         flat = x.contiguous().view(-1)
         with self._timed("reduce_scatter", 2 * (n - 1) * _nbytes(out)):
-            _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group)
+            reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
         self._count("reduce_scatter", (n - 1) * _nbytes(out))
         return out.view(x.shape[1:])
 

@@ -158,7 +158,7 @@ def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanI
         offload_checkpoints=run.cpu_checkpointing,
         offload_params=run.offload_params,
         elem_bytes=run.elem_bytes,
-        activation_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+        activation_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)),
         reentrant_checkpointing=reentrant_checkpointing(model),
         default_cluster=cluster_preset(),
         whole_heads=heads,

@@ -244,6 +244,8 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], iters: int,
     import torch
     import torch.distributed as dist
 
+    from ..comm.ops import all_gather_single
+
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -256,7 +258,7 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], iters: int,
             r = torch.empty(256)
 
             def gather():
-                dist.all_gather_into_tensor(buf, x, group=group)
+                all_gather_single(buf, x, group=group)
 
             def p2p():
                 ops = [dist.P2POp(dist.isend, x, (rank + 1) % n, group),

@@ -8,6 +8,9 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the trainer with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    from .quiet import quiet_third_party_deprecations
+
+    quiet_third_party_deprecations()  # before the heavy imports, which raise some
     from .loop import main as _main  # lazy: importing the package stays cheap
 
     return _main(argv)
