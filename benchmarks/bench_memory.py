@@ -1,4 +1,4 @@
-"""Peak memory and step time of one training step at increasing sequence lengths (docs/design.md §7).
+"""Peak memory and step time of one training step at increasing sequence lengths (docs/design/dependencies.md).
 
 Methods, all on the same Llama-shaped HF model (random weights), one step = forward, backward, optimizer:
   hf        plain HF (full logits, no checkpointing)

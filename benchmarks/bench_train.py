@@ -26,7 +26,7 @@ distribution, so the loss falls), AdamW, ``gradient_clipping`` 0, ZeRO-1, fp32. 
   "auto" takes; ALST predicted as our Ulysses of the same P) and predicted / measured (target: within 25 %).
 
 ALST's documented loss weighting and DeepSpeed's mpu give its gradients another scale than the non-parallel run
-(docs/design.md §4); AdamW is nearly scale-invariant, so its losses agree with ours to a few 1e-6, not exactly.
+(docs/design/layouts.md); AdamW is nearly scale-invariant, so its losses agree with ours to a few 1e-6, not exactly.
 With tiling, each rank back-propagates its share of the global token mean as it is: TiledFusedLogitsLoss adds the
 head weight's gradient inside its forward for an incoming gradient of 1, so the tutorial's all-gather weighting
 (which scales that incoming gradient) would give the head another gradient scale than the rest of the model.

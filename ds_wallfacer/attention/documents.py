@@ -3,8 +3,8 @@ layer has a sliding window: pure integer math (no torch). ``SequenceBatch`` carr
 assignment to the attention; ``segments`` splits a block call into one ordinary kernel call per document present on
 both sides, and ``window_tiles`` tiles a windowed segment.
 
-Design: Note [Documents and windows in block calls] and Note [Sliding windows in block calls] in docs/design.md
-§2.2.
+Design: Note [Documents and windows in block calls] and Note [Sliding windows in block calls] in
+docs/design/documents.md.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``sequence_parallel_attention`` returns this rank's attention for any mode: U = 1 is WallFacer alone, R = 1 Ulysses
 alone, neither (P = 1) local attention.
 
-Design: Note [Hybrid sequence order] in docs/design.md §3 (which pieces each rank holds, bytes sent).
+Design: Note [Hybrid sequence order] in docs/design/layouts.md (which pieces each rank holds, bytes sent).
 """
 from __future__ import annotations
 

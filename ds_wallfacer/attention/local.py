@@ -49,7 +49,7 @@ def local_forward(q, k, v, sinks, kernel, causal: bool, scale: float, calls, win
 class _LocalFn(torch.autograd.Function):
     """Attention over the whole sequence on this rank. Inside a checkpointed layer the first forward keeps
     (out, lse) and the recompute returns them without running the kernel (``residuals.py``). With ``sinks``, out
-    and lse include them (Note [Attention sinks], docs/design.md §2)."""
+    and lse include them (Note [Attention sinks], docs/design/attention.md)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel, causal: bool, scale: float, calls, window, softcap: float):

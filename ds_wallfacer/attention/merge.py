@@ -1,7 +1,7 @@
 """The log-sum-exp merge of a block's (out, lse) into fp32 accumulators, in place (``merge_``): one Triton kernel on
 CUDA, plain PyTorch (``merge_torch_``) elsewhere, with the same semantics.
 
-Design: Note [Log-sum-exp merge] in docs/design.md §2.3 (why one kernel; rows that see no key).
+Design: Note [Log-sum-exp merge] in docs/design/attention.md (why one kernel; rows that see no key).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ model): attention's first forward keeps what its backward needs, and the layer's
 without kernels or communication. ``kept_bytes_per_layer`` gives the bytes kept per layer, ``ResidualStats`` what
 is really held.
 
-Design: Note [Attention once under layer checkpointing] in docs/design.md §5 (how a first forward, its recompute
+Design: Note [Attention once under layer checkpointing] in docs/design/memory.md (how a first forward, its recompute
 and an ordinary forward are told apart; what each op keeps, and for how long).
 """
 from __future__ import annotations

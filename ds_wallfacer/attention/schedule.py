@@ -3,7 +3,7 @@ math (no torch). ``wallfacer.py`` runs the calls; ``ulysses.py`` plans its local
 
 A team of C consecutive ranks holds two contiguous runs of chunks (zigzag) or one (contiguous); sorted by chunk
 index, every (query team, key team) pair needs at most one block call: full, causal-diagonal or skipped
-(docs/design.md §2.2). With packed documents or a sliding window a block call splits into document segments and
+(docs/design/documents.md). With packed documents or a sliding window a block call splits into document segments and
 window tiles (``documents.py``), run as one varlen call for a block's diagonal segments and one for its off-diagonal
 ones (``KernelCall.spans``), plus the window tiles; a window may cut the ring short (``ring_steps``). Such batches
 normally run the direct fetch instead of the ring (``fetch.py``), with the same kernel calls.
@@ -252,7 +252,7 @@ def ring_schedule(
     layout: RankLayout, index: int, *, sharding: str, causal: bool, assignment=None
 ) -> tuple[list[int], list[list[BlockCall]]]:
     """Pure: for sequence-parallel rank ``index``, the team-order permutation of its gathered chunks and
-    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, docs/design.md §2.2)."""
+    the block-kernel calls of every ring step (the "full / diagonal / skipped" schedule, docs/design/documents.md)."""
     q_chunks, perm, k_steps = _ring_chunks(layout, index, sharding=sharding, assignment=assignment)
     return perm, [block_calls(q_chunks, k, causal=causal) for k, _ in k_steps]
 

@@ -4,7 +4,7 @@ row's attention over all its keys, lse' = logaddexp(lse, s_h) and out' = out * e
 with (out', lse') is the backward with the sink, and d s_h = -sum over the rows of head h of exp(s_h - lse') *
 rowsum(dO * out'), each rank summing over the rows it owns.
 
-Design: Note [Attention sinks] in docs/design.md §2 (why once, why exact, who sums the sink's gradient).
+Design: Note [Attention sinks] in docs/design/attention.md (why once, why exact, who sums the sink's gradient).
 """
 from __future__ import annotations
 

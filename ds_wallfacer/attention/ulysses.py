@@ -8,7 +8,7 @@ all-to-all turns the output back; with local inner attention in K head groups, o
 Dimensions: B batch, hq / hk query / kv heads, d head dim (v and the output may have their own, dv), U Ulysses
 degree (group size), S_l tokens per rank, S_u = U * S_l tokens after the all-to-all; tensors are [B, h, S, d].
 
-Design: Note [Ulysses all-to-all] in docs/design.md §3 (grouped-query heads, sequence order).
+Design: Note [Ulysses all-to-all] in docs/design/layouts.md (grouped-query heads, sequence order).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Pure arithmetic: the planner's cost model uses these, and the tests assert them 
 counted. ``SumDtypes`` says in which dtype each tensor summed across ranks travels (defaults: ``DEFAULT_SUM_DTYPES``,
 wallfacer.py Note [Summed tensors on the wire]).
 
-Design: Note [Bytes as implemented] in docs/design.md §2 (the formulas, and why they differ from the paper's).
+Design: Note [Bytes as implemented] in docs/design/attention.md (the formulas, and why they differ from the paper's).
 """
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def kept_bytes_per_layer(
     value_dim: int | None = None,
 ) -> int:
     """Pure: bytes one attention call keeps per rank from a checkpointed layer's first forward to its backward
-    (the formulas of Note [Attention once under layer checkpointing] in docs/design.md §5). ``local_tokens``: S_l,
+    (the formulas of Note [Attention once under layer checkpointing] in docs/design/memory.md). ``local_tokens``: S_l,
     this rank's tokens; ``ring_size``: R, the WallFacer ranks (1: local attention inside); ``keep_team_q``:
     WallFacer's option, whose team q (C x the local q) is then kept too; ``value_dim``: v's and the output's head dim
     (None: ``head_dim``); log-sum-exps are fp32."""

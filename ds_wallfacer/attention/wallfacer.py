@@ -9,7 +9,7 @@ multi-head latent attention), P ranks, C ring count (team size), G = P / C^2 rin
 [C, B, h, S_l, d]. k and v travel together as one tensor [B, hk, S, d + dv] (k's columns, then v's): one message
 per exchange, each at its own size. Note [Pipelined team exchanges] below says how the team's shards flow.
 
-Design: docs/design.md §2 (forward, backward, costs; Note [Bytes as implemented]) and the in-code notes below.
+Design: docs/design/attention.md (forward, backward, costs; Note [Bytes as implemented]) and the in-code notes below.
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def _block(x: torch.Tensor, call: KernelCall, which: slice) -> torch.Tensor:
 def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, scale: float, opts: _Options):
     """(out [B, hq, S_l, dv], lse [B, hq, S_l] of this rank's rows, and the team's q [C, B, hq, S_l, d] with
     ``keep_team_q``); with ``sinks`` both already include them (folded in once, after all blocks: Note [Attention
-    sinks], design.md §2)."""
+    sinks], docs/design/attention.md)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p, me = grp.layout.ring_count, grp.layout.sp_size, place.local
     b, hq, sl, d = q.shape
@@ -302,7 +302,7 @@ def _backward(
 ):
     """dq, dk, dv; ``q_team``: the team's q kept from the forward (``keep_team_q``), else gathered again. out and
     lse (this rank's rows) include the sinks, if any: then this is the backward with them (Note [Attention sinks],
-    design.md §2)."""
+    docs/design/attention.md)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
     c, p, me = grp.layout.ring_count, grp.layout.sp_size, place.local
     b, hq, sl, d = q.shape
@@ -433,7 +433,7 @@ class _WallFacerFn(torch.autograd.Function):
         with torch.no_grad(), attn.comm.phase("backward"):
             run = direct_backward if isinstance(ctx.sched, FetchSchedule) else _backward
             dq, dk, dv = run(attn, ctx.kernel, ctx.sched, dout, q, k, v, out, lse, ctx.scale, ctx.opts, *kept)
-            # the sink's gradient over this rank's own rows (Note [Attention sinks], docs/design.md §2)
+            # the sink's gradient over this rank's own rows (Note [Attention sinks], docs/design/attention.md)
             dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         if ctx.slot is not None:
             ctx.slot.done()

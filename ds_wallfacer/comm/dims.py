@@ -1,4 +1,4 @@
-"""The parallel sizes, validated once, and the rank arithmetic that derives from them (docs/design.md §3,
+"""The parallel sizes, validated once, and the rank arithmetic that derives from them (docs/design/layouts.md,
 Note [World layout]). Pure Python.
 
 ``ParallelDims`` holds W, D, P, U, R, C, the placement, the mode and the model's heads; each rule below has one

@@ -5,7 +5,7 @@ sub-rings and skew partners, and each rank's place in them (``RankPlace``). C = 
 group and one sub-ring of all P ranks: plain ring attention. Nothing here imports ``torch.distributed``;
 ``groups.py`` turns a layout into process groups.
 
-Words (index, team, local, team group, sub-ring, skew): the glossary in docs/design.md §1; the algorithm: §2.
+Words (index, team, local, team group, sub-ring, skew): the glossary in docs/design/index.md; the algorithm: docs/design/attention.md.
 """
 from __future__ import annotations
 

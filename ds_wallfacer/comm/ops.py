@@ -4,8 +4,8 @@ It counts the bytes this rank sends, by phase (forward / backward) and kind (``K
 blocked, and it checks that every tensor is on the group's device. Timeouts come from the process groups
 (``groups.py`` creates them with one), so a dead peer ends a collective with an error instead of a hang.
 
-Design: Note [What the comm layer counts] and Note [Measuring overlap] in docs/design.md §7,
-Note [Device of collective tensors] in §6.
+Design: Note [What the comm layer counts] and Note [Measuring overlap] in docs/design/dependencies.md,
+Note [Device of collective tensors] in docs/design/dependencies.md.
 """
 from __future__ import annotations
 

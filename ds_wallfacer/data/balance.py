@@ -4,7 +4,7 @@
 work (``chunk_work``, ``rank_work``: score entries, summed per document segment in closed form); integers and
 fixed tie-breaks only, so every rank computes the same answer. ``zigzag_assignment`` is the layout it improves on.
 
-Design: Note [Balanced sharding of packed documents] in docs/design.md §2.2 (work, algorithm, measured balance).
+Design: Note [Balanced sharding of packed documents] in docs/design/documents.md (work, algorithm, measured balance).
 """
 from __future__ import annotations
 

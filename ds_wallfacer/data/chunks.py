@@ -8,7 +8,7 @@ The sequence is cut into 2P equal chunks; rank ``i`` of P holds two of them:
   without documents it is zigzag (and ``chunk_ids`` answers zigzag's chunks)
 
 ``seq_len_divisor`` / ``check_divisible`` are the one home of the rule "the sequence length must be divisible by 2P".
-Design: Note [Zigzag sharding], Note [Balanced sharding of packed documents] in docs/design.md §2.2.
+Design: Note [Zigzag sharding], Note [Balanced sharding of packed documents] in docs/design/documents.md.
 """
 from __future__ import annotations
 

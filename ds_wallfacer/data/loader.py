@@ -162,7 +162,7 @@ def prepare_batch(
     With padding of either kind, also ``token_mask`` [B, N / P] (1 = real token) and ``sequence_length`` [B, N / P]
     (N before the loader's padding), for the loss module's MoE router statistics and length-reading RoPE.
 
-    Packed batches (Note [Packed documents] in docs/design.md §2.2) also carry ``position_ids`` [B, N] restarting
+    Packed batches (Note [Packed documents] in docs/design/documents.md) also carry ``position_ids`` [B, N] restarting
     at 0 at each document, or ``document_lengths``. Then ``position_ids`` are positions inside each document, the
     label of each document's last token is ``ignore_index``, and ``document_starts`` [B, D] int64 holds every row's
     document starts (global, right padding one more document, the tail filled with N_padded), the same on every

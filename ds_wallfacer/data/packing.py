@@ -2,7 +2,7 @@
 from document lengths, and turned into what the loader hands on: each token's position inside its document, the
 labels of document ends dropped, and one ``document_ids`` row per sequence (right padding is one more document).
 
-Design: Note [Packed documents] in docs/design.md §2.2.
+Design: Note [Packed documents] in docs/design/documents.md.
 """
 from __future__ import annotations
 

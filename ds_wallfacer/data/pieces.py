@@ -2,7 +2,7 @@
 that cut and rejoin them (``shard_sequence``, ``unshard_sequence``). Rank ``i = r * U + u`` holds two of 2P pieces,
 or, with an explicit ``assignment`` (balanced sharding, ``balance.py``), its ring chunks, each cut U ways.
 
-Design: Note [Hybrid sequence order] in docs/design.md §3.
+Design: Note [Hybrid sequence order] in docs/design/layouts.md.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ loaded one, and the rounds shuffled (seeded), so the order of steps stays random
 every row, and every document in it, trains exactly as before, once per epoch; only which rows meet in a round
 changes. The order is a function of the work list and the seed, so a resumed run replays it exactly.
 
-Design: Note [Work-balanced steps] in docs/design.md §2.2.
+Design: Note [Work-balanced steps] in docs/design/documents.md.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def take_wallfacer_section(args: Any, accelerator: Any) -> RunConfig:
     raw = copy.deepcopy(dicts[0])
     raw[_SECTION] = copy.deepcopy(section)
     run = parse_ds_config(raw)
-    # the Trainer's batch arithmetic counts every rank as data-parallel (as DeepSpeed must, design.md §4): the
+    # the Trainer's batch arithmetic counts every rank as data-parallel (as DeepSpeed must, docs/design/layouts.md): the
     # sequence-level total of our own loop does not apply here
     return dataclasses.replace(run, train_batch_size=None)
 

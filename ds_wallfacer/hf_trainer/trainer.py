@@ -6,7 +6,7 @@ The hook is the Trainer's construction: ``Trainer.__init__`` has made the accele
 through DeepSpeed) but no engine yet, so the mixin then takes the ``"wallfacer"`` section out of the ds_config and
 does to the model everything ``integration.initialize`` does before ``deepspeed.initialize`` (groups, attention,
 RoPE, MsT, the self-check). The Trainer later builds its DeepSpeed engine around the same model, unchanged, with
-every rank counted data-parallel (Note [Gradient normalisation across ZeRO stages], design.md §4). Loaders, the
+every rank counted data-parallel (Note [Gradient normalisation across ZeRO stages], docs/design/layouts.md). Loaders, the
 token count of each optimizer step, the loss and evaluation are the Trainer's public overridable methods.
 
 Note [Trainer loss under gradient accumulation]. transformers 5 normalises a step's loss by ``num_items_in_batch``:

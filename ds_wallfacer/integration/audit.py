@@ -4,7 +4,7 @@
 the loss module must reproduce (the MoE router aux loss, the rotary modules that read the sequence length). Each
 refusal names the setting to change.
 
-Design: Note [Start-up audit] and Note [Deny by default] in docs/design.md §8 (what is refused).
+Design: Note [Start-up audit] and Note [Deny by default] in docs/design/audit.md (what is refused).
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@
         engine.backward(loss)
         engine.step()
 
-Design: Note [What initialize does, in order] in docs/design.md §8; DeepSpeed gets no sequence-parallel mpu:
-Note [Gradient normalisation across ZeRO stages] (§4).
+Design: Note [What initialize does, in order] in docs/design/audit.md; DeepSpeed gets no sequence-parallel mpu:
+Note [Gradient normalisation across ZeRO stages] (docs/design/layouts.md).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ rank runs the model's own convolution (its channels of the weight) and the model
 all-to-all returns the result to the shards. Packed rows run both per document, as each document trained alone.
 Attached by ``mixer_layers.py``.
 
-Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design.md §11.
+Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design/mixers.md.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ is pluggable (``LocalLoss``): full logits from the model, or the Mini-Sequence L
 (``ds_wallfacer.mst.mini_sequence_causal_lm_loss``). The MoE router's aux loss (``moe.py``) travels in the same
 all-gather; length-reading rotary embeddings (``rope.py``) are shown the global length during the forward.
 
-Design: docs/design.md §4, Note [Gradient normalisation across ZeRO stages] (why every ZeRO stage is exact).
+Design: docs/design/layouts.md, Note [Gradient normalisation across ZeRO stages] (why every ZeRO stage is exact).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ recognised by what it is built from (children, shapes) and by the expression in 
 then compares it with the model's own forward on one sequence (``model_forwards``), so a transformers release that
 changes the layer is refused, not trained wrong.
 
-Design: Note [Layers that mix along the sequence, on shards] in docs/design.md §11.
+Design: Note [Layers that mix along the sequence, on shards] in docs/design/mixers.md.
 """
 from __future__ import annotations
 

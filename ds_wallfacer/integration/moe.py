@@ -4,7 +4,7 @@ Each rank sums its own per-token router statistics (``RouterAuxLoss.statistics``
 the sequence-parallel group together with the LM loss, and ``combine`` forms the aux loss from the global means
 exactly as the model does.
 
-Design: Note [Router aux loss across ranks] in docs/design.md §4 (why global means, which tokens count).
+Design: Note [Router aux loss across ranks] in docs/design/layouts.md (why global means, which tokens count).
 """
 from __future__ import annotations
 

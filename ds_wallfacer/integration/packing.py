@@ -5,7 +5,7 @@ attention needs (``attention.documents.SequenceBatch``), handed down as the forw
 The documents travel as their starts, a few numbers per document ([B, D]): nothing sequence-long is rebuilt or copied
 to the host per step. The check that this rank's position ids restart at each document runs where they are.
 
-Design: Note [Packed documents] in docs/design.md §2.2.
+Design: Note [Packed documents] in docs/design/documents.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Attention layers whose result depends on where a token sits in the sequence beyond RoPE: chunked attention
 (Llama 4's ``attention_chunk_size``) served as fixed document boundaries, and queries scaled by position (Llama 4's
 temperature tuning on its NoPE layers), rescaled here from the local index the layer used to the token's real
-position. Design: Note [Chunked attention and position-scaled queries] in docs/design.md.
+position. Design: Note [Chunked attention and position-scaled queries] in docs/design/attention.md.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ parallelism: ``GlobalLengthRotary`` shows such a module the whole sequence's len
 forward, where a rank's own position ids would give its shard's. Every other RoPE type is exact with global
 position ids already.
 
-Design: Note [Rotary embeddings that read the length] in docs/design.md §2.2.
+Design: Note [Rotary embeddings that read the length] in docs/design/documents.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ model, dtype and settings: on the full sequence with the model's own attention a
 sequence-parallel loss module. The loss and every parameter's gradient must agree within a tolerance set by the
 dtype (``tolerances``), or ``initialize`` refuses, naming the parameters that differ most, on every rank.
 
-Design: Note [Start-up self-check] (what runs, tolerances, cost) and Note [Gradient sketches] in docs/design.md §8.
+Design: Note [Start-up self-check] (what runs, tolerances, cost) and Note [Gradient sketches] in docs/design/audit.md.
 """
 from __future__ import annotations
 

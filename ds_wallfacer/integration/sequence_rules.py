@@ -6,7 +6,7 @@ them; every other class outside torch has its source read for calls that move in
 (``_SEQUENCE_OPS``). Pure: reads classes, sources and configs; identical on every rank. What passes is still
 checked numerically by the start-up self-check (``self_check.py``).
 
-Design: Note [Deny by default] in docs/design.md §8 (the rules, class by class).
+Design: Note [Deny by default] in docs/design/audit.md (the rules, class by class).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ of kernel K. Everything but ``conv`` is position-wise, so on a shard only the co
 ``mixers.sharded_causal_conv1d`` (each piece receives the previous piece's last K - 1 inputs). Attached by
 ``mixer_layers.py``.
 
-Design: Note [Short convolutions on shards] in docs/design.md §11.
+Design: Note [Short convolutions on shards] in docs/design/mixers.md.
 """
 from __future__ import annotations
 

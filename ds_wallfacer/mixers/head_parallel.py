@@ -10,7 +10,7 @@ divide by P. The pieces each rank holds are ``ChunkRing``'s (zigzag, contiguous,
 
 Bytes per rank and call, each way: (P - 1) / P x the tensors' size on this rank, counted as kind "heads".
 
-Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design.md §11.
+Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design/mixers.md.
 """
 from __future__ import annotations
 

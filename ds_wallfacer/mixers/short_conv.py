@@ -14,7 +14,7 @@ input j steps back (j = K - 1 - k) is kept only where ``positions >= j``. With g
 exactly the zero padding before the sequence; with packed rows (positions restart per document) it resets the
 convolution at every document start, as the CUDA kernels do with ``seq_idx``.
 
-Design: Note [Short convolutions on shards] in docs/design.md.
+Design: Note [Short convolutions on shards] in docs/design/mixers.md.
 """
 from __future__ import annotations
 

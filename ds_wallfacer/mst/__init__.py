@@ -1,4 +1,4 @@
-"""Mini-Sequence Transformer (MsT, arXiv 2407.15892; docs/design.md §5).
+"""Mini-Sequence Transformer (MsT, arXiv 2407.15892; docs/design/memory.md).
 
 Position-wise blocks run over mini-sequences of the (local) sequence so no full-length intermediate is held:
 

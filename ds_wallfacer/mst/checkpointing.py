@@ -7,7 +7,7 @@ needed, and with ``keep_attention`` (the default) attention's results are handed
 (``attention.residuals.KeepAttention``).
 
 Design: Note [Mini-sequence MLP under layer checkpointing] and Note [Attention once under layer checkpointing] in
-docs/design.md §5.
+docs/design/memory.md.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ __all__ = ["MlpRecomputeFlag", "RecomputeState", "disable_layer_checkpointing", 
 
 class MlpRecomputeFlag:
     """Per wrapped MLP: whether its output value is needed in a layer recompute (learned:
-    Note [Mini-sequence MLP under layer checkpointing] in docs/design.md §5)."""
+    Note [Mini-sequence MLP under layer checkpointing] in docs/design/memory.md)."""
 
     def __init__(self) -> None:
         self.needs_value = False

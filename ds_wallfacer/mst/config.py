@@ -1,4 +1,4 @@
-"""Settings of the Mini-Sequence Transformer (docs/design.md §5): the ``"wallfacer": {"mini_sequence": {...}}``
+"""Settings of the Mini-Sequence Transformer (docs/design/memory.md): the ``"wallfacer": {"mini_sequence": {...}}``
 section of the ds_config JSON, parsed once into a frozen dataclass, and the rule that turns ``"auto"`` into sizes.
 
 Sizes are given in TOKENS per mini-sequence (not as a count of mini-sequences): a token count is what bounds the
@@ -131,7 +131,7 @@ class ResolvedSizes:
 
 
 def auto_mlp_chunk_tokens(hidden_size: int) -> int:
-    """hidden_size / 4 tokens per MLP mini-sequence (docs/design.md §5).
+    """hidden_size / 4 tokens per MLP mini-sequence (docs/design/memory.md).
 
     MsT's and DeepSpeed TiledMLP's rule is hidden_size tokens (M = ceil(S / d)). A gradient-returning MLP backward
     (``mlp.py``) holds its weights' gradient sums, 3 * I * d for a gated MLP, beside one mini-sequence's recompute,

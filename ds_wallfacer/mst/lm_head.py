@@ -6,7 +6,7 @@ logits are computed once per step. ``mini_sequence_causal_lm_loss`` gives (loss_
 are ALREADY SHIFTED (sequence-parallel ranks sum both before dividing); ``mini_sequence_lm_loss`` a single process's
 token mean.
 
-Design: docs/design.md §5 (LM head + cross-entropy), Note [Lean LM head] below.
+Design: docs/design/memory.md (LM head + cross-entropy), Note [Lean LM head] below.
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def mini_sequence_causal_lm_loss(
 
     ``labels`` [..., S] are ALREADY SHIFTED. ``chunk_tokens`` None uses the size set by ``apply_mini_sequence``
     (else the "auto" rule with a 256 MiB fp32-logits budget). Token mean = loss_sum / token_count; across
-    sequence-parallel ranks all-reduce both first (docs/design.md §4).
+    sequence-parallel ranks all-reduce both first (docs/design/layouts.md).
     """
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):

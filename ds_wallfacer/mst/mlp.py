@@ -3,7 +3,7 @@ tokens under no_grad and saves only its input; backward recomputes each mini-seq
 function RETURNS the parameter gradients, so ZeRO 1/2/3 and gradient accumulation see one ordinary gradient per
 parameter per backward.
 
-Design: docs/design.md §5; how often the MLP runs, with and without layer checkpointing:
+Design: docs/design/memory.md; how often the MLP runs, with and without layer checkpointing:
 Note [Mini-sequence MLP under layer checkpointing]; Note [Lean MLP backward] below.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class MiniSequenceMLPFunction(torch.autograd.Function):
 
     Backward recomputes y = run(x) in mini-sequences with grad; parameter gradients are returned, not accumulated.
     Filling outside the function puts the save of x before the MLP's work
-    (Note [Mini-sequence MLP under layer checkpointing] in docs/design.md §5).
+    (Note [Mini-sequence MLP under layer checkpointing] in docs/design/memory.md).
     """
 
     @staticmethod
@@ -178,7 +178,7 @@ def mini_sequence_mlp(
         return out
     out = MiniSequenceMLPFunction.apply(run, x, chunk_tokens, placeholder, *params)
     if not placeholder:
-        # after apply, so after x is saved: torch's early-stopping recompute never gets here (docs/design.md §5)
+        # after apply, so after x is saved: torch's early-stopping recompute never gets here (docs/design/memory.md)
         _fill(out, run, x, chunk_tokens)
     return out
 

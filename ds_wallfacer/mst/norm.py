@@ -10,7 +10,7 @@ accumulated in fp32 over the chunks.
 Which modules qualify is read from their forward's code (``norm_form``): the four expressions transformers' RMSNorm
 classes use (weight applied in the input's dtype, in fp32, as ``1 + weight`` in fp32). Any other is left alone.
 
-Design: Note [Lean RMSNorm] in docs/design.md §5.
+Design: Note [Lean RMSNorm] in docs/design/memory.md.
 """
 from __future__ import annotations
 

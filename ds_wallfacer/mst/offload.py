@@ -13,7 +13,7 @@ checkpointed function. ``_Unpark``'s backward leaves the input's gradient with t
 backward, which autograd runs after it (it needs the token's gradient), hands it on. The values are the same tensors
 as without offload: offloaded runs equal the others bitwise.
 
-Design: Note [Offloaded checkpoints] in docs/design.md §5.
+Design: Note [Offloaded checkpoints] in docs/design/memory.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Communication topology planner (docs/design.md §10; bytes §2, memory §5).
+"""Communication topology planner (docs/design/planner.md; bytes: attention.md, memory: memory.md).
 
 Given a cluster, a model and a sequence length, predict every configuration's communication, compute and
 peak memory per rank, and pick the fastest one that fits:

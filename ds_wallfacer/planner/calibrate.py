@@ -21,7 +21,7 @@ presets' datasheet FLOP/s x MFU then apply everywhere). GPU presets use a measur
 (``python -m ds_wallfacer.plan --calibrate`` on that GPU writes it); the CPU preset measures on first use.
 Concurrent processes on one host measure once: the first takes a file lock, the others wait and read its file.
 
-Design: Note [Cost model] in docs/design.md §10.
+Design: Note [Cost model] in docs/design/planner.md.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Byte volumes are ``attention.volume``'s exact counts of what the implementation sends; times come from the links
 ``placement.analyse_links`` finds for the candidate's rank placement.
 
-Design: Note [Cost model] in docs/design.md §10 (the time formulas, what overlaps).
+Design: Note [Cost model] in docs/design/planner.md (the time formulas, what overlaps).
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def _t(nbytes: float, link: LinkStats | None, messages: float) -> float:
 # Op calls (each costing the calibration's ``op_s``, a tiny autograd op forward + backward) that the runtime makes
 # besides its arithmetic, per piece; rough counts of the HF Llama layer and our wrappers as implemented (norms,
 # projections, rotary embedding, residuals, the attention function's reshapes and merges), in forward-op units:
-# a backward costs _BWD_OPS forward units. Read from the code and its profile on the main job (docs/design.md §10).
+# a backward costs _BWD_OPS forward units. Read from the code and its profile on the main job (docs/design/planner.md).
 _OPS_LAYER = 120
 """One decoder layer's forward outside attention and the MLP: two norms, four projections, rotary, residuals,
 checkpointing wrappers."""
@@ -399,7 +399,7 @@ def estimate(
 
 
 def paper_figures(shape: AttnShape, *, sp_size: int, ring_count: int) -> dict[str, float]:
-    """The paper's forward bytes per rank per layer (docs/design.md §2), three ways:
+    """The paper's forward bytes per rank per layer (docs/design/attention.md), three ways:
 
     - ``*_formula``: ``volume.paper_*_bytes``, (P-1) ring hops and (P/C^2 - 1) sub-ring hops
     - ``*_printed``: the figures as the paper prints them, which count P and P/C^2 hops (leading order);

@@ -2,7 +2,7 @@
 offload), checkpointed layer inputs, kept attention results, and the larger of one decoder layer's backward working
 set and the LM head's; and the host bytes the offloads use.
 
-Design: Note [Memory model] in docs/design.md §10 (each term's formula).
+Design: Note [Memory model] in docs/design/planner.md (each term's formula).
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def memory_breakdown(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, wo
     """Peak memory per rank of ``cand`` (raises ``ValueError`` when its Ulysses degree does not fit the heads).
 
     The terms are the tensors the runtime holds at the peak of a step, named in Note [Memory model] in
-    docs/design.md §10; ``tests/planner/test_memory_measured.py`` checks them against a measured step."""
+    docs/design/planner.md; ``tests/planner/test_memory_measured.py`` checks them against a measured step."""
     s = workload.elem_bytes
     b, n, p = workload.batch, workload.seq_len, cand.sp_size
     tokens = b * (n // p)  # local tokens of this rank

@@ -1,6 +1,6 @@
 """The paper's worked example and configurations, through the planner's cost model.
 
-``worked_example`` reproduces the paper's figures (docs/design.md §2; Llama-30B, N = 64Ki, P = 64, C = 4, bf16): the
+``worked_example`` reproduces the paper's figures (docs/design/attention.md; Llama-30B, N = 64Ki, P = 64, C = 4, bf16): the
 paper prints GiB (2^30 bytes) and counts P ring hops (and P/C^2 sub-ring hops), one more than its own formulas.
 ``comparisons`` predicts ring vs WallFacer C = 2 / 4 vs Ulysses vs the hybrid on the paper's clusters.
 """

@@ -4,7 +4,7 @@
 for ``"auto"`` values in the ``"wallfacer"`` config section: it respects the user's fixed values and chooses the
 rest.
 
-Design: Note [Ranking by throughput] and Note [Multi-ring only where it pays] in docs/design.md §10.
+Design: Note [Ranking by throughput] and Note [Multi-ring only where it pays] in docs/design/planner.md.
 """
 from __future__ import annotations
 

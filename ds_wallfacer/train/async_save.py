@@ -6,7 +6,7 @@ optimizer updates the live tensors in place at the next step), and ``start`` han
 writes each file through DeepSpeed's own engine under a temporary name, fsyncs it, renames it and fsyncs the
 folder, then computes its line of the completion marker. ``checkpoint.PendingSave`` runs the collectives around it.
 
-Design: Note [Asynchronous saves] in docs/design.md §9.
+Design: Note [Asynchronous saves] in docs/design/training.md.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ written it to disk (``asynchronous``: a thread writes the files, ``PendingSave.f
 ``prune`` keeps the newest few; ``universal_copy`` converts a tag for another number of ranks.
 
 Design: Notes [Checkpoints that resume exactly], [Verified checkpoints] and [Asynchronous saves] in
-docs/design.md §9.
+docs/design/training.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Sources: ``.txt`` (one document per file), ``.jsonl`` / ``.parquet`` (one docume
 fetched from a hub. Documents are joined with the EOS token into one stream and cut into ``seq_len`` sequences
 (the tail shorter than a sequence is dropped); the last ``eval_fraction`` of the sequences is held out.
 
-Design: Note [Token cache and data order] in docs/design.md §9 (the cache key, who builds it, the epoch order).
+Design: Note [Token cache and data order] in docs/design/training.md (the cache key, who builds it, the epoch order).
 """
 from __future__ import annotations
 

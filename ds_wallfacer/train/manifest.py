@@ -3,7 +3,7 @@ per file, and the rank that wrote it), the check of a rank's files against it, t
 free space where it goes.
 
 Pure (file system only): no ``torch.distributed``; ``checkpoint.py`` runs the collectives around it. Design: Note
-[Verified checkpoints] in docs/design.md §9 (why CRC32 of whole files, who checks which file, the size estimate).
+[Verified checkpoints] in docs/design/training.md (why CRC32 of whole files, who checks which file, the size estimate).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ Model FLOPs per optimizer step (forward + backward, recomputation not counted):
 
 MFU = model FLOP/s / (world size x the accelerator's dense peak for the training dtype, ``PEAK_TFLOPS``).
 
-Design: Note [Model FLOPs and MFU] in docs/design.md §7; Note [wandb beside DeepSpeed] in §9.
+Design: Note [Model FLOPs and MFU] in docs/design/dependencies.md; Note [wandb beside DeepSpeed] in
+docs/design/training.md.
 """
 from __future__ import annotations
 

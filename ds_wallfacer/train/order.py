@@ -2,7 +2,7 @@
 rounds (``--balance_steps``); each round's attention-work imbalance, and whether a checkpoint can continue its
 epoch in this order.
 
-Design: Note [Token cache and data order] and Note [Work-balanced steps] in docs/design.md.
+Design: Note [Token cache and data order] and Note [Work-balanced steps] in docs/design/documents.md.
 """
 from __future__ import annotations
 

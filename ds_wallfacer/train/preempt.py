@@ -1,6 +1,6 @@
 """Save on preemption: SIGTERM or SIGUSR1 on any rank (or the launcher going away) makes every rank finish the
 step it is in, save a checkpoint and exit with ``PREEMPTED_EXIT_CODE``; a second signal ends the rank at once.
-How the ranks agree, and the grace: Note [Save on preemption] in docs/design.md.
+How the ranks agree, and the grace: Note [Save on preemption] in docs/design/faults.md.
 """
 from __future__ import annotations
 

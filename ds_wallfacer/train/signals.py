@@ -1,6 +1,6 @@
 """SIGINT, SIGTERM and SIGUSR1 delivered to a callback even while the main thread is blocked in a collective, so
 that a rank ends with one line instead of a traceback per thread: Note [Signals reach a blocked rank] in
-docs/design.md.
+docs/design/faults.md.
 """
 from __future__ import annotations
 

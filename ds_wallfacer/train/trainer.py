@@ -1,6 +1,6 @@
 """The trainer as steps: ``Trainer.build`` (every start-up refusal), ``resume``, ``train`` (``train_step``,
 ``evaluate``, ``save``), ``finish`` (export, summary), or ``stop`` after a preemption's save. Why in that order:
-Note [Trainer start-up order] in docs/design.md.
+Note [Trainer start-up order] in docs/design/training.md.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     ...train...
     watchdog.stop()
 
-How: Note [Watchdog: heartbeats from a thread, over the rendezvous store] in docs/design.md. Signals reach it
+How: Note [Watchdog: heartbeats from a thread, over the rendezvous store] in docs/design/faults.md. Signals reach it
 through ``signals.SignalRelay``.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every tensor handed to a collective is on the group's device (Note [Device of collective tensors] in
-docs/design.md §6). An NCCL group rejects CPU tensors and gloo accepts anything, so these tests make the comm layer
+docs/design/dependencies.md). An NCCL group rejects CPU tensors and gloo accepts anything, so these tests make the comm layer
 itself refuse a tensor on another device than its own, on gloo CPU ranks, for every operation."""
 from __future__ import annotations
 

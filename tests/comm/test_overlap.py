@@ -1,6 +1,6 @@
 """Forced-serial communication (``CommLayer.serial``) changes neither results nor bytes, and the blocked-time
 accounting (``CommLayer.blocked_s``) records every kind that was sent (Note [Measuring overlap] in
-docs/design.md §7). ``benchmarks/bench_overlap.py`` relies on both: it compares the times of the two modes as the same
+docs/design/dependencies.md). ``benchmarks/bench_overlap.py`` relies on both: it compares the times of the two modes as the same
 computation. Which transfers no compute overlaps, per mode, is asserted from the recorded schedule (Note [Which
 transfers are exposed]). No assertion here is about time."""
 from __future__ import annotations

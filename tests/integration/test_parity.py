@@ -1,7 +1,7 @@
 """Parity with the non-parallel run: real DeepSpeed engines (ZeRO 1, 2, 3) on gloo CPU ranks, tiny Llama / Qwen2 /
 Mistral from config, every sequence-parallel mode. Step-0 losses and every parameter after 3 SGD steps must match
 the unmodified HF model trained on the full batches in one process (fp32, no gradient clipping: clipping and
-Adam hide constant gradient factors, docs/design.md §4).
+Adam hide constant gradient factors, docs/design/layouts.md).
 
 The matrix covers each mode x each ZeRO stage, each family, GQA with split and replicated kv heads, padding,
 batch > 1, gradient accumulation, data parallelism beside sequence parallelism and MsT, in three launches.

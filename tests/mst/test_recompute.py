@@ -73,7 +73,7 @@ def _steps(kind: str, ckpt: str, steps: int = 2) -> tuple[list[tuple[float, floa
 
 # Llama-style layers end in residual + mlp(...): twice. Gemma2's post-feed-forward norm saves the MLP output, which
 # must then be recomputed for real in the layer recompute: three times, as before
-# (Note [Mini-sequence MLP under layer checkpointing], docs/design.md §5).
+# (Note [Mini-sequence MLP under layer checkpointing], docs/design/memory.md).
 EXPECTED = {("llama", "none"): 2, ("llama", "torch"): 2, ("qwen2", "torch"): 2, ("gemma2", "torch"): 3}
 
 

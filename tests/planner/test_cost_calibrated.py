@@ -1,4 +1,4 @@
-"""The cost model's structure with a device calibration (planner/calibrate.py, docs/design.md §10 Note [Cost
+"""The cost model's structure with a device calibration (planner/calibrate.py, docs/design/planner.md Note [Cost
 model]): exposed communication never exceeds all of it, a cached calibration is reused and not measured again,
 GPU presets keep their datasheet figures without a cache, the per-call term grows with the calls, ranks beyond the
 cores stretch the busy time. Pure: a synthetic calibration, no measurement, no timed assertion."""

@@ -203,7 +203,7 @@ def write_table(rows: list[Row], path: Path) -> None:
         "tiny from its config class and trained 2 SGD steps on 4 CPU ranks (Ulysses 2 x ring 2, or WallFacer C = 2",
         "where the heads do not split) against the same model on one process. **exact**: loss within 1e-5 and every",
         "update within 1e-3 of the reference; **refused**: `initialize` refuses it at start-up on every rank, with the",
-        "reason shown (the deny-by-default rules or the start-up self-check, docs/design.md §8); **not buildable**: it",
+        "reason shown (the deny-by-default rules or the start-up self-check, docs/design/audit.md); **not buildable**: it",
         "cannot be built tiny or run text-only on CPU. Nothing else passes. Produced by",
         "`WALLFACER_SWEEP_TABLE=docs/models.md bash launch/sweep.sh` on "
         f"{datetime.date.today().isoformat()}: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",

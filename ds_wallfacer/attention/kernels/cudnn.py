@@ -3,7 +3,7 @@
 Grouped-query attention: kv heads are expanded locally; a bool keep-mask becomes the op's additive bias.
 
 The op's quirks (finite bias, lse rank, alignment, the probe that declines a build or device):
-Note [cuDNN attention op] in docs/design.md §6.
+Note [cuDNN attention op] in docs/design/dependencies.md.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = ["CudnnKernel", "cudnn_attention_available"]
 
 _aten = torch.ops.aten
 _DROPPED = -65504.0
-"""Additive bias of a position a query may not see (finite: Note [cuDNN attention op] in docs/design.md §6)."""
+"""Additive bias of a position a query may not see (finite: Note [cuDNN attention op] in docs/design/dependencies.md)."""
 _lse_rank: int | None = None
 """Rank of the lse this build's forward op returns (3 or 4), once known."""
 

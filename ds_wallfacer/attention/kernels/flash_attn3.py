@@ -3,7 +3,7 @@ installed; Hopper (sm90) only, fp16/bf16. Its layout is [B, S, h, d]; grouped-qu
 soft-capping (forward and backward) are native.
 
 The quirks of its private ``_flash_attn_forward/_backward`` across releases: Note [FlashAttention-3 interface] in
-docs/design.md §6.
+docs/design/dependencies.md.
 """
 from __future__ import annotations
 

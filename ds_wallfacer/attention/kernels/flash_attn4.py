@@ -3,7 +3,7 @@ fp16/bf16. Its layout is [B, S, h, d]; grouped-query attention and logit soft-ca
 native. Kernels are compiled just in time on first use of each configuration, so the first call of each is slow.
 
 The quirks of its private ``_flash_attn_fwd/_bwd`` and its head dims: Note [flash-attn-4 interface] in
-docs/design.md §6.
+docs/design/dependencies.md.
 """
 from __future__ import annotations
 
