@@ -59,9 +59,9 @@ def build(family: str) -> Any:
 
 def expected_bytes(model: Any, shards: Any, *, tokens: int, sp_size: int) -> dict[str, int]:
     """The mixers' bytes per rank and step (forward + backward) by the formulas, by kind."""
-    from ds_wallfacer.integration.delta_nets import is_delta_net
-    from ds_wallfacer.integration.mixer_layers import mixer_layers
-    from ds_wallfacer.integration.short_convs import is_short_conv
+    from ds_wallfacer.adapters.delta_nets import is_delta_net
+    from ds_wallfacer.adapters.mixer_layers import mixer_layers
+    from ds_wallfacer.adapters.short_convs import is_short_conv
     from ds_wallfacer.mixers import halo_bytes, head_parallel_bytes
 
     ring = shards.ring(None)
@@ -89,8 +89,8 @@ def _rank(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
     from ds_wallfacer.integration import initialize
-    from ds_wallfacer.integration.mixer_layers import mixer_layers
-    from ds_wallfacer.integration.mixer_shards import shards_of
+    from ds_wallfacer.adapters.mixer_layers import mixer_layers
+    from ds_wallfacer.adapters.mixer_shards import shards_of
 
     model = build(spec["family"]).train()
     section = {**MODES[spec["mode"]], "sequence_parallel_size": world, "self_check": False}
@@ -115,7 +115,7 @@ def _rank(rank: int, world: int, spec: dict) -> dict:
             sent[kind] = sent.get(kind, 0) + n
     shards = shards_of(mixer_layers(model)[0][1])
     want = expected_bytes(model, shards, tokens=spec["seq_len"], sp_size=len(shards.peers))
-    from ds_wallfacer.integration.hf import attention_modules
+    from ds_wallfacer.adapters.hf import attention_modules
 
     layers = (len(mixer_layers(model)), len(attention_modules(model)))
     engine.destroy()

@@ -45,7 +45,7 @@ def alst_job(spec: dict, ids: list, *, build_model: Callable[[str], Any], ds_con
         TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
     )
 
-    from ds_wallfacer.integration.deepspeed import release_shm_buffer
+    from ds_wallfacer.integration.ds_runtime import release_shm_buffer
 
     deepspeed.init_distributed()
     dist.barrier()

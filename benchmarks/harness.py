@@ -235,7 +235,7 @@ def init_launched(*, timeout_s: float = 600.0) -> Any:
         except ImportError:  # torchrun works too
             dist.init_process_group(backend, timeout=timeout)
         else:
-            from ds_wallfacer.integration.deepspeed import release_shm_buffer, sweep_stale_shm_segments
+            from ds_wallfacer.integration.ds_runtime import release_shm_buffer, sweep_stale_shm_segments
 
             if not cuda:
                 sweep_stale_shm_segments()  # what killed jobs left

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
     from ds_wallfacer.examples import trainer_config
-    from ds_wallfacer.integration.deepspeed import release_shm_buffer
+    from ds_wallfacer.integration.ds_runtime import release_shm_buffer
     from ds_wallfacer.train.data import token_rows
     from ds_wallfacer.train.model import BYTE_EOS_ID, PRESETS, byte_tokenizer
 

@@ -98,7 +98,7 @@ class WallFacerConfig:
     self_check: bool = True
     """At start-up, one forward + backward of a short random sequence with the model as configured, against the same
     model on the full sequence without sequence parallelism; a loss or gradient that differs is refused
-    (``integration/self_check.py``). false skips it."""
+    (``audit/self_check.py``). false skips it."""
     self_check_tokens: AutoInt = "auto"
     """Tokens of the self-check's sequence; "auto" = enough to cross the model's windows and chunks, at most 1024."""
     allow_modules: tuple[str, ...] = ()

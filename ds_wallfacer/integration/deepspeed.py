@@ -15,10 +15,7 @@ import contextlib
 import datetime
 import logging
 import math
-import os
-import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -31,18 +28,20 @@ from ..config import RunConfig, parse_ds_config
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from ..hf_config import text_config
 from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto
-from . import hf
-from .audit import RefusedModel, audit_model, audit_sequence, reentrant_checkpointing
+from ..planner.cluster import cluster_preset
+from ..adapters import hf
+from ..adapters.mixer_layers import attach_mixers, mixer_head_counts, mixer_layers
+from ..adapters.positional import scales_by_position
+from ..adapters.rope import RopeLength, wrap_rotary
+from ..audit.model_audit import RefusedModel, audit_model, audit_sequence, reentrant_checkpointing
+from ..audit.self_check import check_length, run_self_check
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
-from .positional import scales_by_position
-from .rope import RopeLength, wrap_rotary
-from .self_check import check_length, run_self_check
-from .mixer_layers import attach_mixers, mixer_head_counts, mixer_layers
+from .ds_runtime import init_distributed, rank_device
 from .parallel import (SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch,
                        mixer_shards)
 
-__all__ = ["SequenceParallel", "cluster_preset", "initialize", "model_heads", "prepare_sequence_parallel"]
+__all__ = ["SequenceParallel", "initialize", "model_heads", "prepare_sequence_parallel"]
 
 log = logging.getLogger("ds_wallfacer")
 
@@ -63,6 +62,9 @@ class SequenceParallel:
     """This rank's sequence-parallel attention object (attached to every attention layer)."""
     module: SequenceParallelCausalLM
     """The module DeepSpeed wraps: ``module.lm`` is the HF model."""
+    ds_config: dict = field(default_factory=dict)
+    """The dict handed to ``deepspeed.initialize``: the ds_config without the ``"wallfacer"`` section, with the
+    batch sizes for this world and sequence-parallel size (built once, in ``prepare_sequence_parallel``)."""
     mini_sequence: Any = None
     """``ds_wallfacer.mst.MiniSequenceHandle`` when mini-sequence chunking is on, else None."""
     pad_token_id: int = 0
@@ -134,19 +136,6 @@ def model_heads(model: nn.Module) -> tuple[int, int]:
     return hq, hk
 
 
-def cluster_preset() -> str:
-    """The planner preset whose hardware figures ``"cluster": "auto"`` uses, by this rank's accelerator (the
-    same answer on every rank of a homogeneous cluster)."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name().upper()
-    if "H200" in name:
-        return "h200x1"
-    if "A100" in name:
-        return "a100x32-eth"
-    return "h100x64"
-
-
 def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanInputs:
     heads, groups = mixer_head_counts(model)
     return PlanInputs(
@@ -164,130 +153,6 @@ def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanI
         whole_heads=heads,
         head_groups=groups,
     )
-
-
-def _rank_device() -> torch.device:
-    """This rank's accelerator device, made current before any group is built: the device DeepSpeed's engine
-    uses (``device_name(local_rank)``); NCCL groups create their communicators on the current device."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if acc.device_name() == "cpu":
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    acc.set_device(local_rank)
-    return torch.device(acc.device_name(local_rank))
-
-
-_STALE_BUILD_LOCK_S = 600.0
-
-
-def _clear_stale_build_lock(op_name: str = "deepspeed_shm_comm") -> None:
-    """Note [Stale JIT build lock]: on the CPU accelerator ``deepspeed.init_distributed`` JIT-loads a C++ op
-    (``ShareMemCommBuilder``) under torch's file lock in the extensions directory. A rank killed while holding it
-    (a crash, a timeout) leaves the lock behind, and every later run waits on it forever, before any process
-    group or watchdog exists. A lock older than any build (10 minutes) is stale: local rank 0 removes it, with a
-    warning, before initialising. Uses torch's private ``_get_build_directory``; does nothing if it is gone."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        lock = Path(_get_build_directory(op_name, verbose=False)) / "lock"
-        age = time.time() - lock.stat().st_mtime
-    except Exception:  # noqa: BLE001 - no lock (the usual case), or torch's private helper changed
-        return
-    if age > _STALE_BUILD_LOCK_S:
-        log.warning("ds_wallfacer: removing a stale torch extension build lock %s (%.0f s old): a run killed "
-                    "while building %s left it, and it would block every rank forever", lock, age, op_name)
-        lock.unlink(missing_ok=True)
-
-
-def release_shm_buffer() -> None:
-    """Note [DeepSpeed's CPU shared-memory buffers]: on the CPU accelerator DeepSpeed's all-reduce op creates one
-    ~66 MB shared-memory segment per rank (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and
-    never unlinks it, so every run leaks them into RAM (hundreds of runs filled a 24 GiB machine's /dev/shm). Each
-    rank maps every peer's segment inside ``init_distributed``; once all ranks are past it (the caller's barrier),
-    unlinking the name frees the memory when the last mapping goes, even if the run is killed later."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port or not dist.is_initialized():
-        return
-    for seg in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"):
-        seg.unlink(missing_ok=True)
-
-
-_STALE_SEGMENT_S = 60.0
-_SEGMENT_PREFIX = "deepspeed_allreduce_buffer_"
-
-
-def sweep_stale_shm_segments() -> list[str]:
-    """Note [DeepSpeed's CPU shared-memory buffers]: a rank killed before every rank has mapped the segments (so
-    before ``release_shm_buffer``) leaves its job's in /dev/shm. Local rank 0 calls this before initialising: this
-    user's segments that no process maps and that are older than a minute (so not a job starting right now)
-    belong to no live job and are unlinked. Returns their names."""
-    if os.environ.get("LOCAL_RANK", "0") not in ("0", "-1"):
-        return []
-    now = time.time()
-    old = []
-    for seg in Path("/dev/shm").glob(f"{_SEGMENT_PREFIX}{os.getuid()}_*"):
-        try:
-            if now - seg.stat().st_mtime > _STALE_SEGMENT_S:
-                old.append(seg)
-        except OSError:
-            continue
-    if not old:
-        return []
-    mapped = _mapped_segments()
-    stale = [seg for seg in old if seg.name not in mapped]
-    for seg in stale:
-        seg.unlink(missing_ok=True)
-    if stale:
-        log.info("ds_wallfacer: removed %d stale /dev/shm segment(s) of killed jobs: %s", len(stale),
-                 ", ".join(seg.name for seg in stale))
-    return [seg.name for seg in stale]
-
-
-def _mapped_segments() -> set[str]:
-    """Names of the /dev/shm segments of DeepSpeed's all-reduce that some process of this user maps now."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:  # gone, or another user's
-            continue
-        if _SEGMENT_PREFIX not in text:
-            continue
-        for line in text.splitlines():
-            parts = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (if any)
-            path = parts[5] if len(parts) == 6 else ""
-            if f"/dev/shm/{_SEGMENT_PREFIX}" in path:
-                names.add(Path(path.removesuffix(" (deleted)")).name)
-    return names
-
-
-def _init_distributed(timeout: datetime.timedelta) -> None:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    cpu = get_accelerator().device_name() == "cpu"
-    if cpu:
-        _clear_stale_build_lock()
-        sweep_stale_shm_segments()
-    from deepspeed.utils import groups as ds_groups
-
-    if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timeout)
-    elif not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timeout)
-    # Without an mpu, DeepSpeed's data-parallel group is a clone of the world group it creates lazily with
-    # ``dist.new_group(ranks)``, which gets torch's default timeout (30 min for gloo), not the world's: create it
-    # first, with ours.
-    if getattr(ds_groups, "_WORLD_GROUP", 0) is None:
-        ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
-    if cpu:
-        if dist.get_world_size() > 1:
-            dist.barrier()  # every rank has mapped every peer's segment (Note [DeepSpeed's CPU shared-memory buffers])
-        release_shm_buffer()
 
 
 def initialize(
@@ -319,15 +184,13 @@ def initialize(
     run = parse_ds_config(config)
     sp = prepare_sequence_parallel(model, run, local_loss=local_loss, pad_token_id=pad_token_id,
                                    ignore_index=ignore_index, ranks_per_node=ranks_per_node, seq_len=seq_len)
-    dims = sp.setup.dims
-    ds_dict = run.deepspeed_dict(world_size=dims.world_size, sp_size=dims.sp_size)
     # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
     module = sp.module
     if optimizer is None and model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-        config=ds_dict, **deepspeed_kwargs,
+        config=sp.ds_config, **deepspeed_kwargs,
     )
     return engine, sp
 
@@ -347,7 +210,7 @@ def prepare_sequence_parallel(
     changed in place; the caller hands DeepSpeed ``sp.module`` (our loop) or the model itself (``hf_trainer``)."""
     # 1. parse and resolve: pure and identical on every rank, so a bad config or model fails everywhere at once
     timeout = datetime.timedelta(seconds=run.wallfacer.collective_timeout_s)
-    _init_distributed(timeout)
+    init_distributed(timeout)
     length = seq_len if seq_len is not None else run.wallfacer.seq_len
     audit_sequence(model, seq_len=length, allow_modules=run.wallfacer.allow_modules)  # before sizes are read
     setup = _resolve_setup(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
@@ -356,7 +219,7 @@ def prepare_sequence_parallel(
     found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence, seq_len=length, kernel=setup.kernel,
                         sequence=False)
     # 2. groups, this rank's attention on every attention layer, global-length RoPE
-    device = _rank_device()  # current before any group is built (NCCL communicators use it)
+    device = rank_device()  # current before any group is built (NCCL communicators use it)
     _check_setup_agrees(setup, device)
     groups = build_sequence_parallel(setup, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
@@ -384,7 +247,7 @@ def prepare_sequence_parallel(
         _self_check(module, run, groups, comm, device, pad_token_id=int(pad_token_id),
                     ignore_index=ignore_index)
     return SequenceParallel(
-        config=run, setup=setup, groups=groups, comm=comm, attention=attention, module=module,
+        config=run, setup=setup, groups=groups, comm=comm, attention=attention, module=module, ds_config=ds_dict,
         mini_sequence=mst_handle, pad_token_id=int(pad_token_id), ignore_index=ignore_index,
     )
 

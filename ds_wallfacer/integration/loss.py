@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommLayer
-from .mixer_shards import MixerInputs
-from .moe import RouterAuxLoss
+from ..adapters.mixer_shards import MixerInputs
+from ..adapters.moe import RouterAuxLoss
+from ..adapters.positional import POSITIONS_KWARG
+from ..adapters.rope import RopeLength
 from .packing import BATCH_KWARG, PackedBatches
-from .positional import POSITIONS_KWARG
-from .rope import RopeLength
 
 __all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "logits_loss", "mini_sequence_loss"]
 

@@ -20,7 +20,7 @@ from ..comm import CommLayer
 from ..data.loader import ShardSpec
 from ..data.packing import starts_of
 from ..data.pieces import sequence_position_ids
-from .hf import BATCH_KWARG
+from ..adapters.hf import BATCH_KWARG
 
 __all__ = ["BATCH_KWARG", "PackedBatches"]
 

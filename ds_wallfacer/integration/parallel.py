@@ -18,7 +18,7 @@ from ..comm import CommLayer, WallFacerGroups, build_groups
 from ..comm.groups import DEFAULT_TIMEOUT
 from ..planner.auto import ParallelSetup
 from ..data.loader import ShardSpec
-from .mixer_shards import MixerInputs, MixerShards
+from ..adapters.mixer_shards import MixerInputs, MixerShards
 
 __all__ = ["SequenceParallelGroups", "attention_for", "build_sequence_parallel", "check_same_batch",
            "mixer_shards"]

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-__all__ = ["ClusterSpec", "CLUSTERS", "get_cluster", "from_env"]
+__all__ = ["ClusterSpec", "CLUSTERS", "cluster_preset", "get_cluster", "from_env"]
 
 GIB = 1024**3
 
@@ -167,3 +167,18 @@ def from_env(base: str | ClusterSpec = "h100x64", environ: Mapping[str, str] | N
     if world % local:
         raise ValueError(f"WORLD_SIZE={world} is not a multiple of the ranks per node ({local}) in the environment")
     return replace(spec, name=f"{spec.name}@env", nodes=world // local, ranks_per_node=local)
+
+
+def cluster_preset() -> str:
+    """The planner preset whose hardware figures ``"cluster": "auto"`` uses, by this rank's accelerator (the
+    same answer on every rank of a homogeneous cluster)."""
+    import torch  # lazily: the rest of this module is pure
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().upper()
+    if "H200" in name:
+        return "h200x1"
+    if "A100" in name:
+        return "a100x32-eth"
+    return "h100x64"

@@ -50,7 +50,7 @@ def test_chunked_attention_and_position_scaled_queries_train_like_the_reference(
 
 def test_documents_are_cut_into_chunks_from_their_own_start() -> None:
     from ds_wallfacer.attention.documents import BatchDocuments
-    from ds_wallfacer.integration.positional import chunked_documents
+    from ds_wallfacer.adapters.positional import chunked_documents
 
     docs = BatchDocuments(starts=((0, 5, 40), (0,)), seq_len=64)
     assert chunked_documents(docs, 16).starts == ((0, 5, 21, 37, 40, 56), (0, 16, 32, 48))

@@ -13,7 +13,7 @@ from tests.dist_utils import run_distributed
 
 
 def test_stale_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ds_wallfacer.integration.deepspeed import _clear_stale_build_lock
+    from ds_wallfacer.integration.ds_runtime import _clear_stale_build_lock
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -35,9 +35,9 @@ def test_stale_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path, monkeypatch:
 def _segments_after_init(rank: int, world: int) -> list[str]:
     import datetime
 
-    from ds_wallfacer.integration.deepspeed import _init_distributed
+    from ds_wallfacer.integration.ds_runtime import init_distributed
 
-    _init_distributed(datetime.timedelta(seconds=60))
+    init_distributed(datetime.timedelta(seconds=60))
     port = os.environ["MASTER_PORT"]
     return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
@@ -58,7 +58,7 @@ def test_segments_of_a_killed_job_are_swept_and_live_ones_kept(monkeypatch: pyte
     import sys
     import time
 
-    from ds_wallfacer.integration.deepspeed import sweep_stale_shm_segments
+    from ds_wallfacer.integration.ds_runtime import sweep_stale_shm_segments
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     shm = Path("/dev/shm")

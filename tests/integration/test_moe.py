@@ -131,7 +131,7 @@ def test_sequence_parallel_statistics_are_not_a_mean_of_local_losses() -> None:
     averaging per-shard aux losses does not (so the test above can tell the two apart)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from ds_wallfacer.integration.moe import RouterAuxLoss
+    from ds_wallfacer.adapters.moe import RouterAuxLoss
 
     spec = RouterAuxLoss(num_experts=4, top_k=2, coef=AUX_COEF)
     g = torch.Generator().manual_seed(1)

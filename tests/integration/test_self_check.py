@@ -40,7 +40,7 @@ def _init(model: torch.nn.Module, config: dict):
 
 
 def _refusal(model: torch.nn.Module, config: dict) -> str:
-    from ds_wallfacer.integration.audit import RefusedModel
+    from ds_wallfacer.audit.model_audit import RefusedModel
 
     try:
         _init(model, config)

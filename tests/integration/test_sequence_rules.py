@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from ds_wallfacer.hf_config import text_config
-from ds_wallfacer.integration.audit import RefusedModel, audit_model
-from ds_wallfacer.integration.hf import attention_modules
-from ds_wallfacer.integration.sequence_rules import sequence_findings
+from ds_wallfacer.audit.model_audit import RefusedModel, audit_model
+from ds_wallfacer.adapters.hf import attention_modules
+from ds_wallfacer.audit.sequence_rules import sequence_findings
 from tests.models import tiny_model
 from tests.sweep.tiny import build_tiny
 
@@ -46,9 +46,9 @@ def test_sinks_and_latent_attention_pass() -> None:
     ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"), ("lfm3", "Lfm3ForCausalLM"),
 ])
 def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
-    """LFM2's gated short convolutions run on shards (``integration/short_convs.py``); the same layer with a
+    """LFM2's gated short convolutions run on shards (``adapters/short_convs.py``); the same layer with a
     forward of its own, or with a convolution that is not causal, is refused by its Conv1d."""
-    from ds_wallfacer.integration.mixer_layers import mixer_layers as short_conv_layers
+    from ds_wallfacer.adapters.mixer_layers import mixer_layers as short_conv_layers
 
     assert _findings(build_tiny(model_type, cls, check=False)) == []
     model = build_tiny(model_type, cls, check=False)
@@ -74,9 +74,9 @@ def test_short_convolutions_pass_in_the_form_the_sharded_forward_computes(model_
     ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
 ])
 def test_recurrent_mixers_pass_in_the_form_the_sharded_forward_computes(model_type: str, cls: str) -> None:
-    """Gated delta-nets and Mamba-2 mixers run head-parallel (``integration/delta_nets.py``, ``mamba_mixers.py``);
+    """Gated delta-nets and Mamba-2 mixers run head-parallel (``adapters/delta_nets.py``, ``mamba_mixers.py``);
     one with a forward of its own is refused by what its code calls and by its convolution."""
-    from ds_wallfacer.integration.mixer_layers import mixer_layers
+    from ds_wallfacer.adapters.mixer_layers import mixer_layers
 
     assert _findings(build_tiny(model_type, cls, check=False)) == []
     model = build_tiny(model_type, cls, check=False)
@@ -108,7 +108,7 @@ RECURRENT_HYBRIDS = (
 def test_every_mixer_of_the_recurrent_hybrids_is_recognised_in_this_transformers() -> None:
     """The recognisers match the installed transformers' forms of these classes' mixers: none is built like a known
     kind yet unrecognised. On a release that rewrites a layer this fails with the class and the missing part."""
-    from ds_wallfacer.integration.mixer_layers import mixer_layers, near_misses
+    from ds_wallfacer.adapters.mixer_layers import mixer_layers, near_misses
 
     bad = []
     for model_type, cls in RECURRENT_HYBRIDS:
@@ -144,7 +144,7 @@ def test_classic_transformers_pass(model_type: str, cls: str) -> None:
 
 
 def test_llama4_passes_and_chunks_pass_only_when_the_config_names_the_chunked_layers() -> None:
-    """Llama 4's chunked layers and temperature-tuned queries are served (integration/positional.py); a config
+    """Llama 4's chunked layers and temperature-tuned queries are served (adapters/positional.py); a config
     without ``layer_types`` cannot say which layers are chunked (refused beyond one chunk), and an attention whose
     ``arange`` is not the known temperature rule is refused."""
     model = build_tiny("llama4_text", "Llama4ForCausalLM", check=False)
@@ -215,8 +215,8 @@ def test_lora_passes_and_adapters_that_change_the_sequence_are_refused() -> None
 ])
 def test_heads_that_do_not_split_over_the_ranks_are_refused_before_any_layer_changes(model_type: str, cls: str,
                                                                                       words: list[str]) -> None:
-    from ds_wallfacer.integration.mixer_layers import MixerShards, attach_mixers, mixer_layers
-    from ds_wallfacer.integration.mixer_shards import MixerInputs
+    from ds_wallfacer.adapters.mixer_layers import MixerShards, attach_mixers, mixer_layers
+    from ds_wallfacer.adapters.mixer_shards import MixerInputs
 
     model = build_tiny(model_type, cls, check=False)
     shards = MixerShards(group=None, comm=None, peers=(0, 1, 2), index=0, sharding="zigzag", ulysses_degree=1,

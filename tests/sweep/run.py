@@ -98,7 +98,7 @@ def _rank(rank: int, world: int, model_type: str, cls: str) -> tuple[str, Any, s
 
 def _train(rank: int, model_type: str, cls: str) -> tuple[str, Any, str]:
     import ds_wallfacer.integration as wfi
-    from ds_wallfacer.integration.audit import RefusedModel
+    from ds_wallfacer.audit.model_audit import RefusedModel
 
     model = build_tiny(model_type, cls)
     ids = _batch(_vocab(model))
@@ -183,7 +183,7 @@ def sweep_one(model_type: str, cls: str) -> Row:
 def recogniser_misses(model_type: str, cls: str) -> list[str]:
     """For a class that should be exact: each layer built like a mixer kind that no recogniser matched, with the
     parts of the closest known form its forward lacks (where a transformers release changed the layer)."""
-    from ds_wallfacer.integration.mixer_layers import near_misses
+    from ds_wallfacer.adapters.mixer_layers import near_misses
 
     try:
         model = build_tiny(model_type, cls)

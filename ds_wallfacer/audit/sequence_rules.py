@@ -21,9 +21,9 @@ from typing import Any, Iterable
 from torch import nn
 from torch.nn.modules import activation, conv, dropout, normalization, padding, pooling, rnn
 
-from . import positional
+from ..adapters import positional
+from ..adapters.mixer_layers import mixer_layers, near_misses
 from .peft_rules import peft_findings
-from .mixer_layers import mixer_layers, near_misses
 
 __all__ = ["Finding", "sequence_findings"]
 
@@ -213,7 +213,7 @@ def _exempt(m: nn.Module) -> bool:
     ``position_ids``), rotary embeddings (``rope.py`` audits them)."""
     from transformers import PreTrainedModel
 
-    from .rope import is_rotary
+    from ..adapters.rope import is_rotary
 
     return isinstance(m, PreTrainedModel) or is_rotary(m)
 

@@ -22,10 +22,10 @@ from torch import nn
 
 from ..comm import CommLayer
 from ..data.chunks import padded_length
-from . import hf
-from .audit import RefusedModel, refusal
-from .rope import is_rotary
-from .mixer_layers import model_forwards
+from ..adapters import hf
+from ..adapters.mixer_layers import model_forwards
+from ..adapters.rope import is_rotary
+from .model_audit import RefusedModel, refusal
 
 __all__ = ["SelfCheckReport", "check_length", "run_self_check", "tolerances"]
 

@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 
 from ..hf_config import text_config
-from .moe import RouterAuxLoss, router_aux_loss
-from .rope import rope_problems
+from ..adapters.moe import RouterAuxLoss, router_aux_loss
+from ..adapters.rope import rope_problems
 from .sequence_rules import sequence_findings
 
 __all__ = ["ModelAudit", "RefusedModel", "audit_model", "audit_sequence", "reentrant_checkpointing", "refusal"]
@@ -58,7 +58,7 @@ def _attention_problems(model: nn.Module, text: Any, seq_len: int | None, kernel
         if isinstance(v, (int, float)) and v > 0:
             out.append(f"attention dropout {key}={v} is not supported by sequence-parallel attention: set {key}=0.0")
     softcap = any(getattr(text, key, None) for key in _SOFTCAP_KEYS)
-    from .hf import attention_modules
+    from ..adapters.hf import attention_modules
 
     # Qwen2 / Gemma layers carry their own window (None on full-attention layers); Mistral / Mixtral read the config
     windows = {
@@ -136,7 +136,7 @@ def _refuse(model: nn.Module, problems: list[str]) -> None:
 
 
 def _sequence_problems(model: nn.Module, seq_len: int | None, allow_modules: tuple[str, ...]) -> list[str]:
-    from .hf import attention_modules
+    from ..adapters.hf import attention_modules
 
     return [f.message() for f in sequence_findings(
         model, text=text_config(model), seq_len=seq_len, allow=allow_modules,
