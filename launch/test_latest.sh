@@ -13,12 +13,20 @@ export TORCH_EXTENSIONS_DIR="$VENV/torch_extensions"
 PY="$VENV/bin/python"
 [ -x "$PY" ] || python3 -m venv "$VENV" || exit 1
 "$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q --upgrade torch || exit 1   # the newest this machine's pip may install
 "$PY" -m pip install -q --upgrade -e "$ROOT[test,hf]" || exit 1
-# then every installed dependency to its newest release, past setup.py's upper ends
-OUTDATED="$("$PY" -m pip list --outdated --format=json \
-  | "$PY" -c 'import json, sys; print(" ".join(p["name"] for p in json.load(sys.stdin) if p["name"] != "ds_wallfacer"))')"
-if [ -n "$OUTDATED" ]; then "$PY" -m pip install -q --upgrade $OUTDATED || exit 1; fi
+# then the direct dependencies (setup.py's, with the test and hf extras) to their newest releases, past setup.py's
+# upper ends; pip resolves what they need beside them
+DIRECT="$("$PY" - "$ROOT/setup.py" <<'PY'
+import ast, re, sys
+tree = ast.parse(open(sys.argv[1]).read())
+kw = {k.arg: k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg}
+reqs = list(ast.literal_eval(kw["install_requires"]))
+extras = ast.literal_eval(kw["extras_require"])
+reqs += extras["test"] + extras["hf"]
+print(" ".join(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0] for r in reqs))
+PY
+)"
+"$PY" -m pip install -q --upgrade --upgrade-strategy eager $DIRECT || exit 1
 "$PY" -m pip check > "$OUT/pip_check.txt" 2>&1 || true   # lists releases past setup.py's ranges
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   DS_ACCELERATOR=cpu "$PY" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || true
