@@ -109,10 +109,10 @@ def _needed_bytes(attn, batch, window, shape, u: int) -> int:
     inner = AttnShape(shape.batch, shape.seq_len, shape.q_heads // u, max(shape.kv_heads, u) // u, shape.head_dim,
                       shape.elem_bytes)
     need = needed(lay, sharding=wf.sharding, causal=True, batch=batch or SequenceBatch(), window=window,
-                  local_len=shape.seq_len // lay.sp_size)
+                  local_len=shape.seq_len // lay.ring_size)
     total = sum(sum(k.values()) for k in fetch_bytes(inner, need, index=r).values())
     if u > 1:
-        total += sum(sum(k.values()) for k in ulysses_bytes(shape, degree=u, sp_size=lay.sp_size * u).values())
+        total += sum(sum(k.values()) for k in ulysses_bytes(shape, degree=u, sp_size=lay.ring_size * u).values())
     return total
 
 

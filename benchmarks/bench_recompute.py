@@ -133,7 +133,7 @@ def _expected(args: argparse.Namespace, sp: Any) -> int:
     from ds_wallfacer.attention.residuals import kept_bytes_per_layer
 
     lay = sp.setup.dims
-    return kept_bytes_per_layer(batch=1, local_tokens=args.seq_len // lay.sp_size, q_heads=args.heads,
+    return kept_bytes_per_layer(batch=1, local_tokens=args.seq_len // lay.ring_size, q_heads=args.heads,
                                 kv_heads=args.kv_heads, head_dim=args.hidden // args.heads, elem_bytes=4,
                                 ulysses_degree=lay.ulysses_degree, ring_size=lay.ring_size, ring_count=lay.ring_count)
 

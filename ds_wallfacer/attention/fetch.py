@@ -73,7 +73,7 @@ class FetchSchedule:
         window: int | None, rows: int, local_len: int,
     ) -> "FetchSchedule":
         """The schedule of sequence-parallel rank ``index`` (arguments as ``RingSchedule.plan``)."""
-        p = layout.sp_size
+        p = layout.ring_size
         chunks = [_member_chunks(i, p, sharding, batch.assignment) for i in range(p)]
         m = len(chunks[index])
         if local_len % m:
@@ -158,7 +158,7 @@ def _to_buffer(calls: list[KernelCall], ranges: tuple[tuple[int, int], ...]) -> 
 
 def shards(layout: RankLayout, *, sharding: str, batch: SequenceBatch) -> tuple[tuple[int, ...], ...]:
     """The chunks every rank of the layout holds (the batch's balanced assignment, or ``sharding``'s)."""
-    p = layout.sp_size
+    p = layout.ring_size
     return tuple(_member_chunks(i, p, sharding, batch.assignment) for i in range(p))
 
 
@@ -180,7 +180,7 @@ def _fetched(layout: RankLayout, sharding: str, causal: bool, batch: SequenceBat
              local_len: int) -> tuple[int, ...]:
     """Key positions every rank fetches (all ranks' schedules: a few milliseconds at P = 64)."""
     return tuple(FetchSchedule.plan(layout, i, sharding=sharding, causal=causal, batch=batch, window=window, rows=1,
-                                    local_len=local_len).fetched for i in range(layout.sp_size))
+                                    local_len=local_len).fetched for i in range(layout.ring_size))
 
 
 def prefer_fetch(
@@ -190,7 +190,7 @@ def prefer_fetch(
     """Pure: whether this batch runs the direct fetch rather than the ring / teams: with packed documents or a sliding
     window, always for C = 1 (it never moves more than the ring), and for C > 1 when the whole group sends fewer
     bytes that way (the same answer on every rank: it depends only on the batch and the layout)."""
-    p, c = layout.sp_size, layout.ring_count
+    p, c = layout.ring_size, layout.ring_count
     if p == 1 or (batch.documents is None and window is None):
         return False
     if c == 1:

@@ -134,7 +134,7 @@ class RingSchedule:
     ) -> "RingSchedule":
         """The schedule of sequence-parallel rank ``index`` for ``rows`` batch rows of ``local_len`` tokens per
         rank, the documents and chunk assignment of ``batch``, and a sliding ``window`` (None: full)."""
-        c, g, p = layout.ring_count, layout.group_size, layout.sp_size
+        c, g, p = layout.ring_count, layout.group_size, layout.ring_size
         place = layout.places[index]
         members = lambda team: [_member_chunks(team * c + m, p, sharding, batch.assignment)  # noqa: E731
                                 for m in range(c)]
@@ -237,7 +237,7 @@ def pipeline_order(
 def _ring_chunks(layout: RankLayout, index: int, *, sharding: str, assignment=None):
     """(sorted query chunks of the team, gathered->sorted permutation, (sorted key chunks, their team's
     permutation) of every ring step)."""
-    c, g, p = layout.ring_count, layout.group_size, layout.sp_size
+    c, g, p = layout.ring_count, layout.group_size, layout.ring_size
     place = layout.places[index]
     q_chunks, perm = team_chunk_order(range(place.team * c, (place.team + 1) * c), p, sharding, assignment=assignment)
     kv_group = (place.group + place.local) % c
@@ -262,7 +262,7 @@ def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len
     return [
         sum(call_work(call, chunk_len) for calls in ring_schedule(layout, i, sharding=sharding, causal=causal)[1]
             for call in calls)
-        for i in range(layout.sp_size)
+        for i in range(layout.ring_size)
     ]
 
 
@@ -352,7 +352,7 @@ def ring_steps(layout: RankLayout, *, sharding: str, causal: bool, window: int, 
     (Note [Ring steps under a sliding window]): one more than the last step at which ANY rank still has a visible
     query/key pair."""
     last = 0
-    for i in range(layout.sp_size):
+    for i in range(layout.ring_size):
         q_chunks, _, k_steps = _ring_chunks(layout, i, sharding=sharding, assignment=assignment)
         for s in range(len(k_steps) - 1, last, -1):
             calls = block_calls(q_chunks, k_steps[s][0], causal=causal)

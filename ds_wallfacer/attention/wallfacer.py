@@ -162,7 +162,7 @@ def _schedule(attn: WallFacerAttention, kernel: BlockKernel, q: torch.Tensor, k:
         cache.clear()  # a new batch: the previous batch's schedules are not needed again
     layout, index = attn.groups.layout, attn.groups.place.index
     plan = dict(sharding=attn.sharding, causal=causal, batch=batch, window=opts.window)
-    shape = AttnShape(b, s_local * layout.sp_size, q.shape[1], k.shape[1], q.shape[-1], q.element_size(),
+    shape = AttnShape(b, s_local * layout.ring_size, q.shape[1], k.shape[1], q.shape[-1], q.element_size(),
                       v.shape[-1])
     if prefer_fetch(layout, **plan, local_len=s_local, shape=shape, sums=attn.sum_dtypes, q_kept=attn.keep_team_q,
                     gather_out=not callable(getattr(kernel, "backward_delta", None))):
@@ -236,7 +236,7 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
     ``keep_team_q``); with ``sinks`` both already include them (folded in once, after all blocks: Note [Attention
     sinks], docs/design/attention.md)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
-    c, p, me = grp.layout.ring_count, grp.layout.sp_size, place.local
+    c, p, me = grp.layout.ring_count, grp.layout.ring_size, place.local
     b, hq, sl, d = q.shape
     dv = v.shape[-1]
     wire = attn.wire_dtypes(q.dtype)
@@ -304,7 +304,7 @@ def _backward(
     lse (this rank's rows) include the sinks, if any: then this is the backward with them (Note [Attention sinks],
     docs/design/attention.md)."""
     grp, comm, place = attn.groups, attn.comm, attn.groups.place
-    c, p, me = grp.layout.ring_count, grp.layout.sp_size, place.local
+    c, p, me = grp.layout.ring_count, grp.layout.ring_size, place.local
     b, hq, sl, d = q.shape
     wire = attn.wire_dtypes(q.dtype)
     call = sched.only_call(sl, b) if p == 1 else None

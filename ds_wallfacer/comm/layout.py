@@ -1,8 +1,9 @@
 """Communication config generator: the WallFacer rank layout, as pure Python.
 
-``RankLayout`` describes one sequence-parallel group of P ranks with ring count C (C*C dividing P): its teams,
-sub-rings and skew partners, and each rank's place in them (``RankPlace``). C = 1 gives one team per rank, one team
-group and one sub-ring of all P ranks: plain ring attention. Nothing here imports ``torch.distributed``;
+``RankLayout`` describes one ring group: the R = P / U ranks of a sequence-parallel group that share a Ulysses
+position (all P ranks when U = 1), with ring count C (C*C dividing R): its teams, sub-rings and skew partners, and
+each rank's place in them (``RankPlace``). C = 1 gives one team per rank, one team group and one sub-ring of all R
+ranks: plain ring attention. Nothing here imports ``torch.distributed``;
 ``groups.py`` turns a layout into process groups.
 
 Words (index, team, local, team group, sub-ring, skew): the glossary in docs/design/index.md; the algorithm: docs/design/attention.md.
@@ -34,7 +35,7 @@ class RankPlace:
     """Where one rank sits in the layout and who it talks to (global ranks)."""
 
     index: int
-    """Position in the sequence-parallel group."""
+    """Position in the ring group (the index)."""
     rank: int
     """Global rank."""
     team: int
@@ -63,14 +64,14 @@ class RankPlace:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """The WallFacer layout of one sequence-parallel group.
+    """The WallFacer layout of one ring group (R = P / U ranks; the whole sequence-parallel group when U = 1).
 
     ``ranks`` are the global ranks of the group in order; consecutive entries form teams, so a team stays
     inside one node when C divides ``ranks_per_node`` and the group's ranks are consecutive.
     """
 
     ranks: tuple[int, ...]
-    """Global ranks of the sequence-parallel group, in index order."""
+    """Global ranks of the ring group, in index order (``ParallelDims.ring_ranks``)."""
     ring_count: int
     """C: concurrent sub-rings per team group; team size."""
     ranks_per_node: int | None = None
@@ -82,9 +83,9 @@ class RankLayout:
         object.__setattr__(self, "ranks", ranks)
         p, c = len(ranks), self.ring_count
         if p < 1:
-            raise ValueError("sequence-parallel group is empty: it needs at least one rank")
+            raise ValueError("ring group is empty: it needs at least one rank")
         if len(set(ranks)) != p:
-            raise ValueError(f"sequence-parallel ranks {ranks} contain duplicates")
+            raise ValueError(f"ring group ranks {ranks} contain duplicates")
         check_ring_count(p, c)
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1")
@@ -92,18 +93,18 @@ class RankLayout:
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
-    def sp_size(self) -> int:
-        """P."""
+    def ring_size(self) -> int:
+        """R: the ranks of this ring group (P / U)."""
         return len(self.ranks)
 
     @property
     def group_size(self) -> int:
-        """G = P / C^2: teams per team group, the length of every sub-ring, the number of ring steps."""
-        return self.sp_size // (self.ring_count**2)
+        """G = R / C^2: teams per team group, the length of every sub-ring, the number of ring steps."""
+        return self.ring_size // (self.ring_count**2)
 
     @property
     def num_teams(self) -> int:
-        return self.sp_size // self.ring_count
+        return self.ring_size // self.ring_count
 
     # -- coordinates -----------------------------------------------------------------------------
     def index_of(self, *, group: int, pos: int, local: int) -> int:
@@ -119,7 +120,7 @@ class RankLayout:
         try:
             return self.places[self.ranks.index(rank)]
         except ValueError:
-            raise ValueError(f"global rank {rank} is not in this sequence-parallel group {self.ranks}") from None
+            raise ValueError(f"global rank {rank} is not in this ring group {self.ranks}") from None
 
     def _place(self, index: int) -> RankPlace:
         c, g = self.ring_count, self.group_size
@@ -172,7 +173,7 @@ class RankLayout:
     def describe(self) -> str:
         """A printable table of the layout: one line per rank."""
         head = (
-            f"WallFacer layout: P={self.sp_size} C={self.ring_count} G={self.group_size} "
+            f"WallFacer layout: R={self.ring_size} C={self.ring_count} G={self.group_size} "
             f"teams={self.num_teams}" + ("  (a team crosses nodes!)" if self.teams_cross_nodes() else "")
         )
         lines = [head, "rank idx team local group pos  prev next  kv_team  kv_sources"]

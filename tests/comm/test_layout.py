@@ -48,7 +48,7 @@ def test_c1_is_plain_ring():
 def test_teams_are_consecutive_and_placement_report():
     lay = RankLayout(tuple(range(16)), 2, ranks_per_node=8)
     assert lay.teams()[:2] == [(0, 1), (2, 3)] and not lay.teams_cross_nodes()
-    assert "P=16 C=2 G=4" in lay.describe()
+    assert "R=16 C=2 G=4" in lay.describe()
     assert RankLayout(tuple(range(9)), 3, ranks_per_node=4).teams_cross_nodes()
 
 
@@ -63,6 +63,6 @@ def test_bad_groups():
         RankLayout((0, 1, 1, 2), 1)
     with pytest.raises(ValueError, match="empty"):
         RankLayout((), 1)
-    with pytest.raises(ValueError, match="not in this sequence-parallel group"):
+    with pytest.raises(ValueError, match="not in this ring group"):
         RankLayout((0, 1), 1).place_of_rank(5)
     assert valid_ring_counts(16) == [1, 2, 4] and valid_ring_counts(8) == [1, 2]
