@@ -21,11 +21,11 @@ from harness import add_out_option, emit, plot_path, print_table, save_plot  # f
 from ds_wallfacer.data.balance import (
     balance_ratio,
     balanced_assignment,
-    lognormal_document_mix,
     rank_work,
     zigzag_assignment,
 )
 from ds_wallfacer.data.chunks import DEFAULT_CHUNKS_PER_RANK
+from document_mix import lognormal_document_mix
 
 TARGET = 1.10
 

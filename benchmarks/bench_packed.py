@@ -60,7 +60,7 @@ def parse() -> argparse.Namespace:
 
 def mixes(n: int, p: int, seed: int) -> dict[str, list[int] | None]:
     """Per mix, the document lengths of the row (None: one document, the ``window`` mix)."""
-    from ds_wallfacer.data.balance import lognormal_document_mix
+    from document_mix import lognormal_document_mix
 
     lognormal = lognormal_document_mix(seed=seed, rows=1, seq_len=n, median=n / 64, min_len=max(1, n // 512),
                                        max_len=n // 2)[0]

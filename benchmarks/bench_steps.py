@@ -27,7 +27,7 @@ import time
 
 from harness import add_out_option, emit, plot_path, print_table, save_plot  # first: the repository on sys.path
 
-from ds_wallfacer.data.balance import lognormal_document_mix
+from document_mix import lognormal_document_mix
 from ds_wallfacer.data.steps import balanced_order, idle_share, round_balance, row_work
 
 TARGET = 1.05

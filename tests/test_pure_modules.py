@@ -62,10 +62,10 @@ def test_planner_cli_runs_without_torch() -> None:
     res = _run(
         """
         import runpy
-        sys.argv = ["ds_wallfacer.plan", "--cluster", "h100x8", "--model", "llama3-8b", "--seq-len", "65536",
+        sys.argv = ["ds_wallfacer.planner", "--cluster", "h100x8", "--model", "llama3-8b", "--seq-len", "65536",
                     "--json", "--plot", "none"]
         try:
-            runpy.run_module("ds_wallfacer.plan", run_name="__main__")
+            runpy.run_module("ds_wallfacer.planner", run_name="__main__")
         except SystemExit as e:
             assert e.code in (0, None), e.code
         """

@@ -1,4 +1,4 @@
-"""Sequence sharding (zigzag / contiguous / balanced), global position ids, the causal block schedule, the
+"""Sequence sharding (zigzag / contiguous / balanced), global position ids, the
 sequence-parallel data loader (labels shifted before sharding), packed documents and their attention work, and
 rounds of micro-batches with even work over the data-parallel replicas."""
 from .._lazy import lazy_exports
@@ -25,7 +25,6 @@ _EXPORTS = {
     "balanced_assignment_from_work": ".balance",
     "check_assignment": ".balance",
     "chunk_work": ".balance",
-    "lognormal_document_mix": ".balance",
     "rank_work": ".balance",
     "segment_work": ".balance",
     "zigzag_assignment": ".balance",
@@ -36,14 +35,9 @@ _EXPORTS = {
     "starts_of": ".packing",
     "mask_document_ends": ".packing",
     "normalize_document_lengths": ".packing",
-    "SCHEMES": ".chunks",
     "SHARDINGS": ".chunks",
-    "block_calls": "..attention.schedule",
     "check_divisible": ".chunks",
     "chunk_ids": ".chunks",
-    "position_ids": ".sharding",
-    "shard": ".sharding",
-    "unshard": ".sharding",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

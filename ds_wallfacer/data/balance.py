@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-import random
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     "balanced_assignment_from_work",
     "check_assignment",
     "chunk_work",
-    "lognormal_document_mix",
     "rank_work",
     "segment_work",
     "zigzag_assignment",
@@ -251,29 +249,3 @@ def balanced_assignment(
                       f"sp_size x chunks_per_rank = {sp_size} x {chunks_per_rank}")
     work = _batch_chunk_work(doc_lengths_per_row, n, window)
     return balanced_assignment_from_work(work, sp_size=sp_size, chunks_per_rank=chunks_per_rank)
-
-
-def lognormal_document_mix(
-    *,
-    seed: int,
-    rows: int,
-    seq_len: int,
-    median: float = 2048.0,
-    sigma: float = 1.5,
-    min_len: int = 100,
-    max_len: int = 65536,
-) -> list[list[int]]:
-    """A seeded packed batch for balance measurements: document lengths log-normal (``median``, ``sigma``),
-    clipped to [``min_len``, ``max_len``], packed in order into rows of ``seq_len`` tokens; the document that
-    does not fit is cut at the row end (what packing with truncation does)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(rows):
-        row: list[int] = []
-        left = seq_len
-        while left:
-            length = min(max(int(rng.lognormvariate(math.log(median), sigma)), min_len), max_len, left)
-            row.append(length)
-            left -= length
-        out.append(row)
-    return out

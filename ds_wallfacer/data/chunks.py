@@ -14,7 +14,6 @@ from __future__ import annotations
 
 __all__ = [
     "DEFAULT_CHUNKS_PER_RANK",
-    "SCHEMES",
     "SHARDINGS",
     "check_divisible",
     "chunk_ids",
@@ -30,7 +29,6 @@ DEFAULT_CHUNKS_PER_RANK = 8
 8 keeps the busiest rank within 1.006x the mean for P = 4..64, 4 only within 1.44x (a single chunk of a long
 document's tail can outweigh a rank's share), zigzag 3.9x; with 4 rows, 4 already suffices (1.02x). More chunks
 mean shorter kernel calls (P = 64: 256-token chunks at 128K)."""
-SCHEMES = SHARDINGS  # the earlier name, kept for imports
 
 
 def _check_scheme(scheme: str) -> None:

@@ -1,4 +1,4 @@
-"""``python -m ds_wallfacer.planner``: the same command line as ``python -m ds_wallfacer.plan``."""
+"""``python -m ds_wallfacer.planner``: the topology planner's command line (``cli.py``)."""
 import sys
 
 from .cli import main

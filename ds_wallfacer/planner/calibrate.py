@@ -18,7 +18,7 @@ Measured (``measure``), each at a few sizes so that efficiency against size is c
 Cache: ``$DS_WALLFACER_CACHE_DIR`` (default ``~/.cache/ds_wallfacer``) / ``calibration-<key>.json``, the key from
 the device name, torch's version and the thread count. ``DS_WALLFACER_CALIBRATION=off`` disables it (the cluster
 presets' datasheet FLOP/s x MFU then apply everywhere). GPU presets use a measurement only when its cache exists
-(``python -m ds_wallfacer.plan --calibrate`` on that GPU writes it); the CPU preset measures on first use.
+(``python -m ds_wallfacer.planner --calibrate`` on that GPU writes it); the CPU preset measures on first use.
 Concurrent processes on one host measure once: the first takes a file lock, the others wait and read its file.
 
 Design: Note [Cost model] in docs/design/planner.md.

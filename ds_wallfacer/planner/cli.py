@@ -1,8 +1,8 @@
 """Topology planner CLI: which split is best for my cluster, model and sequence length?
 
-    python -m ds_wallfacer.plan --cluster h100x64 --model llama3-8b --seq-len 131072
-    python -m ds_wallfacer.plan --cluster h100x64 --model llama3-8b --seq-len 131072 --sp-size 64 --json
-    python -m ds_wallfacer.plan --paper          # the paper's worked example and configurations
+    python -m ds_wallfacer.planner --cluster h100x64 --model llama3-8b --seq-len 131072
+    python -m ds_wallfacer.planner --cluster h100x64 --model llama3-8b --seq-len 131072 --sp-size 64 --json
+    python -m ds_wallfacer.planner --paper          # the paper's worked example and configurations
 
 Prints the ranked table (configuration, comm volume per rank, comm / compute / step time, memory per rank,
 fits?), the best configuration of every strategy (out-of-memory ones with the reason) and the choice with its
@@ -31,7 +31,7 @@ PLOT_SEQ_LENS = tuple(2**k for k in range(15, 23))  # 32K .. 4M
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m ds_wallfacer.plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ds_wallfacer.planner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default="h100x64", help=f"preset: {', '.join(CLUSTERS)}")
     ap.add_argument("--model", default="llama3-8b", help=f"preset ({', '.join(MODELS)}) or an HF config.json path")
     ap.add_argument("--seq-len", type=int, default=131072)
@@ -62,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-kv-replication", action="store_true", help="cap Ulysses at the kv-head count")
     g.add_argument("--no-overlap", action="store_true", help="ring hops do not overlap attention compute")
     g = ap.add_argument_group('fixed values (default: "auto", the planner chooses)')
-    g.add_argument("--strategy", "--mode", dest="strategy", choices=STRATEGIES,
+    g.add_argument("--strategy", choices=STRATEGIES,
                    help="only this strategy (ring is WallFacer with C = 1; none is P = 1)")
     g.add_argument("--sp-size", type=int)
     g.add_argument("--ring-count", type=int)

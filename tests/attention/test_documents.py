@@ -136,7 +136,7 @@ def _window_fetch(rank: int, world: int) -> list[dict]:
     from ds_wallfacer.attention.fetch import needed
     from ds_wallfacer.attention.volume import fetch_bytes
     from ds_wallfacer.comm import RankLayout, build_groups
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.data import shard_sequence
     from tests.attention.reference import document_mask, full_inputs, reference_attention
 
     n, window, out = SEQ_PER_RANK * world, 5, []
@@ -145,7 +145,7 @@ def _window_fetch(rank: int, world: int) -> list[dict]:
         for sharding in ("contiguous", "zigzag"):
             q, k, v, do = full_inputs(batch=1, q_heads=4, kv_heads=2, seq_len=n, head_dim=16, dtype=torch.float32)
             want = reference_attention(q, k, v, do, causal=True, keep=document_mask([[n]], window=window))
-            sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=sharding)  # noqa: E731
+            sh = lambda x: shard_sequence(x, dim=2, index=rank, sp_size=world, scheme=sharding)  # noqa: E731
             attn = WallFacerAttention(groups, kernel="cpu_flash", sharding=sharding)
             ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
             o = attn(ql, kl, vl, causal=True, window=window)

@@ -157,7 +157,7 @@ def _bytes(rank: int, world: int) -> list[dict]:
     from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_bytes
     from ds_wallfacer.attention.volume import fetch_bytes
     from ds_wallfacer.comm import RankLayout, build_groups, exposed
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.data import shard_sequence
 
     n, out = 32 * world, []
     docs = _random_docs(n, 3, rows=2)
@@ -168,7 +168,7 @@ def _bytes(rank: int, world: int) -> list[dict]:
         for name, batch, window in [("dense", None, None), ("packed", SequenceBatch(documents=docs), None),
                                     ("window", None, 9), ("packed+window", SequenceBatch(documents=docs), 9)]:
             attn = WallFacerAttention(groups, kernel="cpu_flash")
-            sh = lambda x: shard(x, dim=2, index=rank, sp_size=world).contiguous()  # noqa: E731
+            sh = lambda x: shard_sequence(x, dim=2, index=rank, sp_size=world).contiguous()  # noqa: E731
             ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
             with attn.comm.recording() as timeline:
                 attn(ql, kl, vl, causal=True, batch=batch, window=window).backward(sh(do))

@@ -84,13 +84,13 @@ def _run_cases(rank, world, cases, refs):
     from ds_wallfacer.attention.volume import SumDtypes
     from tests.attention.reference import shard_errors
     from ds_wallfacer.comm import RankLayout, build_groups
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.data import shard_sequence
 
     groups = {c: build_groups([RankLayout(tuple(range(world)), c)]) for c in {case["c"] for case in cases}}
     results = []
     for case, ((q, k, v, do), truth, single) in zip(cases, refs):
         n = SEQ_PER_RANK * world
-        sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=case["sharding"])  # noqa: E731
+        sh = lambda x: shard_sequence(x, dim=2, index=rank, sp_size=world, scheme=case["sharding"])  # noqa: E731
         kernel = DeltaKernel() if case.get("kernel") == "delta" else "cpu_flash"
         attn = WallFacerAttention(groups[case["c"]], kernel=kernel, sharding=case["sharding"])
         if "sums" in case:

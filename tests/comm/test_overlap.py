@@ -15,13 +15,13 @@ SEQ_PER_RANK = 16
 def _run(rank: int, world: int) -> list[dict]:
     from ds_wallfacer.attention import WallFacerAttention
     from ds_wallfacer.comm import CommLayer, RankLayout, build_groups
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.data import shard_sequence
 
     gen = torch.Generator().manual_seed(0)
     n = SEQ_PER_RANK * world
     q, do = (torch.randn(2, 8, n, 32, generator=gen) for _ in range(2))
     k, v = (torch.randn(2, 2, n, 32, generator=gen) for _ in range(2))
-    sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme="zigzag")  # noqa: E731
+    sh = lambda x: shard_sequence(x, dim=2, index=rank, sp_size=world, scheme="zigzag")  # noqa: E731
     results = []
     for c in (1, 2):
         groups = build_groups([RankLayout(tuple(range(world)), c)])
@@ -78,7 +78,7 @@ def _exposure(rank: int, world: int) -> dict:
     4 (G = 1: no ring step, only team exchanges), serial ring, and the hybrid (U = 2 around C = 2, G = 1)."""
     from ds_wallfacer.attention import WallFacerAttention
     from ds_wallfacer.comm import CommLayer, RankLayout, build_groups, exposed
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.data import shard_sequence
 
     gen = torch.Generator().manual_seed(0)
     out = {}
@@ -89,7 +89,7 @@ def _exposure(rank: int, world: int) -> dict:
         n = SEQ_PER_RANK * p
         q, do = (torch.randn(1, 4, n, 16, generator=gen) for _ in range(2))
         k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(2))
-        sh = lambda x: shard(x, dim=2, index=rank % p, sp_size=p, scheme="zigzag")  # noqa: E731
+        sh = lambda x: shard_sequence(x, dim=2, index=rank % p, sp_size=p, scheme="zigzag")  # noqa: E731
         comm = CommLayer(device="cpu", serial=serial)
         attn = WallFacerAttention(groups, comm=comm, kernel="cpu_flash")
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))

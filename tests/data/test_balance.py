@@ -12,12 +12,12 @@ from ds_wallfacer.data.balance import (
     balanced_assignment_from_work,
     check_assignment,
     chunk_work,
-    lognormal_document_mix,
     rank_work,
     segment_work,
     zigzag_assignment,
 )
 from ds_wallfacer.data.chunks import DEFAULT_CHUNKS_PER_RANK
+from benchmarks.document_mix import lognormal_document_mix
 
 
 def _token_work(docs: list[int], window: int | None) -> list[int]:

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from ds_wallfacer.data import SequenceParallelLoader, ShardSpec, lognormal_document_mix
+from ds_wallfacer.data import SequenceParallelLoader, ShardSpec
 from ds_wallfacer.data.loader import item_work
 from ds_wallfacer.data.steps import balanced_order, idle_share, round_balance, row_work
 from ds_wallfacer.train.data import row_works, train_batches
 from ds_wallfacer.train.order import resume_order_error
+from benchmarks.document_mix import lognormal_document_mix
 
 
 def _works(rows: int, seq_len: int, seed: int = 1) -> list[int]:

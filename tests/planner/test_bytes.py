@@ -25,7 +25,7 @@ def _run(rank, world, cases):
     from ds_wallfacer.attention import WallFacerAttention
     from ds_wallfacer.attention.ulysses import LocalAttention, UlyssesAttention
     from ds_wallfacer.comm import CommLayer, build_groups
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.data import shard_sequence
     from ds_wallfacer.planner import Candidate, ModelSpec, Workload, layer_bytes, layouts, ulysses_groups
 
     model = ModelSpec("tiny", layers=1, hidden=HQ * D, heads=HQ, kv_heads=HK, intermediate=64, vocab=128)
@@ -42,7 +42,7 @@ def _run(rank, world, cases):
         attn = UlyssesAttention(group=mine, inner=inner, comm=comm) if mine is not None else inner
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(BATCH, h, n, D, generator=g, dtype=torch.bfloat16) for h in (HQ, HK, HK))
-        ql, kl, vl = (shard(x, dim=2, index=rank, sp_size=world).requires_grad_() for x in (q, k, v))
+        ql, kl, vl = (shard_sequence(x, dim=2, index=rank, sp_size=world).requires_grad_() for x in (q, k, v))
         o = attn(ql, kl, vl, causal=True)
         o.float().square().sum().backward()
         got = {ph: {kd: b for kd, b in comm.by_kind(ph).items() if b and kd != "check"} for ph in ("forward", "backward")}
