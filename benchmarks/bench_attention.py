@@ -25,7 +25,7 @@ from ds_wallfacer.attention import AttnShape, WallFacerAttention, wallfacer_byte
 from ds_wallfacer.attention.kernels import get_kernel
 from ds_wallfacer.attention.volume import paper_ring_bytes, paper_wallfacer_bytes
 from ds_wallfacer.comm import KINDS, RankLayout, build_groups, valid_ring_counts
-from ds_wallfacer.data import shard
+from ds_wallfacer.data import shard_sequence
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,7 +57,7 @@ def run_method(args, device, c: int, sharding: str, full, reference) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = build_groups([RankLayout(tuple(range(world)), c)])
     attn = WallFacerAttention(groups, kernel=args.kernel, sharding=sharding)
-    sh = lambda x: shard(x, dim=2, index=rank, sp_size=world, scheme=sharding)  # noqa: E731
+    sh = lambda x: shard_sequence(x, dim=2, index=rank, sp_size=world, scheme=sharding)  # noqa: E731
     q, k, v, do = (sh(x).contiguous() for x in full)
     times = []
     for it in range(args.iters + 1):

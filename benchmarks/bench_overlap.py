@@ -88,7 +88,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
     from ds_wallfacer.attention.kernels import get_kernel
     from ds_wallfacer.attention.ulysses import LocalAttention, UlyssesAttention
     from ds_wallfacer.comm import CommLayer, RankLayout, build_groups, exposed_share, valid_ring_counts
-    from ds_wallfacer.data import shard, shard_sequence
+    from ds_wallfacer.data import shard_sequence
 
     rows = []
     counts = [c for c in args.ring_counts if c in valid_ring_counts(world)]
@@ -99,7 +99,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
         gen = torch.Generator().manual_seed(n)
         full = [torch.randn(1, h, n, args.head_dim, generator=gen)
                 for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)]
-        ring_shards = [shard(x, dim=2, index=rank, sp_size=world, scheme="zigzag").contiguous() for x in full]
+        ring_shards = [shard_sequence(x, dim=2, index=rank, sp_size=world, scheme="zigzag").contiguous() for x in full]
         uly_shards = [shard_sequence(x, dim=2, index=rank, sp_size=world, ulysses_degree=world,
                                      scheme="zigzag").contiguous() for x in full]
         for method, c in methods:
@@ -140,31 +140,8 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
                 attn(ql, kl, vl, causal=True).backward(do)
             share = torch.tensor([exposed_share(timeline)], dtype=torch.float64)
             dist.all_reduce(share)
-            # [iters, 3] per mode -> the slowest rank per iteration (max over ranks), then over iterations
-            stats = torch.tensor([per_mode[m] for m in MODES], dtype=torch.float64)  # [modes, iters, 3]
-            every = [torch.zeros_like(stats) for _ in range(world)]
-            dist.all_gather(every, stats)
-            every = torch.stack(every)  # [ranks, modes, iters, 3]
-            last = every[..., 0].argmax(dim=0)  # per mode and iteration, the rank that ended last: its figures
-            slowest = torch.gather(every, 0, last[None, ..., None].expand(1, *last.shape, 3))[0]
-            mean = stats.clone()
-            dist.all_reduce(mean)
-            mean /= world
-            # the fastest iteration (the least disturbed on a shared machine); medians go to the JSON as well
-            best = lambda t, m, j: min(t[MODES.index(m), :, j].tolist())  # noqa: E731
-            med = lambda t, m, j: statistics.median(t[MODES.index(m), :, j].tolist())  # noqa: E731
-            row = dict(
-                method=method, ring_count=max(c, 1), seq_len=n, P=world, exposed_share=share.item() / world,
-                overlapped_s=best(slowest, "overlapped", 0), serial_s=best(slowest, "serial", 0),
-                compute_only_s=best(slowest, "serial", 1), compute_only_overlapped_s=best(slowest, "overlapped", 1),
-                blocked_overlapped_s=best(slowest, "overlapped", 2), blocked_serial_s=best(slowest, "serial", 2),
-                overlapped_median_s=med(slowest, "overlapped", 0), serial_median_s=med(slowest, "serial", 0),
-                compute_only_median_s=med(slowest, "serial", 1),
-                blocked_overlapped_mean_s=med(mean, "overlapped", 2), blocked_serial_mean_s=med(mean, "serial", 2),
-                blocked_by_kind=_mean_by_kind(blocked, world),
-                bytes_rank0=sent["overlapped"], same_bytes=sent["overlapped"] == sent["serial"],
-                kernel_calls=timed.calls,
-            )
+            row = _summary(per_mode, blocked, sent, share.item() / world, world,
+                           method=method, ring_count=max(c, 1), seq_len=n, kernel_calls=timed.calls)
             saved = row["serial_s"] - row["overlapped_s"]
             hideable = row["serial_s"] - row["compute_only_s"]
             row["hidden_raw"] = saved / hideable if hideable > 0 else float("nan")
@@ -178,6 +155,38 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict] | No
                 print(f"  measured {row['method']} N={n}: overlapped {row['overlapped_s']:.3f} s, serial "
                       f"{row['serial_s']:.3f} s, kernels {row['compute_only_s']:.3f} s", flush=True)
     return rows if rank == 0 else None
+
+
+def _summary(per_mode: dict, blocked: dict, sent: dict, exposed_share: float, world: int, **labels) -> dict:
+    """One table row from every rank's [wall, kernel, blocked] seconds per mode and iteration (``per_mode``): the
+    slowest rank's fastest iteration (the least disturbed on a shared machine), medians beside it."""
+    import torch
+    import torch.distributed as dist
+
+    # [iters, 3] per mode -> the slowest rank per iteration (max over ranks), then over iterations
+    stats = torch.tensor([per_mode[m] for m in MODES], dtype=torch.float64)  # [modes, iters, 3]
+    every = [torch.zeros_like(stats) for _ in range(world)]
+    dist.all_gather(every, stats)
+    every = torch.stack(every)  # [ranks, modes, iters, 3]
+    last = every[..., 0].argmax(dim=0)  # per mode and iteration, the rank that ended last: its figures
+    slowest = torch.gather(every, 0, last[None, ..., None].expand(1, *last.shape, 3))[0]
+    mean = stats.clone()
+    dist.all_reduce(mean)
+    mean /= world
+    # the fastest iteration (the least disturbed on a shared machine); medians go to the JSON as well
+    best = lambda t, m, j: min(t[MODES.index(m), :, j].tolist())  # noqa: E731
+    med = lambda t, m, j: statistics.median(t[MODES.index(m), :, j].tolist())  # noqa: E731
+    return dict(
+        **labels, P=world, exposed_share=exposed_share,
+        overlapped_s=best(slowest, "overlapped", 0), serial_s=best(slowest, "serial", 0),
+        compute_only_s=best(slowest, "serial", 1), compute_only_overlapped_s=best(slowest, "overlapped", 1),
+        blocked_overlapped_s=best(slowest, "overlapped", 2), blocked_serial_s=best(slowest, "serial", 2),
+        overlapped_median_s=med(slowest, "overlapped", 0), serial_median_s=med(slowest, "serial", 0),
+        compute_only_median_s=med(slowest, "serial", 1),
+        blocked_overlapped_mean_s=med(mean, "overlapped", 2), blocked_serial_mean_s=med(mean, "serial", 2),
+        blocked_by_kind=_mean_by_kind(blocked, world),
+        bytes_rank0=sent["overlapped"], same_bytes=sent["overlapped"] == sent["serial"],
+    )
 
 
 def _mean_by_kind(blocked: dict[str, list[dict]], world: int) -> dict[str, dict[str, float]]:

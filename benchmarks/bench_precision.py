@@ -42,7 +42,7 @@ def _run(rank: int, world: int, seeds: list[int], heads: int, kv_heads: int, hea
     from ds_wallfacer.attention.kernels import get_kernel
     from ds_wallfacer.attention.volume import DEFAULT_SUM_DTYPES, SumDtypes
     from ds_wallfacer.comm import RankLayout, build_groups, valid_ring_counts
-    from ds_wallfacer.data import shard
+    from ds_wallfacer.data import shard_sequence
 
     sums = {"float32": SumDtypes.uniform("float32"), "input": SumDtypes.uniform("input"), "default": DEFAULT_SUM_DTYPES}
     groups = {c: build_groups([RankLayout(tuple(range(world)), c)]) for c in valid_ring_counts(world)}
@@ -56,7 +56,7 @@ def _run(rank: int, world: int, seeds: list[int], heads: int, kv_heads: int, hea
         o1, lse1 = kern.forward(q, k, v, causal=True, scale=scale)
         g1 = kern.backward(do, q, k, v, o1, lse1, causal=True, scale=scale)
         single = [(a.double() - b).abs().max().item() for a, b in zip([o1, *g1], truth)]
-        sh = lambda x: shard(x, dim=2, index=rank, sp_size=world)  # noqa: E731
+        sh = lambda x: shard_sequence(x, dim=2, index=rank, sp_size=world)  # noqa: E731
         for c, grp in groups.items():
             for name in SETTINGS:
                 attn = WallFacerAttention(grp, kernel="cpu_flash", accum_comm_dtype=sums[name])

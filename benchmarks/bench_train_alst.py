@@ -32,6 +32,49 @@ class AlstCounter:
         self.sent = {}
 
 
+def _alst_model(spec: dict, build_model: Callable[[str], Any]) -> tuple[Any, Any]:
+    """(model, mpu): the model on ALST's Ulysses attention; ``tiled``: TiledMLP per MLP and HF checkpointing."""
+    import math
+
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, UlyssesSPAttentionHF
+
+    model = build_model("sdpa")
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=spec["ranks"],
+        micro_batch_size=1, seq_length_is_variable=True)
+    if spec["tiled"]:
+        def tiled_mlp(mlp, x):
+            fn = lambda m, h: type(m).forward(m, h)  # noqa: E731
+            return TiledMLP.apply(fn, mlp, x, math.ceil(x.shape[-2] / x.shape[-1]), list(mlp.parameters()))
+
+        for layer in model.model.layers:
+            layer.mlp.forward = tiled_mlp.__get__(layer.mlp)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, mpu
+
+
+def _alst_batches(ids: list, mpu: Any, device: Any) -> list[dict]:
+    """This rank's batches as ALST's loader adapter serves them; the tiny first batch by hand (the adapter gathers
+    one batch from each rank, and gloo needs equal lengths): contiguous shards, labels shifted before sharding,
+    global positions, as the adapter does."""
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    group, rank, p = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), \
+        mpu.get_sequence_parallel_world_size()
+    tiny, n = ids[0], ids[0].shape[1] // p
+    shift = F.pad(tiny[:, 1:], (0, 1), value=-100)
+    shards = [{"input_ids": tiny[:, rank * n:(rank + 1) * n], "shift_labels": shift[:, rank * n:(rank + 1) * n],
+               "position_ids": torch.arange(rank * n, (rank + 1) * n).view(1, n)}]
+    full = ids[1:] + ids[1:][: -len(ids[1:]) % p]  # every rank's loader the same length
+    mine = [{"input_ids": x[0], "labels": x[0].clone(), "position_ids": torch.arange(x.shape[1])}
+            for x in full[rank::p]]  # rank r's loader holds batches r, r + P, ...: the adapter serves them in order
+    adapter = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(mine, batch_size=1), sp_rank=rank,
+                                         sp_group=group, sp_world_size=p, device=device)
+    return shards + list(adapter)
+
+
 def alst_job(spec: dict, ids: list, *, build_model: Callable[[str], Any], ds_config: dict, vocab: int):
     """(engine, step, counter) for DeepSpeed ALST: UlyssesSPAttentionHF + UlyssesSPDataLoaderAdapter, the loss
     weighting of its tutorial; ``tiled``: TiledMLP per MLP, TiledFusedLogitsLoss, HF activation checkpointing."""
@@ -42,7 +85,7 @@ def alst_job(spec: dict, ids: list, *, build_model: Callable[[str], Any], ds_con
     import torch.distributed as dist
     import torch.nn.functional as F
     from deepspeed.runtime.sequence_parallel.ulysses_sp import (
-        TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
+        TiledFusedLogitsLoss,
     )
 
     from ds_wallfacer.integration.ds_runtime import release_shm_buffer
@@ -51,18 +94,7 @@ def alst_job(spec: dict, ids: list, *, build_model: Callable[[str], Any], ds_con
     dist.barrier()
     release_shm_buffer()  # DeepSpeed's CPU all-reduce segments: unlinked once every rank mapped them
     p = spec["ranks"]
-    model = build_model("sdpa")
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=p, micro_batch_size=1,
-        seq_length_is_variable=True)
-    if spec["tiled"]:
-        def tiled_mlp(mlp, x):
-            fn = lambda m, h: type(m).forward(m, h)  # noqa: E731
-            return TiledMLP.apply(fn, mlp, x, math.ceil(x.shape[-2] / x.shape[-1]), list(mlp.parameters()))
-
-        for layer in model.model.layers:
-            layer.mlp.forward = tiled_mlp.__get__(layer.mlp)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, mpu = _alst_model(spec, build_model)
 
     class Local(torch.nn.Module):  # this rank's token-mean loss (what ALST's tutorial aggregates)
         def __init__(self, lm):
@@ -92,19 +124,8 @@ def alst_job(spec: dict, ids: list, *, build_model: Callable[[str], Any], ds_con
     module = Local(model)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.0)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config, mpu=mpu)
-    group, rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
-    # the tiny first batch by hand (the adapter gathers one batch from each rank, and gloo needs equal lengths):
-    # contiguous shards, labels shifted before sharding, global positions, as the adapter does
-    tiny, n = ids[0], ids[0].shape[1] // p
-    shift = F.pad(tiny[:, 1:], (0, 1), value=-100)
-    shards = [{"input_ids": tiny[:, rank * n:(rank + 1) * n], "shift_labels": shift[:, rank * n:(rank + 1) * n],
-               "position_ids": torch.arange(rank * n, (rank + 1) * n).view(1, n)}]
-    full = ids[1:] + ids[1:][: -len(ids[1:]) % p]  # every rank's loader the same length
-    mine = [{"input_ids": x[0], "labels": x[0].clone(), "position_ids": torch.arange(x.shape[1])}
-            for x in full[rank::p]]  # rank r's loader holds batches r, r + P, ...: the adapter serves them in order
-    adapter = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(mine, batch_size=1), sp_rank=rank,
-                                         sp_group=group, sp_world_size=p, device=engine.device)
-    shards += list(adapter)
+    group = mpu.get_sequence_parallel_group()
+    shards = _alst_batches(ids, mpu, engine.device)
     counter = AlstCounter()
 
     def step(i: int) -> Any:

@@ -296,6 +296,37 @@ def _forward(attn, kernel: BlockKernel, sched: RingSchedule, q, k, v, sinks, sca
     return (out, lse, q_buf) if attn.keep_team_q and c > 1 else (out, lse)
 
 
+def _backward_inputs(attn, q, k, v, dout, out, lse, *, q_team: torch.Tensor | None, delta_path: bool):
+    """Steps 1-2 of the backward: the skewed k/v gather again, and the team's rows in one message per member: q
+    (unless kept), dO (the adjoint of the forward's sends), out, or only the fp32 delta = rowsum(dO * out) for a
+    kernel that takes it (``delta_path``), and lse. Returns (k/v block, its first arrival, the team's rows)."""
+    o_own = (dout.float() * out.float()).sum(-1) if delta_path else out
+    if attn.groups.layout.ring_size == 1:
+        cur, first = local_block(k, v)
+        return cur, first, Arrivals([(q, dout, o_own, lse)], [None])
+    cur, first = gather_kv(attn, k, v)
+    own = ([] if q_team is not None else [q]) + [dout, o_own, lse]
+    like = [(x.shape, x.dtype) for x in own]
+
+    def rows_of(flat: torch.Tensor):
+        got = unpack(flat, like)
+        return tuple(got) if q_team is None else (None, *got)
+
+    return cur, first, gather_team(attn, pack(own), unpack_fn=rows_of)
+
+
+def _sum_backward(dq, homes, sends, home_sends, q, k, v):
+    """Step 4: sum the lanes' dk/dv of this rank's shard (``homes`` [C, B, hk, S_l, d + dv]) and the other members'
+    dq of its rows onto its own (``dq``), in fp32 in a fixed order; cast to the inputs' dtypes."""
+    for pending in home_sends:
+        pending.wait()
+    dkv_own = homes.sum(dim=0, dtype=torch.float32)  # [B, hk, S_l, d + dv]
+    for pending in sends:
+        dq += pending.wait()[0]
+    dk_own, dv_own = split_kv(dkv_own, q.shape[-1])
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
 def _backward(
     attn, kernel: BlockKernel, sched: RingSchedule, dout, q, k, v, out, lse, scale: float, opts: _Options,
     q_team: torch.Tensor | None = None,
@@ -312,23 +343,8 @@ def _backward(
         attn.work["backward"] += call.work
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=call.causal, scale=scale, softcap=opts.softcap)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    # 1-2. the skewed k/v gather again; the team's rows in one message per member: q (unless kept), dO (the adjoint
-    # of the forward's sends), out, or only the fp32 delta = rowsum(dO * out) for a kernel that takes it, and lse
     delta_path = p > 1 and callable(getattr(kernel, "backward_delta", None))
-    o_own = (dout.float() * out.float()).sum(-1) if delta_path else out
-    if p == 1:
-        cur, first = local_block(k, v)
-        team = Arrivals([(q, dout, o_own, lse)], [None])
-    else:
-        cur, first = gather_kv(attn, k, v)
-        own = ([] if q_team is not None else [q]) + [dout, o_own, lse]
-        like = [(x.shape, x.dtype) for x in own]
-
-        def rows_of(flat: torch.Tensor):
-            got = unpack(flat, like)
-            return tuple(got) if q_team is None else (None, *got)
-
-        team = gather_team(attn, pack(own), unpack_fn=rows_of)
+    cur, first, team = _backward_inputs(attn, q, k, v, dout, out, lse, q_team=q_team, delta_path=delta_path)
     # 3. ring: k/v move ahead; dk/dv of the held block follow one step behind, then go home
     expand = expand_grads(kernel, q, k)
     calls = [call for step in sched.steps for call in step]
@@ -384,15 +400,7 @@ def _backward(
                 dkv += dkv_pending.wait()[0]
             dkv_pending = pass_dkv(attn, dkv, wire)
     team.wait_all()
-    # 4. sum the lanes' dk/dv of this rank's shard, and the other members' dq of its rows, in fp32 in a fixed order
-    for pending in home_sends:
-        pending.wait()
-    dkv_own = homes.sum(dim=0, dtype=torch.float32)  # [B, hk, S_l, d + dv]
-    dq = dq_acc[me]
-    for pending in sends:
-        dq += pending.wait()[0]
-    dk_own, dv_own = split_kv(dkv_own, d)
-    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+    return _sum_backward(dq_acc[me], homes, sends, home_sends, q, k, v)
 
 
 class _WallFacerFn(torch.autograd.Function):

@@ -323,17 +323,9 @@ def measure(device: str = "cpu", *, budget_s: float = 6.0) -> Calibration:
         torch.set_num_threads(before)
 
 
-def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> Calibration:
+def _measure_gemm(dev, dtype, *, scale: int, each: float, sync) -> list[tuple[float, float]]:
+    """(FLOPs per matmul, FLOP/s) of forward + backward matmuls of the projections' and MLP's shapes."""
     import torch
-
-    from ..attention.kernels import get_kernel
-
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    scale = 8 if cuda else 1
-    each = budget_s / 12
 
     gemm = []
     # (tokens, in, out): the projections' and MLP's shapes from tiny to mid-size models
@@ -352,6 +344,14 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
         s = _timeit(run, min_s=each, sync=sync)
         flops = 6.0 * t * k * n
         gemm.append((flops / 3, flops / s))  # per call: one of the three matmuls
+    return gemm
+
+
+def _measure_attention(dev, dtype, *, scale: int, each: float, sync):
+    """(causal table, full table, kernel name): (FLOPs, FLOP/s) of the block kernel's forward + backward."""
+    import torch
+
+    from ..attention.kernels import get_kernel
 
     attention, attention_full = [], []
     h, d = 4, 32
@@ -373,6 +373,12 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
             fwd = 2.0 * n_tok * n_tok * h * (d + d) / (2 if causal else 1)  # causal: half the score matrix
             total = fwd * 3.5  # backward: 2.5x forward (flash-attention's 5 matmuls vs 2)
             table.append((total, total / s))
+    return attention, attention_full, kern.name
+
+
+def _measure_small(dev, dtype, *, each: float, sync) -> tuple[float, float, float]:
+    """(seconds per tiny op, memory bytes/s, Adam seconds per parameter)."""
+    import torch
 
     # one tiny call, forward + backward: the kinds of ops a decoder layer makes (norm, projection, gated
     # activation, layout copy, residual) on a [4, 8] tensor, 13 ops per block
@@ -401,7 +407,21 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-4)
     adam = _timeit(opt.step, min_s=each, sync=sync) / p.numel()
+    return op_s, mem_bw, adam
 
+
+def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> Calibration:
+    import torch
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    scale = 8 if cuda else 1
+    each = budget_s / 12
+    gemm = _measure_gemm(dev, dtype, scale=scale, each=each, sync=sync)
+    attention, attention_full, kernel = _measure_attention(dev, dtype, scale=scale, each=each, sync=sync)
+    op_s, mem_bw, adam = _measure_small(dev, dtype, each=each, sync=sync)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -417,7 +437,7 @@ def _measure(device: str, *, budget_s: float, t_start: float, threads: int) -> C
         gemm=tuple(sorted(gemm)), attention=tuple(sorted(attention)), attention_full=tuple(sorted(attention_full)),
         op_s=op_s, mem_bw=mem_bw, adam_s_per_param=adam,
         collective_s=coll, measured_s=round(time.perf_counter() - t_start, 2),
-        extra={"kernel": kern.name, "dtype": str(dtype)},
+        extra={"kernel": kernel, "dtype": str(dtype)},
     )
 
 

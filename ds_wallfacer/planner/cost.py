@@ -314,6 +314,43 @@ def _param_tensors(model: ModelSpec) -> int:
     return model.layers * (4 + model.mlp_matrices + 2) + 2 + (0 if model.tied_embeddings else 1)
 
 
+def _per_call_terms(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workload: Workload, *,
+                    re_attn: bool) -> tuple[float, float, float, float]:
+    """(op calls, their overhead seconds, the optimizer's seconds, collective latency seconds) of one step, from the
+    cluster's calibration: op calls x a tiny call's time plus elementwise bytes / memory bandwidth, the optimizer
+    over this rank's parameter shard, and the per-collective latencies (``re_attn``: attention recomputed)."""
+    cal = cluster.calibration
+    layers = model.layers
+    s = workload.seq_len // cand.sp_size
+    mlp_chunks = _chunks(s, cand.mlp_chunk_tokens) if cand.mini_sequence else 1
+    head_chunks = _chunks(s, cand.lm_head_chunk_tokens) if cand.mini_sequence else 1
+    kc = kernel_calls(cand) if cand.sp_size > 1 else 1
+    cf, cb = collective_calls(cand, backward=False), collective_calls(cand, backward=True)
+    fwd_ops = (_OPS_LAYER + _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_MLP_CHUNK * mlp_chunks
+               + _OPS_COLLECTIVE * sum(cf.values()))
+    re_ops = 0.0
+    if cand.checkpointing:
+        re_ops = _OPS_LAYER + _OPS_MLP_CHUNK * mlp_chunks
+        if re_attn:
+            re_ops += _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_COLLECTIVE * sum(cf.values())
+    elif cand.mini_sequence:
+        re_ops = _OPS_MLP_CHUNK * mlp_chunks
+    bwd_ops = _BWD_OPS * (_OPS_LAYER + _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_MLP_CHUNK * mlp_chunks) + \
+        _OPS_COLLECTIVE * sum(cb.values())
+    ops = layers * (fwd_ops + re_ops + bwd_ops) + (1 + _BWD_OPS) * _OPS_HEAD_CHUNK * head_chunks + _OPS_STEP + \
+        _OPS_PARAM * _param_tensors(model)
+    overhead = ops * cal.op_s + _elementwise_bytes(model, cand, workload) / cal.mem_bw
+    w = cluster.world_size
+    shard = model.params / (w if workload.zero_stage >= 1 else 1)
+    optimizer = shard * cal.adam_s_per_param
+    per_layer_lat = (cf["collective"] + cb["collective"] + (cf["collective"] if re_attn else 0)) * \
+        _latency(cluster, "collective") + (cf["p2p"] + cb["p2p"] + (cf["p2p"] if re_attn else 0)) * \
+        _latency(cluster, "p2p")
+    step_coll = (_LOSS_COLLECTIVES if cand.sp_size > 1 else 0) + (_STEP_COLLECTIVES if w > 1 else 0)
+    latency = layers * per_layer_lat + step_coll * _latency(cluster, "collective")
+    return ops, overhead, optimizer, latency
+
+
 def estimate(
     model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workload: Workload, *, links: Links | None = None
 ) -> CostBreakdown:
@@ -351,36 +388,9 @@ def estimate(
     exposed_zero = max(0.0, zero_s - bwd_total) if workload.overlap else zero_s
 
     # per-call terms (a calibration only): op calls x a tiny call's time, collective latencies, the optimizer
-    overhead = optimizer = latency = ops = 0.0
     over = oversubscription(cluster)
-    if cal is not None:
-        s = workload.seq_len // cand.sp_size
-        mlp_chunks = _chunks(s, cand.mlp_chunk_tokens) if cand.mini_sequence else 1
-        head_chunks = _chunks(s, cand.lm_head_chunk_tokens) if cand.mini_sequence else 1
-        kc = kernel_calls(cand) if cand.sp_size > 1 else 1
-        cf, cb = collective_calls(cand, backward=False), collective_calls(cand, backward=True)
-        fwd_ops = (_OPS_LAYER + _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_MLP_CHUNK * mlp_chunks
-                   + _OPS_COLLECTIVE * sum(cf.values()))
-        re_ops = 0.0
-        if cand.checkpointing:
-            re_ops = _OPS_LAYER + _OPS_MLP_CHUNK * mlp_chunks
-            if re_attn:
-                re_ops += _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_COLLECTIVE * sum(cf.values())
-        elif cand.mini_sequence:
-            re_ops = _OPS_MLP_CHUNK * mlp_chunks
-        bwd_ops = _BWD_OPS * (_OPS_LAYER + _OPS_ATTN_CALL + _OPS_BLOCK * kc + _OPS_MLP_CHUNK * mlp_chunks) + \
-            _OPS_COLLECTIVE * sum(cb.values())
-        ops = layers * (fwd_ops + re_ops + bwd_ops) + (1 + _BWD_OPS) * _OPS_HEAD_CHUNK * head_chunks + _OPS_STEP + \
-            _OPS_PARAM * _param_tensors(model)
-        overhead = ops * cal.op_s + _elementwise_bytes(model, cand, workload) / cal.mem_bw
-        w = cluster.world_size
-        shard = model.params / (w if workload.zero_stage >= 1 else 1)
-        optimizer = shard * cal.adam_s_per_param
-        per_layer_lat = (cf["collective"] + cb["collective"] + (cf["collective"] if re_attn else 0)) * \
-            _latency(cluster, "collective") + (cf["p2p"] + cb["p2p"] + (cf["p2p"] if re_attn else 0)) * \
-            _latency(cluster, "p2p")
-        step_coll = (_LOSS_COLLECTIVES if cand.sp_size > 1 else 0) + (_STEP_COLLECTIVES if w > 1 else 0)
-        latency = layers * per_layer_lat + step_coll * _latency(cluster, "collective")
+    ops, overhead, optimizer, latency = (_per_call_terms(model, cluster, cand, workload, re_attn=re_attn)
+                                         if cal is not None else (0.0, 0.0, 0.0, 0.0))
 
     busy = compute + overhead + optimizer
     exposed = attn_exposed + exposed_zero + latency

@@ -35,8 +35,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='ds_config JSON with a "wallfacer" section, or the name of a shipped example: '
                         + ", ".join(examples.config_names()))
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (LOCAL_RANK is used)")
+    _model_and_data(p.add_argument_group("model and data"))
+    _optimisation(p.add_argument_group("optimisation"))
+    _checkpoints(p.add_argument_group("checkpoints and export"))
+    _logging(p.add_argument_group("logging"))
+    args = p.parse_args(argv)
+    _check(args)
+    return args
 
-    g = p.add_argument_group("model and data")
+
+def _model_and_data(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", default="tiny-llama",
                    help="an HF model directory (weights -> from_pretrained, config only -> random init), a "
                         "config.json, or a preset name (ds_wallfacer.train.model.PRESETS)")
@@ -57,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--cache_dir", default=None,
                    help="tokenised-data cache (default: OUTPUT_DIR/token_cache)")
 
-    g = p.add_argument_group("optimisation")
+
+def _optimisation(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--steps", type=int, default=20, help="optimizer steps in total (the schedule spans them)")
     g.add_argument("--lr", type=float, default=3e-3,
                    help="peak learning rate of the AdamW built when the ds_config has no optimizer")
@@ -70,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a step whose loss or gradient norm is NaN/inf on any rank is skipped (no update) and logged; "
                         "this many in a row stop the job with exit status 4 (1: stop at the first; 0: never stop)")
 
-    g = p.add_argument_group("checkpoints and export")
+
+def _checkpoints(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--output_dir", default="runs", help="checkpoints, wandb run, metrics.jsonl, export")
     g.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--resume", default=None,
@@ -98,7 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--export_only", action="store_true",
                    help="load --resume (or the initial model), export it to the export dir, do not train")
 
-    g = p.add_argument_group("logging")
+
+def _logging(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--wandb_project", default=None,
                    help='wandb project (default: the ds_config "wandb" section\'s, else "ds_wallfacer")')
     g.add_argument("--wandb_run_name", default=None)
@@ -107,9 +118,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--watchdog_timeout", type=float, default=30.0,
                    help="seconds without a heartbeat after which a rank counts as stalled: every rank then ends "
                         "with one line naming it (ds_wallfacer.train.watchdog; 0: no watchdog)")
-    args = p.parse_args(argv)
-    _check(args)
-    return args
 
 
 def _check(args: argparse.Namespace) -> None:
