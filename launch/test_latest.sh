@@ -55,8 +55,11 @@ def pins(path):
             out[name.lower().replace("_", "-")] = version
     return out
 old, new = pins(sys.argv[1]), pins(sys.argv[2])
-changed = [f"  {n}: {old.get(n, '-')} -> {new.get(n, '-')}" for n in sorted(old.keys() | new.keys())
-           if old.get(n, "").split("+")[0] != new.get(n, "").split("+")[0]]
+differ = [n for n in sorted(old.keys() | new.keys()) if old.get(n, "").split("+")[0] != new.get(n, "").split("+")[0]]
+runtime = [n for n in differ if n.startswith(("nvidia-", "cuda-", "triton")) and n not in old]  # a CUDA torch's own
+changed = [f"  {n}: {old.get(n, '-')} -> {new.get(n, '-')}" for n in differ if n not in runtime]
+if runtime:
+    changed.append(f"  and {len(runtime)} packages of torch's CUDA runtime ({', '.join(runtime[:3])}, ...)")
 print("\n".join(changed) or "  none: the pinned set is the newest")
 PY
 [ -s "$OUT/pip_check.txt" ] && { echo "pip check:"; sed 's/^/  /' "$OUT/pip_check.txt"; }
