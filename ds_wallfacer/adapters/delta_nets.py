@@ -14,7 +14,6 @@ Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design/mixers.md.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..mixers import gather_heads, scatter_heads
-from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, closest_misses, conv_call, convolve_channels, has_form,
-                           per_document, refuse_cache, runs_of, shards_of)
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, family_misses, first_family,
+                           head_parallel_call, per_document)
 
 __all__ = ["SETTINGS", "form_misses", "head_counts", "is_delta_net", "read_parameters", "sharded_forward"]
 
@@ -136,17 +134,10 @@ def _built_like(m: nn.Module) -> list[_Family]:
     return [f for f in _FAMILIES if children == f.children]
 
 
-def _family(m: nn.Module) -> _Family | None:
-    return next((f for f in _built_like(m) if has_form(type(m), f.forms)), None)
-
-
 def form_misses(m: nn.Module) -> tuple[str, ...] | None:
     """None: ``m`` is not built like a gated delta-net; (): it is one of a recognised form; else what its forward
     misses of the closest form (``mixer_shards.form_misses``)."""
-    families = _built_like(m)
-    if not families:
-        return None
-    return min((closest_misses(type(m), f.forms) for f in families), key=len)
+    return family_misses(type(m), _built_like(m))
 
 
 def is_delta_net(m: nn.Module) -> bool:
@@ -171,21 +162,15 @@ SETTINGS = "linear_num_key_heads and linear_num_value_heads"
 def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                     attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
     """The layer's forward on this rank's shard (hidden_states [B, S_l, D])."""
-    refuse_cache(self, cache, attention_mask)
-    shards = shards_of(self)
-    model_code = sys.modules[type(self).__module__]  # the model's own convolution and scan functions
+    call = head_parallel_call(self, cache, attention_mask)
+    model_code, runs, p, j = call.model_code, call.runs, call.p, call.j
     b, s, _ = hidden_states.shape
-    family = _family(self)
+    family = first_family(type(self), _built_like(self))
     q, k, v, z, beta_in, a = family.inputs(self, hidden_states)
     hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-    batch = shards.inputs.batch
-    ring = shards.ring(batch)
-    p, j = len(shards.group_shards), shards.group_rank
-    q, k, v, beta_in, a = gather_heads(
-        [q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), beta_in[..., None], a[..., None]],
-        ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    q, k, v, beta_in, a = call.gather(
+        [q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv), beta_in[..., None], a[..., None]])
     n = q.shape[1]
-    runs = runs_of(batch)
     # this rank's channels of the convolution: its key heads of q and of k, its value heads of v
     ks, vs, kd = self.key_dim // p, self.value_dim // p, self.key_dim
     mixed = convolve_channels(self, model_code, torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1),
@@ -202,6 +187,6 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
                                                        output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
 
     core = per_document(scan, runs, 1, q, k, v, g, beta)  # [B, N, Hv / P, dv]
-    core = scatter_heads(core, ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    core = call.scatter(core)
     core = getattr(self, family.norm)(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, -1)
     return getattr(self, family.out)(core)

@@ -15,16 +15,14 @@ Design: Note [Gated delta-nets and Mamba-2 on shards] in docs/design/mixers.md.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..mixers import gather_heads, scatter_heads
-from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, closest_misses, conv_call, convolve_channels, has_form,
-                           per_document, refuse_cache, runs_of, shards_of)
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, family_misses, first_family,
+                           head_parallel_call, per_document)
 
 __all__ = ["SETTINGS", "form_misses", "head_counts", "is_mamba_mixer", "read_parameters", "sharded_forward"]
 
@@ -139,17 +137,10 @@ def _built_like(m: nn.Module) -> list[_Family]:
     return [f for f in _FAMILIES if children == f.children]
 
 
-def _family(m: nn.Module) -> _Family | None:
-    return next((f for f in _built_like(m) if has_form(type(m), f.forms)), None)
-
-
 def form_misses(m: nn.Module) -> tuple[str, ...] | None:
     """None: ``m`` is not built like a Mamba-2 mixer; (): it is one of a recognised form; else what its forward
     misses of the closest form (``mixer_shards.form_misses``)."""
-    families = _built_like(m)
-    if not families:
-        return None
-    return min((closest_misses(type(m), f.forms) for f in families), key=len)
+    return family_misses(type(m), _built_like(m))
 
 
 def is_mamba_mixer(m: nn.Module) -> bool:
@@ -175,15 +166,13 @@ SETTINGS = "the mixer's heads (num_heads / mamba_n_heads) and n_groups"
 def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                     attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
     """The mixer's forward on this rank's shard (hidden_states [B, S_l, D])."""
-    refuse_cache(self, cache, attention_mask)
-    shards = shards_of(self)
-    model_code = sys.modules[type(self).__module__]  # the model's own convolution and scan functions
+    call = head_parallel_call(self, cache, attention_mask)
+    model_code, runs, p, j = call.model_code, call.runs, call.p, call.j
     b, s, _ = hidden_states.shape
     dtype = hidden_states.dtype
     h, hd, g, n_state, inter = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, self.intermediate_size
-    p, j = len(shards.group_shards), shards.group_rank
     rep = max(p // g, 1)  # ranks per group when G < P
-    family = _family(self)
+    family = first_family(type(self), _built_like(self))
     a_all = -torch.exp(self.A_log.float())
     if family.input_scale is not None:
         hidden_states = hidden_states * getattr(self, family.input_scale)
@@ -193,12 +182,8 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     gate, xbc, dt = projected.split([inter, self.conv_dim, h], dim=-1)
     x, bm, cm = xbc.split([inter, g * n_state, g * n_state], dim=-1)
     bm, cm = (t.reshape(b, s, g, n_state).repeat_interleave(rep, dim=2) for t in (bm, cm))  # [B, S_l, max(G, P), N]
-    batch = shards.inputs.batch
-    ring = shards.ring(batch)
-    x, bm, cm, dt = gather_heads([x.reshape(b, s, h, hd), bm, cm, dt[..., None]], ring=ring,
-                                 group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    x, bm, cm, dt = call.gather([x.reshape(b, s, h, hd), bm, cm, dt[..., None]])
     n = x.shape[1]
-    runs = runs_of(batch)
     # this rank's channels of the convolution: x of its heads, B and C of the groups they read
     xs, gl = inter // p, max(g // p, 1)
     g0 = j * g // p if g >= p else j // rep
@@ -216,6 +201,6 @@ def sharded_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
 
     y = per_document(scan, runs, 1, x.reshape(b, n, h // p, hd), dt[..., 0], bm.reshape(b, n, gl, n_state),
                      cm.reshape(b, n, gl, n_state))  # [B, N, H / P, hd]
-    y = scatter_heads(y, ring=ring, group_shards=shards.group_shards, group=shards.group, comm=shards.comm)
+    y = call.scatter(y)
     y = family.gate(self, y.reshape(b, s, inter), gate)
     return self.out_proj(y.to(dtype))

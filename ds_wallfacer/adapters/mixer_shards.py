@@ -17,10 +17,11 @@ from torch import nn
 
 from ..attention.documents import SequenceBatch
 from ..comm import CommLayer
-from ..mixers import ChunkRing
+from ..mixers import ChunkRing, gather_heads, scatter_heads
 
-__all__ = ["ATTR", "CONV_HELPER", "Form", "MixerInputs", "MixerShards", "causal_depthwise", "closest_misses", "conv_call",
-           "convolve_channels", "form_misses", "has_form", "per_document", "refuse_cache", "runs_of", "shards_of"]
+__all__ = ["ATTR", "CONV_HELPER", "Form", "HeadParallelCall", "MixerInputs", "MixerShards", "causal_depthwise",
+           "closest_misses", "conv_call", "convolve_channels", "family_misses", "first_family", "form_misses", "has_form",
+           "head_parallel_call", "per_document", "refuse_cache", "runs_of", "shards_of"]
 
 ATTR = "_wallfacer_mixer"
 
@@ -146,6 +147,55 @@ CONV_HELPER = ("causal_conv1d_forward", (
 ))
 """transformers 5.25's ``causal_conv1d_forward`` without a cache: the kernel ``causal_conv1d_fn`` on the layer's
 weight and bias with the given activation (a cache adds its conv state, which sharded layers refuse)."""
+
+
+def first_family(cls: type, families: list) -> Any:
+    """The first of ``families`` (each with its ``forms``) whose form ``cls`` has, else None."""
+    return next((f for f in families if has_form(cls, f.forms)), None)
+
+
+def family_misses(cls: type, families: list) -> tuple[str, ...] | None:
+    """None when no family fits the layer's parts (``families`` empty); else ``closest_misses`` over them: () when
+    ``cls`` has one of their forms."""
+    if not families:
+        return None
+    return min((closest_misses(cls, f.forms) for f in families), key=len)
+
+
+@dataclass(frozen=True)
+class HeadParallelCall:
+    """One call of a head-parallel sharded forward (gated delta-nets, Mamba-2): the model's module (its own
+    convolution and scan functions), where the pieces are, this rank's place among the P ranks, and the documents."""
+
+    shards: MixerShards
+    model_code: Any
+    """The module of the layer's class: ``causal_conv1d_fn``, the scan."""
+    ring: ChunkRing
+    runs: list[list[tuple[int, int]]] | None
+    """Per row, the documents' [start, end) (``runs_of``); None: one sequence per row."""
+    p: int
+    """Ranks of the group; each scans 1 / P of the heads."""
+    j: int
+    """This rank's place in the group: its heads are the j-th P-th."""
+
+    def gather(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """[B, S_l, H, ...] shards -> every token of this rank's H / P heads (``mixers.gather_heads``)."""
+        sh = self.shards
+        return gather_heads(xs, ring=self.ring, group_shards=sh.group_shards, group=sh.group, comm=sh.comm)
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, N, H / P, ...] -> this rank's shard of every head (``mixers.scatter_heads``)."""
+        sh = self.shards
+        return scatter_heads(y, ring=self.ring, group_shards=sh.group_shards, group=sh.group, comm=sh.comm)
+
+
+def head_parallel_call(m: nn.Module, cache: Any, attention_mask: Any) -> HeadParallelCall:
+    """The start of a head-parallel sharded forward: refuse a cache or a mask, then where this call's pieces are."""
+    refuse_cache(m, cache, attention_mask)
+    shards = shards_of(m)
+    batch = shards.inputs.batch
+    return HeadParallelCall(shards=shards, model_code=sys.modules[type(m).__module__], ring=shards.ring(batch),
+                            runs=runs_of(batch), p=len(shards.group_shards), j=shards.group_rank)
 
 
 def shards_of(m: nn.Module) -> MixerShards:
