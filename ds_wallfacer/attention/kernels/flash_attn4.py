@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ._signature import Signature
-from .base import check_options
+from .bshd import BSHDKernel
 
 __all__ = ["FlashAttn4Kernel", "flash_attn4_available"]
 
@@ -40,51 +40,26 @@ def flash_attn4_available() -> bool:
     return torch.cuda.is_available() and _functions() is not None
 
 
-class FlashAttn4Kernel:
-    """The import and the signature probe run once per process, the device check once per kernel object."""
+class FlashAttn4Kernel(BSHDKernel):
+    """Hopper and Blackwell (sm90+); the import and the signature probe run once per process, the device check once
+    per kernel object."""
 
     name = "flash_attn4"
-    supports_mask = False
-    supports_softcap = True
+    missing = "flash-attn-4 (pip install flash-attn-4)"
+    probe = staticmethod(lambda: _functions())
 
-    def __init__(self) -> None:
-        self._major: dict[int, int] = {}
+    def runs_on(self, major: int, head_dim: int) -> bool:
+        return major >= 9 and _head_dim_ok(major, head_dim)
 
-    def supports(self, q: torch.Tensor) -> bool:
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return False
-        idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        if idx not in self._major:
-            self._major[idx] = torch.cuda.get_device_capability(idx)[0]
-        major = self._major[idx]
-        return major >= 9 and _head_dim_ok(major, q.shape[-1]) and _functions() is not None
-
-    def _sigs(self) -> tuple[Signature, Signature]:
-        fns = _functions()
-        if fns is None:
-            raise RuntimeError("attention kernel 'flash_attn4' needs flash-attn-4 (pip install flash-attn-4)")
-        return fns
-
-    def forward(self, q, k, v, *, causal, scale, mask=None, softcap=0.0):
-        check_options(self, mask=mask, softcap=softcap)
-        fwd, _ = self._sigs()
-        res = fwd.call(
-            q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), softmax_scale=scale, causal=causal,
-            softcap=float(softcap) if softcap else None, return_lse=True,
-        )
-        out, lse = res[0], res[1]  # [B, S, h, d], [B, h, S]
+    def call_forward(self, fwd, q, k, v, *, causal, scale, softcap):
+        res = fwd.call(q=q, k=k, v=v, softmax_scale=scale, causal=causal,
+                       softcap=float(softcap) if softcap else None, return_lse=True)
+        out, lse = res[0], res[1]
         if lse is None:
             raise RuntimeError("flash-attn-4 returned no log-sum-exp although return_lse=True was passed")
-        return out.transpose(1, 2), lse.float().contiguous()
+        return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None, softcap=0.0):
-        check_options(self, mask=mask, softcap=softcap)
-        _, bwd = self._sigs()
-        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        res = bwd.call(
-            q=qt, k=kt, v=vt, out=out.to(q.dtype).transpose(1, 2).contiguous(),
-            dout=dout.to(q.dtype).transpose(1, 2).contiguous(), lse=lse.contiguous(), softmax_scale=scale,
-            causal=causal, softcap=float(softcap), deterministic=False,
-        )
-        dq, dk, dv = res[0], res[1], res[2]
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    def call_backward(self, bwd, dout, q, k, v, out, lse, *, causal, scale, softcap):
+        res = bwd.call(q=q, k=k, v=v, out=out, dout=dout, lse=lse, softmax_scale=scale, causal=causal,
+                       softcap=float(softcap), deterministic=False)
+        return res[0], res[1], res[2]
