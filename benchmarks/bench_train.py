@@ -206,14 +206,15 @@ def predicted_step_s(cfg: dict, args: argparse.Namespace) -> float | None:
     """The planner's step time for a configuration, through the path "auto" takes at start-up (``resolve_auto``
     with this host's calibration): the "wallfacer" section as the job's, fp32, ZeRO ``--zero``. ALST runs are
     predicted as our Ulysses of the same P (with MsT for its tiling), the nearest configuration the model knows."""
-    from ds_wallfacer.config import WallFacerConfig
+    from ds_wallfacer.config import WallFacerConfig, parse_ds_config
     from ds_wallfacer.planner.auto import PlanInputs, resolve_auto
 
     section = cfg.get("section")
     if cfg["system"] == "alst":
         section = dict(sequence_parallel_size=cfg["ranks"], mode="ulysses", ulysses_degree=cfg["ranks"],
                        **({"mini_sequence": {}} if cfg.get("tiled") else {}))
-    inputs = PlanInputs(model=MODEL, seq_len=cfg["seq_len"], zero_stage=args.zero, elem_bytes=4,
+    fp32_zero = parse_ds_config({"zero_optimization": {"stage": args.zero}})
+    inputs = PlanInputs(model=MODEL, seq_len=cfg["seq_len"], run=fp32_zero,
                         default_cluster="cpu", environ={})
     try:
         setup = resolve_auto(WallFacerConfig.from_dict(section), world_size=cfg["ranks"],

@@ -141,12 +141,7 @@ def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanI
     return PlanInputs(
         model=text_config(model),
         seq_len=seq_len,
-        micro_batch=run.micro_batch_size or 1,
-        zero_stage=run.zero_stage,
-        offload_optimizer=run.offload_optimizer,
-        offload_checkpoints=run.cpu_checkpointing,
-        offload_params=run.offload_params,
-        elem_bytes=run.elem_bytes,
+        run=run,
         activation_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)),
         reentrant_checkpointing=reentrant_checkpointing(model),
         default_cluster=cluster_preset(),

@@ -10,10 +10,10 @@ from typing import Any, Mapping
 
 from ..comm.dims import ParallelDims, check_sp_size, divisors, splits_heads, valid_ulysses_degrees
 from ..comm.layout import valid_ring_counts
-from ..config.schema import WallFacerConfig
+from ..config.schema import RunConfig, WallFacerConfig
 from ..data.chunks import check_divisible, padded_length
 
-__all__ = ["ParallelSetup", "PlanInputs", "resolve_auto"]
+__all__ = ["ParallelSetup", "PlanInputs", "resolve_auto", "run_facts"]
 
 
 @dataclass(frozen=True)
@@ -71,20 +71,11 @@ class PlanInputs:
     """The HF model config (object or dict), a ``planner.ModelSpec`` or a model preset name."""
     seq_len: int | None = None
     """Tokens per training sequence (``wallfacer.seq_len`` wins when set; None and unset: no plan)."""
-    micro_batch: int = 1
-    """Sequences per sequence-parallel group per micro-step."""
-    zero_stage: int = 0
-    """ZeRO stage of the ds_config."""
-    offload_optimizer: bool = False
-    """ZeRO optimizer state on the CPU."""
-    offload_checkpoints: bool = False
-    """Checkpointed activations on the CPU."""
-    offload_params: bool = False
-    """ZeRO-3 parameters on the CPU."""
+    run: RunConfig | None = None
+    """The parsed ds_config, for the run facts the planner reads (``run_facts``); None: a bf16 run of one sequence
+    per micro-step, without ZeRO or offload."""
     reentrant_checkpointing: bool = False
     """transformers' layer checkpointing (outside Mini-Sequence) is reentrant; its default is not."""
-    elem_bytes: int = 2
-    """Bytes per weight / activation element (2 for bf16 / fp16, 4 for fp32)."""
     activation_checkpointing: bool = False
     """Decoder layers checkpointed outside Mini-Sequence (e.g. HF gradient checkpointing)."""
     default_cluster: str = "h100x64"
@@ -95,6 +86,18 @@ class PlanInputs:
     """Head counts of the model's layers that scan whole heads per rank (``Workload.whole_heads``)."""
     head_groups: tuple[int, ...] = ()
     """Group counts of its Mamba-2 mixers (``Workload.head_groups``)."""
+
+
+def run_facts(run: RunConfig | None) -> dict[str, Any]:
+    """What the ds_config fixes about a run, as ``planner.Workload`` takes it: sequences per micro-step, element
+    size, ZeRO stage and offloads, read through ``RunConfig``'s properties (the one place that reads them from the
+    JSON). Without a ds_config: one bf16 sequence per micro-step, no ZeRO, no offload."""
+    if run is None:
+        return dict(batch=1, elem_bytes=2, zero_stage=0, offload_optimizer=False, offload_params=False,
+                    offload_checkpoints=False)
+    return dict(batch=run.micro_batch_size or 1, elem_bytes=run.elem_bytes, zero_stage=run.zero_stage,
+                offload_optimizer=run.offload_optimizer, offload_params=run.offload_params,
+                offload_checkpoints=run.cpu_checkpointing)
 
 
 def _ranks_per_node(cfg: WallFacerConfig, given: int | None, environ: Mapping[str, str]) -> int | None:
@@ -247,10 +250,9 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
                               else inputs.reentrant_checkpointing)
     # the loader pads each sequence to a multiple of 2P; plan for a length every P <= world size accepts
     n = padded_length(seq_len, world_size)
-    workload = pl.Workload(seq_len=n, batch=inputs.micro_batch, elem_bytes=inputs.elem_bytes, zero_stage=inputs.zero_stage,
-                       offload_optimizer=inputs.offload_optimizer, offload_params=inputs.offload_params,
-                       offload_checkpoints=inputs.offload_checkpoints or (ms is not None and ms.offload_checkpoints),
-                       whole_heads=inputs.whole_heads, head_groups=inputs.head_groups)
+    facts = run_facts(inputs.run)
+    facts["offload_checkpoints"] |= ms is not None and ms.offload_checkpoints
+    workload = pl.Workload(seq_len=n, whole_heads=inputs.whole_heads, head_groups=inputs.head_groups, **facts)
     model = pl.get_model(inputs.model)
     what = (f"cluster {cluster.name} ({cluster.nodes} x {cluster.ranks_per_node} ranks), model {model.name}, "
             f"seq_len {n}" + (f" (padded from {seq_len})" if n != seq_len else ""))

@@ -146,7 +146,8 @@ def test_planner_can_choose_ring_inner() -> None:
     from ds_wallfacer import planner
 
     lay = _resolve({"sequence_parallel_size": 32, "ring_count": 2, "cluster": "h100x64"}, world=32,
-                   heads=(32, 32), model="llama2-7b", seq_len=65536, zero_stage=3)
+                   heads=(32, 32), model="llama2-7b", seq_len=65536,
+                   run=parse_ds_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
     assert lay.dims.placement == "ring-inner" and lay.notes[0].startswith("planner chose placement = ring-inner")
     cand = planner.Candidate(sp_size=32, ring_count=2, ulysses_degree=1, placement="ring-inner")
     assert lay.dims.ring_ranks(0, 0) == planner.layouts(cand, 32)[0].ranks
@@ -156,8 +157,7 @@ def test_planner_can_choose_ring_inner() -> None:
 def test_every_example_config_plans_for_train_py(path: Path) -> None:
     """What launch/train.py gets on launch/main.sh's 4 CPU ranks at its default 512 tokens."""
     run = parse_ds_config(path)
-    plan = PlanInputs(model=TINY, seq_len=512, micro_batch=run.micro_batch_size or 1, zero_stage=run.zero_stage,
-                      elem_bytes=run.elem_bytes, default_cluster="cpu", environ={})
+    plan = PlanInputs(model=TINY, seq_len=512, run=run, default_cluster="cpu", environ={})
     lay = resolve_auto(run.wallfacer, world_size=4, num_heads=8, num_kv_heads=4, ranks_per_node=4, planner_inputs=plan)
     lay.check_seq_len(512)
     assert not any("safe rule" in n for n in lay.notes), lay.notes
