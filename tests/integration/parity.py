@@ -1,10 +1,55 @@
-"""Shared pieces of the parity tests: the ZeRO section that really partitions tiny models, and the comparison of
-every trained parameter with the non-parallel run's."""
+"""Shared pieces of the parity tests: the ds_config of a parity run, the ZeRO section that really partitions tiny
+models, the training loop on the engine with its step-0 checks, and the comparison of every trained parameter with
+the non-parallel run's."""
 from __future__ import annotations
+
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["param_failures", "zero_section"]
+__all__ = ["first_step_failures", "finish", "parity_config", "param_failures", "run_cases", "train", "zero_section"]
+
+LOSS_RTOL = 1e-5
+"""Step-0 losses: relative to max(1, |reference|)."""
+
+
+def parity_config(*, stage: int, wallfacer: dict, micro_batch: int = 1, **extra: Any) -> dict:
+    """The ds_config of a parity run: the client's SGD, no gradient clipping (clipping and Adam hide constant
+    gradient factors), ``zero_section(stage)``."""
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 0,
+            "zero_optimization": zero_section(stage), "zero_allow_untested_optimizer": True, "wallfacer": wallfacer,
+            **extra}
+
+
+def first_step_failures(got: float, want: float, what: str = "loss") -> list[str]:
+    """A step-0 value against the non-parallel run's, within ``LOSS_RTOL``."""
+    if abs(got - want) <= LOSS_RTOL * max(1.0, abs(want)):
+        return []
+    return [f"step 0 {what} {got:.7f} != non-parallel {want:.7f}"]
+
+
+def train(engine: Any, sp: Any, batches: Iterable[dict], check: Callable[[int, torch.Tensor], list[str]]) -> list[str]:
+    """One engine step per full batch (sharded by ``sp``); ``check(i, loss)`` says what differs at batch i."""
+    failures = []
+    for i, batch in enumerate(batches):
+        loss = engine(**sp.shard(batch))
+        failures += check(i, loss)
+        engine.backward(loss)
+        engine.step()
+    return failures
+
+
+def finish(engine: Any, ref_params: dict[str, torch.Tensor], failures: list[str], *, steps: int, name: str,
+           rank: int) -> list[str]:
+    """The loop's failures and every parameter's (``param_failures``), labelled; the engine destroyed."""
+    failures = failures + param_failures(engine, ref_params, steps=steps)
+    engine.destroy()
+    return [f"[{name}] rank {rank}: {f}" for f in failures]
+
+
+def run_cases(rank: int, world: int, run_case: Callable[[int, int, Any], list[str]], cases: list) -> list[str]:
+    """Every case on this rank, one after another (``run_distributed(run_cases, world, run_case, cases)``)."""
+    return [f for case in cases for f in run_case(rank, world, case)]
 
 
 def zero_section(stage: int) -> dict:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 
 from .models import full_batch
-from .parity import param_failures, zero_section
+from .parity import finish, first_step_failures, parity_config, run_cases, train
 from .variants import AUX_COEF, MOE_FAMILIES, tiny_moe
 
 LR = 0.5
@@ -35,9 +34,7 @@ class Case:
 
 
 def _ds_config(case: Case) -> dict:
-    zero = zero_section(case.stage)
-    return {"train_micro_batch_size_per_gpu": case.batch_size, "gradient_clipping": 0, "zero_optimization": zero,
-            "zero_allow_untested_optimizer": True, "wallfacer": case.wallfacer}
+    return parity_config(stage=case.stage, wallfacer=case.wallfacer, micro_batch=case.batch_size)
 
 
 def _ref_loss(model: torch.nn.Module, batch: dict, pad: int) -> torch.Tensor:
@@ -77,29 +74,17 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
             assert ms.mlp_modules == ["model.layers.1.mlp"], ms.mlp_modules
     dp, d = sp.setup.dims.dp_size, sp.groups.dp_index
     ref_losses, ref_aux, ref_params = _reference(case, dp)
-    failures = []
-    for step in range(STEPS):
-        batch = full_batch(case.seq_len, batch_size=case.batch_size, seed=step * 10 + d, pad=case.pad)
-        loss = engine(**sp.shard(batch))
-        aux = sp.module.last_aux_loss.item()
-        if step == 0:
-            want, want_aux = ref_losses[(step, d)], ref_aux[(step, d)]
-            if abs(loss.item() - want) > 1e-5 * max(1.0, abs(want)):
-                failures.append(f"step 0 loss {loss.item():.7f} != non-parallel {want:.7f}")
-            if abs(aux - want_aux) > 1e-5 * max(1.0, abs(want_aux)):
-                failures.append(f"step 0 aux loss {aux:.7f} != non-parallel {want_aux:.7f}")
-        engine.backward(loss)
-        engine.step()
-    failures += param_failures(engine, ref_params, steps=STEPS)
-    engine.destroy()
-    return [f"[{case.name()}] rank {rank}: {f}" for f in failures]
 
+    def check(step: int, loss: torch.Tensor) -> list[str]:
+        if step:
+            return []
+        return (first_step_failures(loss.item(), ref_losses[(0, d)])
+                + first_step_failures(sp.module.last_aux_loss.item(), ref_aux[(0, d)], "aux loss"))
 
-def _run_cases(rank: int, world: int, cases: list[Case]) -> list[str]:
-    failures = []
-    for case in cases:
-        failures += _run_case(rank, world, case)
-    return failures
+    batches = (full_batch(case.seq_len, batch_size=case.batch_size, seed=step * 10 + d, pad=case.pad)
+               for step in range(STEPS))
+    failures = train(engine, sp, batches, check)
+    return finish(engine, ref_params, failures, steps=STEPS, name=case.name(), rank=rank)
 
 
 WF, UL = "wallfacer", "ulysses"
@@ -121,7 +106,7 @@ CASES_4 = [
 
 def test_moe_aux_loss_matches_non_parallel_run() -> None:
     assert {c.family for c in CASES_4} == set(MOE_FAMILIES)
-    results = run_distributed(_run_cases, 4, CASES_4, timeout_s=420)
+    results = run_distributed(run_cases, 4, _run_case, CASES_4, timeout_s=420)
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])
 

@@ -16,7 +16,7 @@ import torch
 from tests.dist_utils import run_distributed
 
 from .models import full_batch, hf_loss, tiny_model
-from .parity import param_failures, zero_section
+from .parity import finish, first_step_failures, parity_config, run_cases, train
 
 LR = 0.5
 STEPS = 3
@@ -38,16 +38,8 @@ class Case:
 
 
 def _ds_config(case: Case) -> dict:
-    zero = zero_section(case.stage)
-    return {
-        "train_micro_batch_size_per_gpu": case.batch_size,
-        "gradient_accumulation_steps": case.gas,
-        "gradient_clipping": 0,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "wallfacer": case.wallfacer,
-        **case.extra,
-    }
+    return parity_config(stage=case.stage, wallfacer=case.wallfacer, micro_batch=case.batch_size,
+                         gradient_accumulation_steps=case.gas, **case.extra)
 
 
 def _reference(case: Case, dp: int) -> tuple[dict, dict]:
@@ -77,29 +69,15 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
     if "mini_sequence" in case.wallfacer:  # MsT really in the path: both MLPs chunked, LM head wrapped
         assert sp.mini_sequence is not None and len(sp.mini_sequence.mlp_modules) == 2, sp.mini_sequence
     ref_losses, ref_params = _reference(case, dp)
-    failures = []
-    for step in range(STEPS):
-        for m in range(case.gas):
-            batch = full_batch(case.seq_len, batch_size=case.batch_size, seed=(step * 10 + m) * 10 + d, pad=case.pad)
-            loss = engine(**sp.shard(batch))
-            want = ref_losses[(step, m, d)]
-            if step == 0 and abs(loss.item() - want) > 1e-5 * max(1.0, abs(want)):
-                failures.append(f"step 0 loss {loss.item():.7f} != non-parallel {want:.7f}")
-            engine.backward(loss)
-            engine.step()
-    failures += param_failures(engine, ref_params, steps=STEPS)
+    keys = [(step, m, d) for step in range(STEPS) for m in range(case.gas)]
+    batches = (full_batch(case.seq_len, batch_size=case.batch_size, seed=(step * 10 + m) * 10 + d, pad=case.pad)
+               for step, m, d in keys)
+    failures = train(engine, sp, batches,
+                     lambda i, loss: first_step_failures(loss.item(), ref_losses[keys[i]]) if keys[i][0] == 0 else [])
     # every collective tensor went through the comm layer's device check (comm/ops.py), on the engine's device
     assert sp.comm.device == torch.device(engine.device), (sp.comm.device, engine.device)
     assert sp.comm.checked >= sum(sp.comm.calls.values()) and (sp.comm.checked > 0 or sp.setup.dims.sp_size == 1)
-    engine.destroy()
-    return [f"[{case.name()}] rank {rank}: {f}" for f in failures]
-
-
-def _run_cases(rank: int, world: int, cases: list[Case]) -> list[str]:
-    failures = []
-    for case in cases:
-        failures += _run_case(rank, world, case)
-    return failures
+    return finish(engine, ref_params, failures, steps=STEPS, name=case.name(), rank=rank)
 
 
 WF, UL = "wallfacer", "ulysses"
@@ -141,6 +119,6 @@ CASES_2 = [
 @pytest.mark.parametrize("world,cases", [(1, CASES_1), (2, CASES_2), (4, CASES_4), (8, CASES_8)],
                          ids=["W1", "W2", "W4", "W8"])
 def test_matches_non_parallel_run(world: int, cases: list[Case]) -> None:
-    results = run_distributed(_run_cases, world, cases, timeout_s=420)
+    results = run_distributed(run_cases, world, _run_case, cases, timeout_s=420)
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])

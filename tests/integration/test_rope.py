@@ -13,7 +13,7 @@ import torch
 from tests.dist_utils import run_distributed
 
 from .models import full_batch, hf_loss
-from .parity import param_failures
+from .parity import finish, first_step_failures, parity_config, run_cases, train
 from .variants import tiny_rope
 
 LR = 0.5
@@ -49,27 +49,13 @@ def _run_case(rank: int, world: int, case: Case) -> list[str]:
     from ds_wallfacer.integration import initialize
 
     ours = tiny_rope(case.rope_type, family=case.family)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": {"stage": case.stage},
-           "zero_allow_untested_optimizer": True, "wallfacer": case.wallfacer}
+    cfg = parity_config(stage=case.stage, wallfacer=case.wallfacer)
     engine, sp = initialize(model=ours, config=cfg, optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
     ref_losses, ref_params = _reference(case)
-    failures = []
-    for step in range(STEPS):
-        loss = engine(**sp.shard(full_batch(case.seq_len, batch_size=1, seed=step)))
-        if step == 0 and abs(loss.item() - ref_losses[0]) > 1e-5 * max(1.0, abs(ref_losses[0])):
-            failures.append(f"step 0 loss {loss.item():.7f} != non-parallel {ref_losses[0]:.7f}")
-        engine.backward(loss)
-        engine.step()
-    failures += param_failures(engine, ref_params, steps=STEPS)
-    engine.destroy()
-    return [f"[{case.name()}] rank {rank}: {f}" for f in failures]
-
-
-def _run_cases(rank: int, world: int, cases: list[Case]) -> list[str]:
-    failures = []
-    for case in cases:
-        failures += _run_case(rank, world, case)
-    return failures
+    batches = (full_batch(case.seq_len, batch_size=1, seed=step) for step in range(STEPS))
+    failures = train(engine, sp, batches,
+                     lambda step, loss: first_step_failures(loss.item(), ref_losses[0]) if step == 0 else [])
+    return finish(engine, ref_params, failures, steps=STEPS, name=case.name(), rank=rank)
 
 
 WF = {"mode": "wallfacer", "ring_count": 1}
@@ -90,6 +76,6 @@ def test_every_rope_type_matches_non_parallel_run() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     assert {c.rope_type for c in CASES_4} == {"default", *ROPE_INIT_FUNCTIONS}
-    results = run_distributed(_run_cases, 4, CASES_4, timeout_s=420)
+    results = run_distributed(run_cases, 4, _run_case, CASES_4, timeout_s=420)
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:40])
