@@ -1,5 +1,5 @@
 """The repository explains itself: no file points to design notes users do not have, or to issue numbers (both
-rot); the design lives in docs/design/index.md. Scans every tracked text file."""
+rot); the design lives in docs/design/, one file per topic. Scans every tracked text file."""
 from __future__ import annotations
 
 import re

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, family_misses, first_family,
-                           head_parallel_call, per_document)
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, family_misses,
+                           first_family, head_parallel_call, per_document)
 
 __all__ = ["SETTINGS", "form_misses", "head_counts", "is_delta_net", "read_parameters", "sharded_forward"]
 
@@ -72,8 +72,9 @@ def _olmo_hybrid_inputs(m: nn.Module, h: torch.Tensor):
 
 @dataclass(frozen=True)
 class _Family:
-    """One recognised form: its children, the expression of its forward (``_forms``), how it computes q, k, v, the gate z, b and
-    a, the factor on beta (OLMo-hybrid's negative eigenvalues: 2) and the names of its gated norm and output."""
+    """One recognised form: its children, the expression of its forward (``_forms``), how it computes q, k, v, the
+    gate z, b and a, the factor on beta (OLMo-hybrid's negative eigenvalues: 2) and the names of its gated norm and
+    output."""
 
     children: frozenset[str]
     forms: tuple[Form, ...]

@@ -71,7 +71,8 @@ def wallfacer_attention_forward(
             window = None
     batch = kwargs.get(BATCH_KWARG)
     chunk = positional.chunk_size(module)
-    if chunk is not None and chunk < full:  # chunks as documents of their own (Note [Chunked attention and position-scaled queries])
+    # chunks as documents of their own (Note [Chunked attention and position-scaled queries])
+    if chunk is not None and chunk < full:
         batch = positional.with_chunks(batch, chunk=chunk, seq_len=full, rows=query.shape[0])
     query = positional.position_scaled(module, query, kwargs.get(positional.POSITIONS_KWARG))
     sinks = kwargs.get("s_aux")

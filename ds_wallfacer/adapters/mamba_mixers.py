@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, family_misses, first_family,
-                           head_parallel_call, per_document)
+from .mixer_shards import (CONV_HELPER, Form, causal_depthwise, conv_call, convolve_channels, family_misses,
+                           first_family, head_parallel_call, per_document)
 
 __all__ = ["SETTINGS", "form_misses", "head_counts", "is_mamba_mixer", "read_parameters", "sharded_forward"]
 

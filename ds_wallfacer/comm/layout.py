@@ -6,7 +6,8 @@ each rank's place in them (``RankPlace``). C = 1 gives one team per rank, one te
 ranks: plain ring attention. Nothing here imports ``torch.distributed``;
 ``groups.py`` turns a layout into process groups.
 
-Words (index, team, local, team group, sub-ring, skew): the glossary in docs/design/index.md; the algorithm: docs/design/attention.md.
+Words (index, team, local, team group, sub-ring, skew): the glossary in docs/design/index.md; the algorithm:
+docs/design/attention.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Non-finite steps: a NaN or inf loss or gradient norm on any rank skips that step's update on every rank, is
 logged, and ``--nonfinite_limit`` such steps in a row stop the job with the step, the data position and the ranks
 named. Who skips (DeepSpeed's ZeRO optimizers, or ``UpdateGate`` in front of a plain optimizer): Note [Non-finite
-steps] in docs/design/index.md.
+steps] in docs/design/faults.md.
 """
 from __future__ import annotations
 
