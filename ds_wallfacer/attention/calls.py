@@ -1,4 +1,4 @@
-"""Running one planned kernel call (``schedule.KernelCall``) on its slices: an ordinary call, a window-masked one, or
+"""Running one planned kernel call (``blocks.KernelCall``) on its slices: an ordinary call, a window-masked one, or
 a varlen call over many documents (``kernels/varlen.py``), forward and backward, for every runtime (ring and
 WallFacer in ``wallfacer.py``, the direct fetch in ``direct.py``, local attention in ``local.py``).
 """
@@ -9,7 +9,7 @@ import torch
 from .kernels import BlockKernel
 from .kernels.base import expand_kv, window_mask
 from .kernels.varlen import varlen_backward, varlen_forward
-from .schedule import KernelCall
+from .blocks import KernelCall
 
 __all__ = ["call_backward", "call_forward", "expand_grads"]
 

@@ -9,13 +9,14 @@ every rank, so both ends of every message derive it alike, with no handshake.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import functools
-
 from ..comm.layout import RankLayout
+from ..data.chunks import rank_chunks
+from .blocks import KernelCall, block_calls, kernel_calls
 from .documents import SequenceBatch
-from .schedule import KernelCall, _member_chunks, block_calls, kernel_calls, ring_steps
+from .schedule import ring_steps
 from .volume import AttnShape, SumDtypes, needed_positions, wallfacer_bytes
 
 __all__ = ["FetchSchedule", "Send", "Source", "key_ranges", "needed", "pair_calls", "prefer_fetch"]
@@ -74,7 +75,7 @@ class FetchSchedule:
     ) -> "FetchSchedule":
         """The schedule of sequence-parallel rank ``index`` (arguments as ``RingSchedule.plan``)."""
         p = layout.ring_size
-        chunks = [_member_chunks(i, p, sharding, batch.assignment) for i in range(p)]
+        chunks = rank_chunks(p, sharding, batch.assignment)
         m = len(chunks[index])
         if local_len % m:
             raise ValueError(f"{local_len} local tokens cannot be cut into the {m} chunks each rank holds")
@@ -158,8 +159,7 @@ def _to_buffer(calls: list[KernelCall], ranges: tuple[tuple[int, int], ...]) -> 
 
 def shards(layout: RankLayout, *, sharding: str, batch: SequenceBatch) -> tuple[tuple[int, ...], ...]:
     """The chunks every rank of the layout holds (the batch's balanced assignment, or ``sharding``'s)."""
-    p = layout.ring_size
-    return tuple(_member_chunks(i, p, sharding, batch.assignment) for i in range(p))
+    return rank_chunks(layout.ring_size, sharding, batch.assignment)
 
 
 def needed(layout: RankLayout, *, sharding: str, causal: bool, batch: SequenceBatch, window: int | None,

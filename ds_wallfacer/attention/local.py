@@ -13,7 +13,7 @@ from .documents import SequenceBatch
 from .kernels import get_kernel
 from .merge import merge_
 from .residuals import residual_slot, tensor_key
-from .schedule import BlockCall, kernel_calls
+from .blocks import BlockCall, kernel_calls
 from .sinks import add_sink, sink_grad
 
 __all__ = ["LocalAttention", "local_backward", "local_calls", "local_forward"]

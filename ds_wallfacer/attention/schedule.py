@@ -1,10 +1,11 @@
 """The ring schedule: which kernel calls each ring step of WallFacer attention makes on one rank, as pure integer
-math (no torch). ``wallfacer.py`` runs the calls; ``ulysses.py`` plans its local calls with ``kernel_calls``.
+math (no torch). ``wallfacer.py`` runs the calls; the calls of one block pair, split by documents and windows,
+are ``blocks.py``'s (``kernel_calls``, which ``ulysses.py`` also plans its local calls with).
 
 A team of C consecutive ranks holds two contiguous runs of chunks (zigzag) or one (contiguous); sorted by chunk
 index, every (query team, key team) pair needs at most one block call: full, causal-diagonal or skipped
 (docs/design/documents.md). With packed documents or a sliding window a block call splits into document segments and
-window tiles (``documents.py``), run as one varlen call for a block's diagonal segments and one for its off-diagonal
+window tiles (``blocks.py``), run as one varlen call for a block's diagonal segments and one for its off-diagonal
 ones (``KernelCall.spans``), plus the window tiles; a window may cut the ring short (``ring_steps``). Such batches
 normally run the direct fetch instead of the ring (``fetch.py``), with the same kernel calls.
 
@@ -19,13 +20,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..comm.layout import RankLayout
-from ..data.chunks import chunk_ids
-from .documents import BatchDocuments, SequenceBatch, buffer_runs, global_ranges, segments, window_tiles
+from ..data.chunks import chunk_ids, rank_chunks
+from .blocks import BlockCall, KernelCall, block_calls, call_work, kernel_calls
+from .documents import SequenceBatch
 
-__all__ = [
-    "BlockCall", "KernelCall", "RingSchedule", "attention_work", "block_calls", "call_work", "kernel_calls",
-    "pipeline_order", "ring_schedule", "ring_steps", "team_chunk_order",
-]
+__all__ = ["RingSchedule", "attention_work", "pipeline_order", "ring_schedule", "ring_steps", "team_chunk_order"]
 
 
 def team_chunk_order(
@@ -40,73 +39,6 @@ def team_chunk_order(
     gathered = [c for i in team for c in (assignment[i] if assignment is not None else chunk_ids(i, sp_size, scheme))]
     perm = sorted(range(len(gathered)), key=gathered.__getitem__)
     return [gathered[p] for p in perm], perm
-
-
-@dataclass(frozen=True)
-class BlockCall:
-    """One block-kernel call: sorted query chunks [q_lo, q_hi) against sorted key chunks [k_lo, k_hi)."""
-
-    q_lo: int
-    q_hi: int
-    k_lo: int
-    k_hi: int
-    causal: bool
-    """Causal inside the call: only when the query and key chunks are the same run."""
-
-
-def block_calls(q_chunks: Sequence[int], k_chunks: Sequence[int], *, causal: bool) -> list[BlockCall]:
-    """The kernel calls for sorted query chunks against sorted key chunks.
-
-    Non-causal: one full call. Causal: identical chunk lists give one causal call (positions ascend, so the
-    mask of the concatenation is exactly the global causal mask); disjoint lists give full calls, one per run
-    of queries that see the same prefix of keys (chunks below them); pairs with no visible key are skipped.
-    """
-    nq, nk = len(q_chunks), len(k_chunks)
-    if not causal:
-        return [BlockCall(0, nq, 0, nk, False)]
-    if list(q_chunks) == list(k_chunks):
-        return [BlockCall(0, nq, 0, nk, True)]
-    if set(q_chunks) & set(k_chunks):
-        raise ValueError(f"query chunks {q_chunks} and key chunks {k_chunks} partly overlap")
-    calls: list[BlockCall] = []
-    for qi, c in enumerate(q_chunks):
-        seen = sum(1 for k in k_chunks if k < c)  # sorted keys: the visible ones are a prefix
-        if seen == 0:
-            continue
-        if calls and calls[-1].k_hi == seen and calls[-1].q_hi == qi:
-            last = calls[-1]
-            calls[-1] = BlockCall(last.q_lo, qi + 1, 0, seen, False)
-        else:
-            calls.append(BlockCall(qi, qi + 1, 0, seen, False))
-    return calls
-
-
-def call_work(call: BlockCall, chunk_len: int) -> int:
-    """Attention score entries a call computes (query-key pairs), for balance reports."""
-    sq, sk = (call.q_hi - call.q_lo) * chunk_len, (call.k_hi - call.k_lo) * chunk_len
-    return sq * (sq + 1) // 2 if call.causal else sq * sk
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """One kernel call of a ring step: batch rows, query and key buffer slices, and a window mask's global
-    index ranges (None: no mask)."""
-
-    rows: slice
-    qs: slice
-    ks: slice
-    causal: bool
-    mask: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None
-    work: int
-    qm: int = 0
-    """The team member whose query rows the call reads (``qs`` are positions in that member's shard)."""
-    km: int = 0
-    """The member of the held k/v block whose keys the call reads (``ks`` are positions in its shard)."""
-    spans: tuple[tuple[int, int, int, int], ...] | None = None
-    """A varlen call (``kernels/varlen.py``): attention of each span's queries [q_lo, q_hi) (relative to ``qs.start``)
-    to its keys [k_lo, k_hi) (relative to ``ks.start``), independently; causal spans (``causal``) are diagonal
-    (the same range on both sides). Query ranges are disjoint; rows of ``qs`` in no span get nothing (out 0, lse
-    -inf). None: one ordinary call."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +68,8 @@ class RingSchedule:
         rank, the documents and chunk assignment of ``batch``, and a sliding ``window`` (None: full)."""
         c, g, p = layout.ring_count, layout.group_size, layout.ring_size
         place = layout.places[index]
-        members = lambda team: [_member_chunks(team * c + m, p, sharding, batch.assignment)  # noqa: E731
-                                for m in range(c)]
+        held = rank_chunks(p, sharding, batch.assignment)  # every rank's chunks, once
+        members = lambda team: list(held[team * c:(team + 1) * c])  # noqa: E731
         q_members = members(place.team)
         m = len(q_members[0])
         if local_len % m:
@@ -145,8 +77,7 @@ class RingSchedule:
         L = local_len // m
         n_steps = g
         if window is not None and batch.documents is None:
-            n_steps = ring_steps(layout, sharding=sharding, causal=causal, window=window, chunk_len=L,
-                                 assignment=batch.assignment)
+            n_steps = ring_steps(layout, sharding=sharding, causal=causal, window=window, chunk_len=L, assignment=held)
         kv_group = (place.group + place.local) % c
         self_kv = place.local if kv_group == place.group else None  # my own shard is piece ``local`` of step 0
         steps, sends_after = [], ()
@@ -179,14 +110,6 @@ class RingSchedule:
                 or call.ks != full):
             return None
         return call
-
-
-def _member_chunks(index: int, sp_size: int, scheme: str, assignment) -> tuple[int, ...]:
-    """The chunks rank ``index`` holds, in its local order (ascending: ``chunk_ids`` and balanced assignments)."""
-    chunks = tuple(assignment[index]) if assignment is not None else tuple(chunk_ids(index, sp_size, scheme))
-    if list(chunks) != sorted(chunks):
-        raise ValueError(f"rank {index} holds chunks {chunks} out of order; a shard's chunks must ascend")
-    return chunks
 
 
 def pipeline_order(
@@ -264,86 +187,6 @@ def attention_work(layout: RankLayout, *, sharding: str, causal: bool, chunk_len
             for call in calls)
         for i in range(layout.ring_size)
     ]
-
-
-def kernel_calls(
-    q_chunks, k_chunks, calls: list[BlockCall], *, chunk_len: int, rows: int, docs: BatchDocuments | None,
-    window: int | None, qm: int = 0, km: int = 0,
-) -> list[KernelCall]:
-    """The kernel calls of one ring step: one per block call, or, with packed documents or a sliding window, the
-    document segments (``documents.py``) as varlen calls: consecutive causal segments of a row as one, every
-    unmasked off-diagonal segment of a row as one (``_varlen_call``), and each window tile as its own; ``qm`` /
-    ``km``: the members they read (``KernelCall``)."""
-    L, out = chunk_len, []
-    if docs is None and window is None:
-        for call in calls:
-            out.append(KernelCall(slice(0, rows), slice(call.q_lo * L, call.q_hi * L),
-                                  slice(call.k_lo * L, call.k_hi * L), call.causal, None, rows * call_work(call, L),
-                                  qm, km))
-        return out
-    docs = docs or BatchDocuments.single(seq_len=10**18, rows=rows)
-    full: dict = {}  # per row (None: all): the unmasked full segments of every block call, buffer offsets absolute
-    for call in calls:
-        qc, kc = q_chunks[call.q_lo:call.q_hi], k_chunks[call.k_lo:call.k_hi]
-        q_runs, k_runs = buffer_runs(qc, L), buffer_runs(kc, L)
-        q0, k0 = call.q_lo * L, call.k_lo * L  # buffer offsets of the call inside the team / step buffer
-        diagonal: list = []  # consecutive causal segments of one row, end to end: one varlen call
-
-        def flush() -> None:
-            if diagonal:
-                out.append(_varlen_call([(x.q_lo + q0, x.q_hi + q0, x.k_lo + k0, x.k_hi + k0) for x in diagonal],
-                                        diagonal[0].row, rows, True, qm, km))
-                diagonal.clear()
-
-        for seg in segments(qc, kc, chunk_len=L, causal=call.causal, docs=docs, window=window):
-            r = slice(0, rows) if seg.row is None else slice(seg.row, seg.row + 1)
-            n_rows = rows if seg.row is None else 1
-            if seg.causal and not seg.windowed:
-                if diagonal and (diagonal[-1].row != seg.row or diagonal[-1].q_hi != seg.q_lo):
-                    flush()
-                diagonal.append(seg)
-                continue
-            flush()
-            if not seg.windowed:
-                full.setdefault(seg.row, []).append((q0 + seg.q_lo, q0 + seg.q_hi, k0 + seg.k_lo, k0 + seg.k_hi))
-                continue
-            for t in window_tiles(seg, q_runs, k_runs, window=window):
-                gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
-                mask = (tuple(gq), tuple(gk)) if t.masked else None
-                sq, sk = t.q_hi - t.q_lo, t.k_hi - t.k_lo
-                work = n_rows * (_masked_work(gq, gk, window) if t.masked else
-                                 sq * (sq + 1) // 2 if t.causal else sq * sk)
-                out.append(KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
-                                      t.causal, mask, work, qm, km))
-        flush()
-    for row, spans in full.items():
-        out.append(_varlen_call(spans, row, rows, False, qm, km))
-    return out
-
-
-def _varlen_call(spans: list[tuple[int, int, int, int]], row: int | None, rows: int, causal: bool, qm: int,
-                 km: int) -> KernelCall:
-    """Segments of one row (None: all rows), as buffer ranges (q_lo, q_hi, k_lo, k_hi): one ordinary call when there
-    is one, else one varlen call over them all (``KernelCall.spans``; Note [Varlen calls on any kernel] in
-    ``kernels/varlen.py``). Causal segments are diagonal ones."""
-    r = slice(0, rows) if row is None else slice(row, row + 1)
-    n_rows = rows if row is None else 1
-    work = n_rows * sum((b - a) * (b - a + 1) // 2 if causal else (b - a) * (d - c) for a, b, c, d in spans)
-    q_lo, q_hi = min(x[0] for x in spans), max(x[1] for x in spans)
-    k_lo, k_hi = min(x[2] for x in spans), max(x[3] for x in spans)
-    rel = tuple((a - q_lo, b - q_lo, c - k_lo, d - k_lo) for a, b, c, d in spans)
-    return KernelCall(r, slice(q_lo, q_hi), slice(k_lo, k_hi), causal, None, work, qm, km,
-                      spans=rel if len(spans) > 1 else None)
-
-
-def _masked_work(gq, gk, window: int) -> int:
-    """Visible pairs 0 <= i - j < window between global index ranges (closed form per pair of ranges)."""
-    total = 0
-    for qa, qb in gq:
-        for ka, kb in gk:
-            for i in range(qa, qb):  # per query: keys in [max(ka, i - window + 1), min(kb, i + 1))
-                total += max(0, min(kb, i + 1) - max(ka, i - window + 1))
-    return total
 
 
 @functools.lru_cache(maxsize=64)

@@ -29,7 +29,8 @@ from .fetch import FetchSchedule, prefer_fetch
 from .kernels import BlockKernel, get_kernel
 from .kernels.value_dim import with_value_dim
 from .merge import merge_
-from .schedule import KernelCall, RingSchedule
+from .blocks import KernelCall
+from .schedule import RingSchedule
 from .sinks import add_sink, sink_grad, sink_lse
 from .team import (Arrivals, RingBlocks, SendMarks, gather_kv, gather_team, local_block, pack, pass_dkv, send_home,
                    send_rows, split_kv, unpack)

@@ -18,6 +18,7 @@ __all__ = [
     "check_divisible",
     "chunk_ids",
     "padded_length",
+    "rank_chunks",
     "seq_len_divisor",
 ]
 
@@ -68,3 +69,14 @@ def chunk_ids(index: int, sp_size: int, scheme: str = "zigzag") -> tuple[int, in
     if scheme in ("zigzag", "balanced"):  # "balanced" without documents is zigzag
         return (index, 2 * sp_size - 1 - index)
     return (2 * index, 2 * index + 1)
+
+
+def rank_chunks(sp_size: int, scheme: str = "zigzag", assignment=None) -> tuple[tuple[int, ...], ...]:
+    """The chunks every one of ``sp_size`` ranks holds, in local (ascending) order: a balanced ``assignment`` of a
+    packed batch as given, else ``scheme``'s two (``chunk_ids``). Refuses a rank's chunks out of order."""
+    held = tuple(tuple(assignment[i]) if assignment is not None else chunk_ids(i, sp_size, scheme)
+                 for i in range(sp_size))
+    for i, chunks in enumerate(held):
+        if list(chunks) != sorted(chunks):
+            raise ValueError(f"rank {i} holds chunks {chunks} out of order; a shard's chunks must ascend")
+    return held

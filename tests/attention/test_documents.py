@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_wallfacer.attention.documents import BatchDocuments, segments, window_tiles, buffer_runs
+from ds_wallfacer.attention.blocks import buffer_runs, segments, window_tiles
+from ds_wallfacer.attention.documents import BatchDocuments
 from tests.dist_utils import run_distributed
 
 SEQ_PER_RANK = 16

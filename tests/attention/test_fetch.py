@@ -87,7 +87,7 @@ def test_window_within_a_shard_moves_at_most_two_shards_at_any_p() -> None:
 def test_varlen_call_equals_a_call_per_document(kernel: str, dtype: torch.dtype) -> None:
     from ds_wallfacer.attention.calls import call_backward, call_forward, expand_grads
     from ds_wallfacer.attention.kernels import get_kernel
-    from ds_wallfacer.attention.schedule import KernelCall
+    from ds_wallfacer.attention.blocks import KernelCall
 
     lengths = [1, 5, 16, 17, 40, 3, 90, 64, 2, 600, 513]  # the last two: classes of their own
     n, spans, at = sum(lengths), [], 0
@@ -206,7 +206,7 @@ def test_varlen_call_of_full_spans_sums_shared_keys(kernel: str) -> None:
     equal one call per span, with dk/dv summed where spans share keys and nothing where no span reads."""
     from ds_wallfacer.attention.calls import call_backward, call_forward
     from ds_wallfacer.attention.kernels import get_kernel
-    from ds_wallfacer.attention.schedule import KernelCall
+    from ds_wallfacer.attention.blocks import KernelCall
 
     spans = ((0, 7, 0, 30), (7, 40, 10, 30), (50, 51, 31, 33), (51, 90, 40, 41))  # queries 40..49 in no span
     g = torch.Generator().manual_seed(1)
@@ -241,7 +241,7 @@ def test_cuda_varlen_calls_equal_a_call_per_span(kernel: str, causal: bool) -> N
     masks, one call per span where it does not)."""
     from ds_wallfacer.attention.calls import call_backward, call_forward, expand_grads
     from ds_wallfacer.attention.kernels import KERNELS
-    from ds_wallfacer.attention.schedule import KernelCall
+    from ds_wallfacer.attention.blocks import KernelCall
 
     lengths = [1, 70, 128, 129, 300, 33]
     spans, at = [], 0

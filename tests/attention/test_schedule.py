@@ -1,7 +1,8 @@
 """The ring schedule's block calls (full, causal-diagonal, skipped) and the causal balance they give: pure."""
 import pytest
 
-from ds_wallfacer.attention.schedule import BlockCall, attention_work, block_calls
+from ds_wallfacer.attention.blocks import BlockCall, block_calls
+from ds_wallfacer.attention.schedule import attention_work
 from ds_wallfacer.comm import RankLayout
 
 

@@ -74,7 +74,7 @@ def reduce_kv_grad(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def window_mask(ranges, window: int, device: torch.device) -> torch.Tensor:
     """[Sq, Sk] bool: key j visible from query i iff 0 <= i - j < window, for a kernel call's global index
-    ``ranges`` = (query ranges, key ranges) (``schedule.KernelCall.mask``)."""
+    ``ranges`` = (query ranges, key ranges) (``blocks.KernelCall.mask``)."""
     gq, gk = ranges
     qi = torch.cat([torch.arange(a, b, device=device) for a, b in gq]).unsqueeze(-1)
     kj = torch.cat([torch.arange(a, b, device=device) for a, b in gk])
