@@ -20,7 +20,7 @@ MUST_BE_EXACT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Lfm2MoeForCausalLM", "Lfm3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeForCausalLM", "Mamba2ForCausalLM",
                  "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Zamba2ForCausalLM",
-                 "FalconH1ForCausalLM", "OlmoHybridForCausalLM")
+                 "FalconH1ForCausalLM", "OlmoHybridForCausalLM", "LaraMiniForCausalLM")
 MUST_BE_REFUSED = ("RecurrentGemmaForCausalLM",
                    "MiniMaxForCausalLM")
 
