@@ -77,7 +77,8 @@ class Form:
     """An expression a sharded forward reproduces, as one transformers release writes it: patterns the class's
     ``forward`` source matches and, for each function of the model's module the forward calls in place of a kernel
     (from transformers 5.25 the cache-aware helpers ``causal_conv1d_forward`` and ``mamba2_scan_forward``), the
-    patterns that function's source matches (that without a cache it is the kernel the sharded forward calls)."""
+    patterns that function's source matches (that without a cache it is the kernel the sharded forward calls).
+    Note [Forms per transformers release] in docs/design/mixers.md."""
 
     forward: tuple[re.Pattern, ...]
     helpers: tuple[tuple[str, tuple[re.Pattern, ...]], ...] = ()
