@@ -3,11 +3,32 @@ models, the training loop on the engine with its step-0 checks, and the comparis
 the non-parallel run's."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["first_step_failures", "finish", "parity_config", "param_failures", "run_cases", "train", "zero_section"]
+__all__ = ["Case", "first_step_failures", "finish", "parity_config", "param_failures", "run_cases", "train",
+           "zero_section"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity run: the model family, ZeRO stage and ``"wallfacer"`` section; full sequence length, sequences
+    per micro-batch, gradient accumulation steps, padding tokens at the end of each row, extra ds_config keys."""
+
+    family: str
+    stage: int
+    wallfacer: dict
+    seq_len: int = 32
+    batch_size: int = 1
+    gas: int = 1
+    pad: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def name(self) -> str:
+        return (f"{self.family}/zero{self.stage}/{self.wallfacer}/N={self.seq_len}/B={self.batch_size}/gas={self.gas}"
+                f"/pad={self.pad}")
 
 LOSS_RTOL = 1e-5
 """Step-0 losses: relative to max(1, |reference|)."""

@@ -5,32 +5,16 @@ parameter after 3 SGD steps (clipping off) must match the unmodified model train
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from tests.dist_utils import run_distributed
 
 from .models import full_batch
-from .parity import finish, first_step_failures, parity_config, run_cases, train
+from .parity import Case, finish, first_step_failures, parity_config, run_cases, train
 from .variants import AUX_COEF, MOE_FAMILIES, tiny_moe
 
 LR = 0.5
 STEPS = 3
-
-
-@dataclass(frozen=True)
-class Case:
-    family: str
-    stage: int
-    wallfacer: dict
-    seq_len: int = 32
-    batch_size: int = 1
-    pad: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def name(self) -> str:
-        return f"{self.family}/zero{self.stage}/{self.wallfacer}/N={self.seq_len}/B={self.batch_size}/pad={self.pad}"
 
 
 def _ds_config(case: Case) -> dict:

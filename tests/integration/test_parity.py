@@ -8,33 +8,16 @@ batch > 1, gradient accumulation, data parallelism beside sequence parallelism a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 
 from .models import full_batch, hf_loss, tiny_model
-from .parity import finish, first_step_failures, parity_config, run_cases, train
+from .parity import Case, finish, first_step_failures, parity_config, run_cases, train
 
 LR = 0.5
 STEPS = 3
-
-
-@dataclass(frozen=True)
-class Case:
-    family: str
-    stage: int
-    wallfacer: dict
-    seq_len: int = 32
-    batch_size: int = 1
-    gas: int = 1
-    pad: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def name(self) -> str:
-        return f"{self.family}/zero{self.stage}/{self.wallfacer}/N={self.seq_len}/B={self.batch_size}/gas={self.gas}"
 
 
 def _ds_config(case: Case) -> dict:
