@@ -29,8 +29,8 @@ __all__ = ["SETTINGS", "form_misses", "head_counts", "is_delta_net", "read_param
 def _scan(prefix: str) -> re.Pattern:
     """The scan every recognised class runs (keys and queries l2-normalised in the kernel); transformers 5.25 names
     its decay and beta ``chunked_g`` / ``chunked_beta`` (``prefix``): the whole sequence without a cache."""
-    return re.compile(r"\btorch_chunk_gated_delta_rule\(\s*\w+\s*,\s*\w+\s*,\s*\w+\s*,\s*g\s*=\s*" + prefix + r"g\s*,\s*"
-                      r"beta\s*=\s*" + prefix + r"beta\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*"
+    return re.compile(r"\btorch_chunk_gated_delta_rule\(\s*\w+\s*,\s*\w+\s*,\s*\w+\s*,\s*g\s*=\s*" + prefix
+                      + r"g\s*,\s*beta\s*=\s*" + prefix + r"beta\s*,\s*initial_state\s*=\s*recurrent_state\s*,\s*"
                       r"output_final_state\s*=\s*[\w ]+,\s*use_qk_l2norm_in_kernel\s*=\s*True")
 
 
@@ -91,32 +91,40 @@ def _forms(core: tuple[re.Pattern, ...], *, keywords: bool = False) -> tuple[For
     return Form(core + (kernel,) + old), Form(core + (helper,) + new, (CONV_HELPER,))
 
 
+_QWEN3_NEXT = (
+    re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*projected_states_ba\s*\)"),
+    re.compile(r"\bprojected_states_qkvz\s*=\s*self\.in_proj_qkvz\(hidden_states\)"),
+    re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\(query\s*,\s*key\s*,\s*value\)\s*,\s*dim\s*=\s*-1\)"),
+) + _QWEN_CORE
+_QWEN3_5 = (
+    re.compile(r"\bmixed_qkv\s*=\s*self\.in_proj_qkv\(hidden_states\)"),
+    re.compile(r"\bz\s*=\s*self\.in_proj_z\(hidden_states\)"),
+    re.compile(r"\bb\s*=\s*self\.in_proj_b\(hidden_states\)"),
+    re.compile(r"\ba\s*=\s*self\.in_proj_a\(hidden_states\)"),
+) + _QWEN_CORE
+_OLMO_HYBRID = (
+    re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\s*\[\s*self\.q_proj\(hidden_states\)\s*,\s*self\.k_proj\("
+               r"hidden_states\)\s*,\s*self\.v_proj\(hidden_states\)\s*,?\s*\]\s*,\s*dim\s*=\s*-1\s*,?\s*\)"),
+    re.compile(r"\bq\s*,\s*k\s*,\s*v\s*=\s*torch\.split\(\s*mixed_qkv\.transpose\(1\s*,\s*2\)\s*,\s*"
+               r"\[\s*self\.key_dim\s*,\s*self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
+    re.compile(r"\bbeta\s*=\s*self\.b_proj\(hidden_states\)\.sigmoid\(\)\s*if\s+self\.allow_neg_eigval\s*:\s*"
+               r"beta\s*=\s*beta\s*\*\s*2\.0\b"),
+    re.compile(r"\bg\s*=\s*-self\.A_log\.float\(\)\.exp\(\)\s*\*\s*F\.softplus\(self\.a_proj\(hidden_states\)"
+               r"\.float\(\)\s*\+\s*self\.dt_bias\)"),
+    re.compile(r"\bgate\s*=\s*self\.g_proj\(hidden_states\)"),
+    re.compile(r"\boutput\s*=\s*self\.o_norm\(output\s*,\s*gate\)"),
+    re.compile(r"\boutput\s*=\s*self\.o_proj\(output\)"),
+)
+"""Each family's expression besides the convolution and the scan (``_forms`` adds them)."""
+
 _FAMILIES = (
-    _Family(frozenset({"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"}),
-            _forms((re.compile(r"\bself\.fix_query_key_value_ordering\(\s*projected_states_qkvz\s*,\s*"
-                        r"projected_states_ba\s*\)"),
-             re.compile(r"\bprojected_states_qkvz\s*=\s*self\.in_proj_qkvz\(hidden_states\)"),
-             re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\(query\s*,\s*key\s*,\s*value\)\s*,\s*dim\s*=\s*-1\)"))
-            + _QWEN_CORE), _qwen3_next_inputs, lambda m: 1.0, "norm", "out_proj"),
+    _Family(frozenset({"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"}), _forms(_QWEN3_NEXT),
+            _qwen3_next_inputs, lambda m: 1.0, "norm", "out_proj"),
     _Family(frozenset({"conv1d", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"}),
-            _forms((re.compile(r"\bmixed_qkv\s*=\s*self\.in_proj_qkv\(hidden_states\)"),
-             re.compile(r"\bz\s*=\s*self\.in_proj_z\(hidden_states\)"),
-             re.compile(r"\bb\s*=\s*self\.in_proj_b\(hidden_states\)"),
-             re.compile(r"\ba\s*=\s*self\.in_proj_a\(hidden_states\)")) + _QWEN_CORE),
-            _qwen3_5_inputs, lambda m: 1.0, "norm", "out_proj"),
+            _forms(_QWEN3_5), _qwen3_5_inputs, lambda m: 1.0, "norm", "out_proj"),
     _Family(frozenset({"conv1d", "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"}),
-            _forms((re.compile(r"\bmixed_qkv\s*=\s*torch\.cat\(\s*\[\s*self\.q_proj\(hidden_states\)\s*,\s*self\.k_proj\("
-                        r"hidden_states\)\s*,\s*self\.v_proj\(hidden_states\)\s*,?\s*\]\s*,\s*dim\s*=\s*-1\s*,?\s*\)"),
-             re.compile(r"\bq\s*,\s*k\s*,\s*v\s*=\s*torch\.split\(\s*mixed_qkv\.transpose\(1\s*,\s*2\)\s*,\s*"
-                        r"\[\s*self\.key_dim\s*,\s*self\.key_dim\s*,\s*self\.value_dim\s*,?\s*\]\s*,\s*dim\s*=\s*-1"),
-             re.compile(r"\bbeta\s*=\s*self\.b_proj\(hidden_states\)\.sigmoid\(\)\s*if\s+self\.allow_neg_eigval\s*:\s*"
-                        r"beta\s*=\s*beta\s*\*\s*2\.0\b"),
-             re.compile(r"\bg\s*=\s*-self\.A_log\.float\(\)\.exp\(\)\s*\*\s*F\.softplus\(self\.a_proj\(hidden_states\)"
-                        r"\.float\(\)\s*\+\s*self\.dt_bias\)"),
-             re.compile(r"\bgate\s*=\s*self\.g_proj\(hidden_states\)"),
-             re.compile(r"\boutput\s*=\s*self\.o_norm\(output\s*,\s*gate\)"),
-             re.compile(r"\boutput\s*=\s*self\.o_proj\(output\)")), keywords=True),
-            _olmo_hybrid_inputs, lambda m: 2.0 if m.allow_neg_eigval else 1.0, "o_norm", "o_proj"),
+            _forms(_OLMO_HYBRID, keywords=True), _olmo_hybrid_inputs, lambda m: 2.0 if m.allow_neg_eigval else 1.0,
+            "o_norm", "o_proj"),
 )
 """The recognised forms (Qwen3-Next, Qwen3.5, OLMo-hybrid)."""
 

@@ -70,8 +70,8 @@ def near_misses(model: nn.Module) -> list[tuple[str, str, tuple[str, ...]]]:
     the refusal and the sweep to name (pure)."""
     out = []
     for n, m in model.named_modules():
-        found = [(k.name, miss) for k in _KINDS if (miss := k.misses(m))]
-        if found and _kind(m) is None:
+        found = [(k.name, miss) for k in _KINDS if (miss := k.misses(m)) is not None]
+        if found and all(miss for _, miss in found):  # built like some kind, recognised as none
             out.append((n, *min(found, key=lambda f: len(f[1]))))
     return out
 

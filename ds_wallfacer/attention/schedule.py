@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..comm.layout import RankLayout
-from ..data.chunks import chunk_ids, rank_chunks
+from ..data.chunks import rank_chunks
 from .blocks import BlockCall, KernelCall, block_calls, call_work, kernel_calls
 from .documents import SequenceBatch
 
@@ -36,7 +36,8 @@ def team_chunk_order(
     position in gathered order, so ``sorted = gathered[perm]`` at chunk granularity. ``assignment``: the chunks
     of every ring rank (a balanced sharding of a packed batch) instead of ``scheme``'s two.
     """
-    gathered = [c for i in team for c in (assignment[i] if assignment is not None else chunk_ids(i, sp_size, scheme))]
+    held = rank_chunks(sp_size, scheme, assignment)
+    gathered = [c for i in team for c in held[i]]
     perm = sorted(range(len(gathered)), key=gathered.__getitem__)
     return [gathered[p] for p in perm], perm
 

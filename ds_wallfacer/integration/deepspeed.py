@@ -22,22 +22,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..adapters import hf
+from ..adapters.mixer_layers import attach_mixers, mixer_head_counts, mixer_layers
+from ..adapters.positional import scales_by_position
+from ..adapters.rope import RopeLength, wrap_rotary
 from ..attention.residuals import keep_attention_in_layers
+from ..audit.model_audit import RefusedModel, audit_model, audit_sequence, reentrant_checkpointing
+from ..audit.self_check import check_length, run_self_check
 from ..comm import CommLayer
 from ..config import RunConfig, parse_ds_config
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from ..hf_config import text_config
 from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto
 from ..planner.cluster import cluster_preset
-from ..adapters import hf
-from ..adapters.mixer_layers import attach_mixers, mixer_head_counts, mixer_layers
-from ..adapters.positional import scales_by_position
-from ..adapters.rope import RopeLength, wrap_rotary
-from ..audit.model_audit import RefusedModel, audit_model, audit_sequence, reentrant_checkpointing
-from ..audit.self_check import check_length, run_self_check
+from .ds_runtime import init_distributed, rank_device
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
-from .ds_runtime import init_distributed, rank_device
 from .parallel import (SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch,
                        mixer_shards)
 
