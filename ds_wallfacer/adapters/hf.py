@@ -12,7 +12,8 @@ model code and classes stay untouched and there is no module-level state.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ BATCH_KWARG = "wallfacer_batch"
 """The model-forward keyword carrying a packed batch's documents and chunk assignment (``packing.py``)."""
 
 __all__ = ["ATTN_IMPLEMENTATION", "BATCH_KWARG", "attach", "attention_modules", "detach", "reference_implementation",
-           "register", "wallfacer_attention_forward"]
+           "model_attention", "register", "wallfacer_attention_forward"]
 
 ATTN_IMPLEMENTATION = "wallfacer"
 _ATTR = "_wallfacer_attention"
@@ -113,6 +114,23 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
 def reference_implementation(model: nn.Module) -> str:
     """The attn_implementation the model had before ``attach`` (what the self-check compares against)."""
     return model.__dict__.get(_BEFORE, "sdpa")
+
+
+@contextlib.contextmanager
+def model_attention(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model`` (an HF model, or a wrapper such as PEFT's with ``get_base_model``) attends with
+    the implementation it had before ``attach``, over whole local sequences: what generation needs (a KV cache,
+    left-padded prompts, one token at a time), where nothing is sharded. Sequence-parallel attention after it."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    before = base.__dict__.get(_BEFORE) or model.__dict__.get(_BEFORE)
+    if before is None or getattr(base.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        yield
+        return
+    base.set_attn_implementation(before)
+    try:
+        yield
+    finally:
+        base.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def register() -> None:

@@ -7,12 +7,16 @@ from typing import Any
 from .options import UnsupportedTrainerOption
 from .trainer import WallfacerTrainer, WallfacerTrainerMixin
 
-__all__ = ["UnsupportedTrainerOption", "WallfacerSFTTrainer", "WallfacerTrainer", "WallfacerTrainerMixin"]
+__all__ = ["UnsupportedTrainerOption", "WallfacerDPOTrainer", "WallfacerGRPOTrainer", "WallfacerSFTTrainer",
+           "WallfacerTrainer", "WallfacerTrainerMixin"]
+
+_TRL = {"WallfacerSFTTrainer": "sft", "WallfacerDPOTrainer": "preference", "WallfacerGRPOTrainer": "rl"}
+"""The TRL trainers, imported (with trl) only when asked for."""
 
 
 def __getattr__(name: str) -> Any:
-    if name == "WallfacerSFTTrainer":  # imports trl only when asked for
-        from .sft import WallfacerSFTTrainer
+    if name in _TRL:
+        import importlib
 
-        return WallfacerSFTTrainer
+        return getattr(importlib.import_module(f".{_TRL[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

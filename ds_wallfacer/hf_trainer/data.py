@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from ..data.loader import ShardSpec, prepare_batch
 
-__all__ = ["ShardingCollator", "replica_dataloader"]
+__all__ = ["ShardingCollator", "replica_dataloader", "replica_prepare"]
 
 _FLATTENING_EXTRAS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """What ``DataCollatorWithFlattening`` may add beside ``position_ids``: the same documents in flash-attn form. The
@@ -51,17 +51,23 @@ def replica_dataloader(
 ) -> DataLoader:
     """A DataLoader over ``dataset`` sharded over the data-parallel replicas of ``spec`` (not over every rank),
     with accelerate's own sharding, seeding and device placement, as the Trainer's loader has them."""
-    from accelerate.data_loader import prepare_data_loader
-
     params = dict(loader_kwargs)
     if sampler is not None:
         params["sampler"] = sampler
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, **params)
+    return replica_prepare(loader, dp_size=spec.dp_size, dp_rank=spec.dp_rank, accelerator=accelerator)
+
+
+def replica_prepare(loader: DataLoader, *, dp_size: int, dp_rank: int, accelerator: Any) -> DataLoader:
+    """``accelerator.prepare(loader)`` with the D replicas as the processes: replica ``dp_rank`` draws what process
+    ``dp_rank`` of a D-process run draws, every rank of its group the same."""
+    from accelerate.data_loader import prepare_data_loader
+
     return prepare_data_loader(
         loader,
         accelerator.device,
-        num_processes=spec.dp_size,
-        process_index=spec.dp_rank,
+        num_processes=dp_size,
+        process_index=dp_rank,
         split_batches=False,
         put_on_device=accelerator.device_placement,
         rng_types=list(accelerator.rng_types),

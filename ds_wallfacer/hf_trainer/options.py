@@ -13,8 +13,8 @@ from typing import Any
 from ..config import RunConfig, parse_ds_config
 from ..config.alst import apply_alst_keys
 
-__all__ = ["UnsupportedTrainerOption", "refuse_accelerate_sp", "refuse_unbalanceable", "refuse_unsupported",
-           "refuse_unsupported_model", "take_wallfacer_section"]
+__all__ = ["UnsupportedTrainerOption", "refuse_accelerate_sp", "refuse_common_options", "refuse_unbalanceable",
+           "refuse_unsupported", "refuse_unsupported_model", "take_wallfacer_section"]
 
 _SECTION = "wallfacer"
 _KEPT = "_wallfacer_section"  # where a taken section stays, for a second Trainer built from the same arguments
@@ -97,13 +97,25 @@ def refuse_foreign_loss(trainer: Any) -> None:
             raise UnsupportedTrainerOption(
                 f"{cls.__name__} defines its own compute_loss, which sequence parallelism would replace by the "
                 "token-mean loss of the causal LM (or run on one rank's shard): subclass transformers' Trainer or "
-                "TRL's SFTTrainer only (WallfacerTrainer, WallfacerSFTTrainer)"
+                "TRL's SFTTrainer (WallfacerTrainer, WallfacerSFTTrainer), or use WallfacerDPOTrainer / "
+                "WallfacerGRPOTrainer for TRL's DPO and GRPO"
             )
 
 
 def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
     """Raise ``UnsupportedTrainerOption`` for the first Trainer option this path cannot reproduce exactly."""
     refuse_foreign_loss(trainer)
+    refuse_common_options(trainer, run)
+    args = trainer.args
+    if getattr(args, "loss_type", "nll") not in (None, "nll"):
+        raise UnsupportedTrainerOption(
+            f"loss_type = {getattr(args, 'loss_type', None)!r} is not supported with sequence parallelism yet: the "
+            'loss is the token-mean negative log-likelihood; set loss_type="nll"'
+        )
+
+
+def refuse_common_options(trainer: Any, run: RunConfig) -> None:
+    """The options every sequence-parallel Trainer refuses, whatever its loss."""
     args = trainer.args
     ds = run.deepspeed
     tbs = ds.get("train_batch_size")
@@ -118,15 +130,13 @@ def refuse_unsupported(trainer: Any, run: RunConfig) -> None:
         (getattr(trainer, "model_init", None) is not None, "model_init",
          "train() would build a new model without the sequence-parallel setup; pass model= instead"),
         (getattr(trainer, "compute_loss_func", None) is not None, "compute_loss_func",
-         "the loss is the global token mean computed by ds_wallfacer; drop compute_loss_func"),
+         "the loss is computed by ds_wallfacer (or the TRL trainer); drop compute_loss_func"),
         (getattr(trainer, "compute_metrics", None) is not None, "compute_metrics",
-         "logits are sharded across sequence-parallel ranks; evaluation reports eval_loss only"),
+         "logits are sharded across sequence-parallel ranks; evaluation reports the loss (and TRL's metrics) only"),
         (args.label_smoothing_factor != 0, f"label_smoothing_factor = {args.label_smoothing_factor}",
          "set it to 0"),
         (getattr(args, "neftune_noise_alpha", None) is not None, f"neftune_noise_alpha = {args.neftune_noise_alpha}",
          "the embedding noise would be drawn per shard, not for the whole sequence; set it to None"),
-        (getattr(args, "loss_type", "nll") not in (None, "nll"), f"loss_type = {getattr(args, 'loss_type', None)!r}",
-         'the loss is the token-mean negative log-likelihood; set loss_type="nll"'),
         (args.n_gpu > 1, f"n_gpu = {args.n_gpu} (torch DataParallel)", "launch one process per device"),
         (str(getattr(args, "train_sampling_strategy", "random")) == "batch_rebalance",
          'train_sampling_strategy = "batch_rebalance"', 'use "random" or "group_by_length" (for rounds of even '

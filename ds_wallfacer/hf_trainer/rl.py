@@ -1,0 +1,84 @@
+"""``WallfacerGRPOTrainer``: TRL's ``GRPOTrainer`` with sequence parallelism, one changed line
+(``GRPOTrainer(...)`` -> ``WallfacerGRPOTrainer(...)``, a ``"wallfacer"`` section in the ds_config of
+``GRPOConfig(deepspeed=...)``).
+
+A GRPO step generates completions, scores them with the reward functions, normalises the rewards within each
+prompt's group, and trains on per-token log-probability ratios (clipped), the KL to the reference and the
+advantages. Under sequence parallelism:
+
+- **Generation** runs with the model whole on each rank, with the attention it had before the setup
+  (``adapters.hf.model_attention``: a KV cache over local sequences); every rank of a group generates the group's
+  batch and the group then takes its first rank's completions (one gather of token ids), so the group trains on one
+  set of sequences whatever the device's nondeterminism.
+- **Rewards and advantages**: TRL's, with the group counted as one process (``replicas.py``).
+- **The training step and the reference**: the fused LM head runs sequence-parallel (``fused_head.py``); TRL's
+  loss (``loss_type`` grpo, dr_grpo, bnpo, dapo, ...: clipping, KL, importance sampling) runs on the gathered
+  per-token values, as on one process.
+
+Refused by name: vLLM and continuous-batching generation, tool calling, image prompts. Needs ``trl``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from ..adapters.hf import model_attention
+from .fused_trainer import WallfacerFusedHeadMixin
+from .options import UnsupportedTrainerOption
+
+__all__ = ["WallfacerGRPOTrainer"]
+
+
+class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
+
+    def _wf_refuse(self, run: Any) -> None:
+        args = self.args
+        checks = [
+            (self.use_vllm, f"use_vllm=True (vllm_mode={getattr(args, 'vllm_mode', None)!r})",
+             "generate with transformers (use_vllm=False); vLLM generation is not wired to sequence parallelism yet"),
+            (self.use_transformers_continuous_batching, "continuous batching generation",
+             "use the plain transformers generate"),
+            (bool(getattr(self, "tools", None)), "tools", "tool-calling rollouts are not supported yet"),
+            (bool(getattr(self, "_is_vlm", False)), "a vision-language processor", "train on text prompts"),
+            (self.aux_loss_enabled, "the MoE router aux loss", "set router_aux_loss_coef=0"),
+        ]
+        for bad, what, fix in checks:
+            if bad:
+                raise UnsupportedTrainerOption(f"WallfacerGRPOTrainer: {what} is not supported under sequence "
+                                               f"parallelism: {fix}")
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        with self._wf_view(self):
+            return super()._prepare_inputs(generation_batch)
+
+    def _calculate_rewards(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """TRL's rewards, gathered over every rank by TRL: one copy per replica kept."""
+        return self._wf_view.replicas.select(super()._calculate_rewards(*args, **kwargs))
+
+    def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> tuple[list, Any]:
+        with model_attention(self.model):
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        return self._wf_group_leaders(completion_ids), logprobs
+
+    def _wf_group_leaders(self, completion_ids: list[list[int]]) -> list[list[int]]:
+        """The completions of the group's first rank, on every rank of the group (one all-gather of lengths, one
+        of the token ids)."""
+        sp = self.sequence_parallel
+        comm, group = sp.comm, sp.groups.sp_group
+        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.int64)
+        with comm.phase("data"):
+            every = comm.all_gather(comm.place(lengths), group).cpu()  # [P, B]
+            width = int(every.sum(dim=1).max())
+            flat = torch.zeros(width, dtype=torch.int64)
+            mine = [t for c in completion_ids for t in c]
+            flat[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+            ids = comm.all_gather(comm.place(flat), group)[0].cpu()
+        first = every[0].tolist()
+        out, start = [], 0
+        for k in first:
+            out.append(ids[start:start + k].tolist())
+            start += k
+        return out

@@ -1,0 +1,66 @@
+"""One run of TRL's DPO or GRPO trainer on a rank of ``tests.dist_utils.run_distributed``: the tiny Llama with the
+byte-level chat tokenizer, the shipped synthetic arithmetic data, SGD without clipping; TRL's own trainer
+(``section=None``) or the Wallfacer one with that ``"wallfacer"`` section. Returns rank 0's log history."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .runs import ds_config
+
+STEPS = 3
+
+
+def _lora() -> Any:
+    from peft import LoraConfig
+
+    torch.manual_seed(1)  # LoRA's A matrices: the same on every rank and in the reference
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights="gaussian",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+
+
+def _history(trainer: Any) -> dict[str, Any]:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    sp = getattr(trainer, "sequence_parallel", None)
+    return {"logs": logs, "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1}
+
+
+def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
+              options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``STEPS`` DPO steps (gradient accumulation 2), then evaluation. ``options``: ``lora`` (the reference is the
+    base model), ``precompute`` (``precompute_ref_log_probs``), ``zero_stage`` (default 2), ``loss_type``;
+    without LoRA or precompute the reference is a second copy of the initial model."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from ds_wallfacer.hf_trainer.chat import chat_tokenizer
+    from ds_wallfacer.hf_trainer.rl_data import make_preferences
+    from tests.models import tiny_model
+
+    opts = options or {}
+    args = DPOConfig(
+        output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=micro_batch,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=0.5, lr_scheduler_type="constant",
+        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True, bf16=False,
+        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)), save_strategy="no", beta=0.5,
+        loss_type=opts.get("loss_type", ["sigmoid"]), precompute_ref_log_probs=opts.get("precompute", False),
+    )
+    kwargs: dict[str, Any] = dict(
+        model=tiny_model("llama", seed=0), args=args, processing_class=chat_tokenizer(),
+        train_dataset=Dataset.from_list(make_preferences(24, seed=1, filler=1)),
+        eval_dataset=Dataset.from_list(make_preferences(4, seed=2, filler=1)),
+    )
+    if opts.get("lora"):
+        kwargs["peft_config"] = _lora()
+    elif not opts.get("precompute"):
+        kwargs["ref_model"] = tiny_model("llama", seed=0)
+    if section is None:
+        trainer = DPOTrainer(**kwargs)
+    else:
+        from ds_wallfacer.hf_trainer import WallfacerDPOTrainer
+
+        trainer = WallfacerDPOTrainer(**kwargs)
+    trainer.train()
+    metrics = trainer.evaluate()
+    return {**_history(trainer), "eval": metrics}
