@@ -40,6 +40,7 @@ from torch import nn
 from ..comm import CommLayer
 from ..data.loader import prepare_batch
 from ..data.pieces import unshard_sequence
+from ..integration.parallel import check_same_batch
 
 __all__ = ["GatherShards", "aligned_rows", "per_token_fields", "shard_fused_lm_head"]
 
@@ -111,6 +112,7 @@ class _ShardedHead:
                 "supported (text-only batches of input_ids, attention_mask and labels; no MoE aux loss)"
             )
         sp = self.sp
+        check_same_batch({"input_ids": input_ids}, group=sp.groups.sp_group, comm=sp.comm)
         ignore = sp.ignore_index
         b, n = input_ids.shape
         if attention_mask is None:

@@ -71,7 +71,7 @@ class WallfacerFusedHeadMixin:
         dims = sp.setup.dims
         self._wf_view = ReplicaView(self.accelerator, dims=dims, dp_index=sp.groups.dp_index)
         self.wallfacer_metrics = LogMetrics(sp.comm)
-        self._wf_run_deferred()
+        self._wf_after_setup()
 
     # -- set-up --------------------------------------------------------------------------------------------
     def _wf_refuse(self, run: Any) -> None:
@@ -102,8 +102,8 @@ class WallfacerFusedHeadMixin:
         self._wf_deferred.append((name, batch_size))
         return True
 
-    def _wf_run_deferred(self) -> None:
-        """What TRL's construction asked for before the setup existed (subclasses)."""
+    def _wf_after_setup(self) -> None:
+        """What TRL's construction asked for before the setup existed, and what depends on it (subclasses)."""
 
     @property
     def _tokenizer_pad(self) -> int:

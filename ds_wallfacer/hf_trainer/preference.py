@@ -36,13 +36,13 @@ class WallfacerDPOTrainer(WallfacerFusedHeadMixin, DPOTrainer):
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's precompute, run sequence-parallel: during TRL's construction it is deferred to the end of the
-        setup (``_wf_run_deferred``); afterwards it runs with the loader sharded over the replicas."""
+        setup (``_wf_after_setup``); afterwards it runs with the loader sharded over the replicas."""
         if self._wf_defer(name, batch_size):
             return dataset
         with self._wf_view(self):
             return super()._precompute_ref_logps(dataset, name, batch_size)
 
-    def _wf_run_deferred(self) -> None:
+    def _wf_after_setup(self) -> None:
         for name, batch_size in self._wf_deferred:
             if name == "train":
                 self.train_dataset = self._precompute_ref_logps(self.train_dataset, name, batch_size)

@@ -50,9 +50,39 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
                 raise UnsupportedTrainerOption(f"WallfacerGRPOTrainer: {what} is not supported under sequence "
                                                f"parallelism: {fix}")
 
+    def _wf_after_setup(self) -> None:
+        """TRL sizes a generation round as per_device_train_batch_size x processes x steps_per_generation and its
+        sampler draws generation_batch_size / num_generations prompts a round: the processes are the replicas."""
+        args, dims = self.args, self.sequence_parallel.setup.dims
+        size = args.per_device_train_batch_size * dims.dp_size * args.steps_per_generation
+        if size % self.num_generations:
+            raise UnsupportedTrainerOption(
+                f"WallfacerGRPOTrainer: a generation round of per_device_train_batch_size "
+                f"{args.per_device_train_batch_size} x {dims.dp_size} data-parallel replicas x steps_per_generation "
+                f"{args.steps_per_generation} = {size} completions is not a multiple of num_generations "
+                f"{self.num_generations}: change one of them"
+            )
+        args.generation_batch_size = size
+
     def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's rollout and batching, as one process per replica, with the group's random state made one: the
+        generation's sampling and the shuffle that splits a round into micro-batches draw the same numbers on every
+        rank of the group (the group must train on the same rows)."""
+        self._wf_share_random_state()
         with self._wf_view(self):
             return super()._prepare_inputs(generation_batch)
+
+    def _wf_share_random_state(self) -> None:
+        """The random state of the group's first rank on every rank of the group (torch's CPU generator, and the
+        current device's where there is one)."""
+        sp = self.sequence_parallel
+        comm, group = sp.comm, sp.groups.sp_group
+        with comm.phase("data"):
+            cpu = comm.all_gather(comm.place(torch.random.get_rng_state()), group)[0].cpu()
+            torch.random.set_rng_state(cpu)
+            if comm.device is not None and comm.device.type == "cuda":
+                dev = comm.all_gather(torch.cuda.get_rng_state(comm.device).to(comm.device), group)[0].cpu()
+                torch.cuda.set_rng_state(dev, comm.device)
 
     def _calculate_rewards(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """TRL's rewards, gathered over every rank by TRL: one copy per replica kept."""

@@ -64,3 +64,53 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
     trainer.train()
     metrics = trainer.evaluate()
     return {**_history(trainer), "eval": metrics}
+
+
+def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
+               options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``STEPS`` GRPO steps: 4 completions per prompt, sampled (temperature 1, seeded: the same completions in every
+    run), the arithmetic reward, gradient accumulation 2. ``options``: ``lora``, ``beta`` (default 0.1: the
+    KL to the reference, the base model under LoRA, else a second model TRL loads from ``pretrained``),
+    ``pretrained`` (a saved tiny model, the policy's and reference's checkpoint), ``zero_stage``, ``loss_type``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ds_wallfacer.hf_trainer.chat import chat_tokenizer
+    from ds_wallfacer.hf_trainer.rl_data import arithmetic_reward, make_prompts
+    from tests.models import tiny_model
+
+    opts = options or {}
+    args = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=2, max_steps=STEPS,
+        learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
+        disable_tqdm=True, use_cpu=True, bf16=False, save_strategy="no",
+        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
+        num_generations=4, max_completion_length=12, temperature=1.0, beta=opts.get("beta", 0.1),
+        loss_type=opts.get("loss_type", "grpo"), num_iterations=opts.get("num_iterations", 1),
+        gradient_checkpointing=opts.get("gradient_checkpointing", True),
+    )
+    model = opts["pretrained"] if opts.get("pretrained") else tiny_model("llama", seed=0)
+    kwargs: dict[str, Any] = dict(
+        model=model, args=args, processing_class=chat_tokenizer(), reward_funcs=arithmetic_reward,
+        train_dataset=Dataset.from_list(make_prompts(16, seed=1, filler=1)),
+    )
+    if opts.get("lora"):
+        kwargs["peft_config"] = _lora()
+    if section is None:
+        trainer = GRPOTrainer(**kwargs)
+    else:
+        from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer
+
+        trainer = WallfacerGRPOTrainer(**kwargs)
+    trainer.train()
+    return _history(trainer)
+
+
+def save_tiny_llama(path: str) -> str:
+    """The tiny Llama saved as a checkpoint (what TRL loads the GRPO reference from)."""
+    from tests.models import tiny_model
+
+    model = tiny_model("llama", seed=0)
+    model.config.name_or_path = path
+    model.save_pretrained(path)
+    return path
