@@ -63,6 +63,11 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
                 f"{self.num_generations}: change one of them"
             )
         args.generation_batch_size = size
+        # TRL seeds each process apart (seed + process index) so that processes sample different completions: the
+        # processes are the replicas, and the ranks of a group must sample alike
+        from accelerate.utils import set_seed
+
+        set_seed(args.seed + self.sequence_parallel.groups.dp_index)
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
         """TRL's rollout and batching, as one process per replica, with the group's random state made one: the

@@ -89,6 +89,11 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
         loss_type=opts.get("loss_type", "grpo"), num_iterations=opts.get("num_iterations", 1),
         gradient_checkpointing=opts.get("gradient_checkpointing", True),
     )
+    if opts.get("pretrained") and opts.get("zero_stage") == 3:
+        import deepspeed
+
+        # TRL loads the checkpoint under zero.Init, sized by DeepSpeed's world; use_cpu does not start it
+        deepspeed.init_distributed(dist_backend="gloo")
     model = opts["pretrained"] if opts.get("pretrained") else tiny_model("llama", seed=0)
     kwargs: dict[str, Any] = dict(
         model=model, args=args, processing_class=chat_tokenizer(), reward_funcs=arithmetic_reward,
