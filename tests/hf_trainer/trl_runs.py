@@ -3,6 +3,7 @@ byte-level chat tokenizer, the shipped synthetic arithmetic data, SGD without cl
 (``section=None``) or the Wallfacer one with that ``"wallfacer"`` section. Returns rank 0's log history."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,18 @@ def _lora() -> Any:
     torch.manual_seed(1)  # LoRA's A matrices: the same on every rank and in the reference
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights="gaussian",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+
+
+def _on_disk(path: Path, rows: list[dict[str, Any]]) -> Any:
+    """``rows`` as a dataset saved under ``path`` by rank 0 and loaded by every rank (after the process group
+    exists: the Trainer's arguments start it)."""
+    import torch.distributed as dist
+    from datasets import Dataset, load_from_disk
+
+    if dist.get_rank() == 0:
+        Dataset.from_list(rows).save_to_disk(str(path))
+    dist.barrier()
+    return load_from_disk(str(path))
 
 
 def _history(trainer: Any) -> dict[str, Any]:
@@ -46,11 +59,13 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
         deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)), save_strategy="no", beta=0.5,
         loss_type=opts.get("loss_type", ["sigmoid"]), precompute_ref_log_probs=opts.get("precompute", False),
     )
-    kwargs: dict[str, Any] = dict(
-        model=tiny_model("llama", seed=0), args=args, processing_class=chat_tokenizer(),
-        train_dataset=Dataset.from_list(make_preferences(24, seed=1, filler=1)),
-        eval_dataset=Dataset.from_list(make_preferences(4, seed=2, filler=1)),
-    )
+    train, evaluation = make_preferences(24, seed=1, filler=1), make_preferences(4, seed=2, filler=1)
+    if opts.get("precompute"):  # TRL caches the reference log-probs beside the dataset: one every rank can read
+        train, evaluation = _on_disk(Path(out) / "train", train), _on_disk(Path(out) / "eval", evaluation)
+    else:
+        train, evaluation = Dataset.from_list(train), Dataset.from_list(evaluation)
+    kwargs: dict[str, Any] = dict(model=tiny_model("llama", seed=0), args=args, processing_class=chat_tokenizer(),
+                                  train_dataset=train, eval_dataset=evaluation)
     if opts.get("lora"):
         kwargs["peft_config"] = _lora()
     elif not opts.get("precompute"):
