@@ -1,0 +1,84 @@
+"""TRL's DPO and GRPO trainers with sequence parallelism, on 4 gloo ranks, against the same TRL trainer on one rank
+(on two for two data-parallel replicas, whose sampling TRL seeds per process) with the same global batch: every
+logged loss and metric equal (fp32, 1e-5), the evaluation's too.
+
+The runs (``trl_runs.py``) train the tiny Llama on the shipped arithmetic data with SGD, no clipping, gradient
+accumulation 2 (see ``test_trainer_parity.py``). GRPO samples at temperature 1 from a seeded generator: both runs
+see the same completions, so the rewards, advantages and every loss term can be compared.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+# imported here once, so that the forked ranks share them (see test_trainer_parity.py)
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+import peft  # noqa: E402,F401
+import transformers.trainer  # noqa: E402,F401
+import trl  # noqa: E402,F401
+
+from tests.dist_utils import run_distributed  # noqa: E402
+
+from .trl_runs import STEPS, dpo_train, grpo_train, save_tiny_llama  # noqa: E402
+
+_SKIP = ("epoch", "step", "learning_rate", "step_time", "train_runtime", "eval_runtime")
+
+
+def _same_logs(got: dict, ref: dict, what: str) -> None:
+    assert len(got["logs"]) == len(ref["logs"]) == STEPS, (what, got["logs"])
+    for step, (a, b) in enumerate(zip(ref["logs"], got["logs"]), 1):
+        keys = sorted(k for k in a if not any(s in k for s in _SKIP) and "per_second" not in k)
+        assert set(keys) <= set(b), f"{what} step {step}: logged {sorted(b)}, TRL logged {keys}"
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), f"{what} step {step} {k}: {b[k]} != {a[k]} (TRL)"
+
+
+DPO_CASES = {
+    "wallfacer-c2-ref-model": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 2, {}),
+    "ulysses-lora-zero3": ({"mode": "ulysses", "sequence_parallel_size": 4}, 2, {"lora": True, "zero_stage": 3}),
+    "hybrid-dp-precomputed": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 1,
+                              {"precompute": True}),
+    "ring-ipo-zero3": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 4}, 2,
+                       {"loss_type": ["ipo"], "zero_stage": 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(DPO_CASES))
+def test_dpo_equals_trl_on_one_rank(case: str, tmp_path) -> None:
+    section, micro_batch, opts = DPO_CASES[case]
+    ref = run_distributed(dpo_train, 1, str(tmp_path / "p1"), None, 2, opts, timeout_s=240)[0]
+    got = run_distributed(dpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
+    assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
+    _same_logs(got, ref, case)
+    assert ref["logs"][-1]["rewards/margins"] != 0, ref  # the policy moved away from the reference
+    for k, want in ref["eval"].items():
+        if not any(s in k for s in _SKIP) and "per_second" not in k:
+            assert got["eval"][k] == pytest.approx(want, rel=1e-5, abs=1e-5), (case, k, got["eval"][k], want)
+
+
+GRPO_CASES = {
+    "wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
+                          {"lora": True}),
+    "ulysses-zero3-ref-model": ({"mode": "ulysses", "sequence_parallel_size": 4}, 8, 1,
+                                {"pretrained": True, "zero_stage": 3}),
+    "hybrid-dr-grpo": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 4}, 8, 1,
+                       {"lora": True, "loss_type": "dr_grpo"}),
+    "hybrid-dp-lora": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 4, 2,
+                       {"lora": True, "loss_type": "dr_grpo"}),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_grpo_equals_trl(case: str, tmp_path) -> None:
+    section, micro_batch, ref_ranks, opts = GRPO_CASES[case]
+    if opts.get("pretrained"):
+        opts = {**opts, "pretrained": save_tiny_llama(str(tmp_path / "tiny"))}
+    ref = run_distributed(grpo_train, ref_ranks, str(tmp_path / "ref"), None, 8 // ref_ranks, opts, timeout_s=240)[0]
+    got = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
+    assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
+    _same_logs(got, ref, case)
+    assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref  # some group had rewards to learn from
+    assert "kl" in ref["logs"][0] and "clip_ratio/region_mean" in ref["logs"][0], ref
