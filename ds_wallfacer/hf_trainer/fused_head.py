@@ -10,23 +10,22 @@ per-token values and the batch's masks.
 ``shard_fused_lm_head`` wraps that forward once more. A call with ``fused_lm_head=True`` gets the full batch (every
 rank of the sequence-parallel group holds the same one), and
 
-1. moves each row's tokens to the row's start (GRPO's prompts are left-padded: the sequence-parallel kernels take
-   right padding only) and shifts the labels before sharding (Note [Labels shifted before sharding]),
-2. shards the batch like the loader does (``data.loader.prepare_batch``) and runs TRL's own fused forward on the
-   shard, with pre-shifted ``shift_labels``: the backbone under sequence-parallel attention, the LM head in tiles
-   on the shard only, so neither the full hidden states nor any [N, V] logits exist on a rank,
-3. all-gathers the per-token values over the group (B x N numbers each, a few MB at 1M tokens) and puts them back
-   in the caller's order and shape.
+1. packs the rows into one row of documents, without padding (Note [Rows as documents]), with the labels shifted
+   before sharding (Note [Labels shifted before sharding], docs/design/documents.md),
+2. shards it like the loader does (``data.loader.prepare_batch``) and runs TRL's own fused forward on the shard,
+   with pre-shifted ``shift_labels``: the backbone under sequence-parallel attention (each document attends only
+   to itself), the LM head in tiles on the shard only, so neither the full hidden states nor any [N, V] logits
+   exist on a rank,
+3. all-gathers the per-token values over the group (one number per token each: a few MB at 1M tokens) and puts
+   them back in the caller's [B, N - 1] layout.
 
 The trainer's loss then runs unchanged on the full per-token tensors, identically on every rank of the group.
 Note [Gradient of the gathered log-probabilities]: the backward of the gather is a reduce-scatter, so each rank's
 shard receives the gradient summed over the group's identical losses, P times its part of the one loss; DeepSpeed's
 average over all W = P x D ranks divides the P out, as for the token-mean loss (docs/design/layouts.md).
 
-A moved row keeps its tokens' relative positions: rotary attention scores are the same (up to float rounding of the
-rotation angles) as the model's own forward over the left-padded row, whose real tokens start at position
-``left padding``. Models with absolute position embeddings would see other positions: refused at construction
-(``refuse_absolute_positions``).
+Each document's positions start at 0. Models with learned absolute position embeddings would score a left-padded
+row at other positions than their own forward does: refused at construction (``fused_trainer.refuse_absolute_positions``).
 """
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommLayer
@@ -42,7 +40,7 @@ from ..data.loader import prepare_batch
 from ..data.pieces import unshard_sequence
 from ..integration.parallel import check_same_batch
 
-__all__ = ["GatherShards", "aligned_rows", "per_token_fields", "shard_fused_lm_head"]
+__all__ = ["GatherShards", "aligned_rows", "pack_rows", "per_token_fields", "shard_fused_lm_head"]
 
 _FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 """TRL's ``FusedCausalLMOutput`` per-token fields, [B, N - 1] each."""
@@ -82,6 +80,32 @@ def aligned_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return lead, lengths
 
 
+def pack_rows(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor, *,
+              ignore_index: int = -100) -> tuple[dict[str, Any], torch.Tensor]:
+    """A [B, N] batch (each row one run of tokens between left and right padding) -> one row holding every row's
+    tokens as a document of its own (``document_lengths``), with its shifted labels (a document's last token has
+    none), and, per packed token, its flat position ``row * N + t`` in the caller's layout.
+
+    Note [Rows as documents]. A packed row has no padding, so the sequence-parallel work is that of the real
+    tokens (GRPO's prompts are left-padded, completions end at different lengths; DPO pads chosen and rejected to
+    the longer). Each document's positions start at 0, as the model's own forward places a right-padded row; a
+    left-padded row (real tokens from position ``lead``) keeps every relative position, so rotary attention is
+    the model's (up to float rounding of the angles)."""
+    aligned_rows(attention_mask)  # one run per row, or refused
+    b, n = input_ids.shape
+    keep = attention_mask.bool()
+    rows, cols = keep.nonzero(as_tuple=True)  # row-major: each row's tokens in order
+    if rows.numel() == 0:
+        raise ValueError("fused LM head under sequence parallelism: the batch has no tokens")
+    nxt = (cols + 1).clamp(max=n - 1)
+    has_next = (cols + 1 < n) & keep[rows, nxt]
+    targets = torch.where(has_next, labels[rows, nxt], torch.full_like(cols, ignore_index))
+    docs = [int(k) for k in keep.sum(dim=1).tolist() if k > 0]
+    full = {"input_ids": input_ids[rows, cols][None].cpu(), "shift_labels": targets[None].cpu(),
+            "document_lengths": [docs]}
+    return full, rows * n + cols
+
+
 def per_token_fields(out: Any) -> dict[str, torch.Tensor]:
     """The per-token fields TRL's fused forward computed (the others are None)."""
     return {name: getattr(out, name) for name in _FIELDS if getattr(out, name, None) is not None}
@@ -117,37 +141,29 @@ class _ShardedHead:
         b, n = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        lead, lengths = aligned_rows(attention_mask)
-        pos = torch.arange(n, device=input_ids.device)
-        take = (pos[None, :] + lead[:, None]).clamp(max=n - 1)  # row start moved to 0
-        real = pos[None, :] < lengths[:, None]
-        ids = input_ids.gather(1, take).masked_fill(~real, sp.pad_token_id)
-        targets = labels.gather(1, take).masked_fill(~real, ignore)
-        full = {"input_ids": ids.cpu(), "attention_mask": real.long().cpu(),
-                "shift_labels": F.pad(targets[:, 1:], (0, 1), value=ignore).cpu()}
+        full, flat = pack_rows(input_ids, labels, attention_mask, ignore_index=ignore)
         spec = sp.groups.shard_spec
         shard = prepare_batch(full, spec, pad_token_id=sp.pad_token_id, ignore_index=ignore)
         device = input_ids.device
         assignment = shard.get("chunk_assignment")
-        model_kwargs = sp.module.attention_kwargs(shard["position_ids"].to(device), None,
+        model_kwargs = sp.module.attention_kwargs(shard["position_ids"].to(device),
+                                                  shard["document_starts"].to(device),
                                                   None if assignment is None else assignment.to(device))
         out = self.inner(input_ids=shard["input_ids"].to(device), position_ids=shard["position_ids"].to(device),
                          shift_labels=shard["shift_labels"].to(device), fused_lm_head=True, use_cache=False,
                          **model_kwargs)
         local = per_token_fields(out)
-        padded = shard["input_ids"].shape[1] * spec.sp_size
-        back = (pos[None, :] - lead[:, None]).clamp(min=0)  # position in the moved row of each original position
-        before = pos[None, :] < lead[:, None]
         unshard = dict(dim=1, ulysses_degree=spec.ulysses_degree,
                        scheme="zigzag" if assignment is None else spec.scheme,
                        assignment=None if assignment is None else assignment.tolist())
+        flat = flat.to(device)
 
         def restore(gathered: torch.Tensor) -> torch.Tensor:
-            """[P, B, n / P] shards -> [B, N - 1] in the caller's positions (position t scores token t + 1)."""
+            """[P, 1, T_padded / P] shards -> [B, N - 1] in the caller's positions (position t scores token t + 1;
+            zero where nothing is scored)."""
             shards = [gathered[g] for g in group_order]  # by shard index
-            whole = unshard_sequence(shards, **unshard)[:, :n]
-            assert whole.shape[1] == n and padded >= n
-            return whole.gather(1, back).masked_fill(before, 0)[:, :-1]
+            whole = unshard_sequence(shards, **unshard)[0, : flat.numel()]
+            return whole.new_zeros(b * n).index_add(0, flat, whole).view(b, n)[:, :-1]
 
         comm, group = sp.comm, sp.groups.sp_group
         dims = sp.setup.dims
