@@ -122,10 +122,10 @@ def model_attention(model: nn.Module) -> Iterator[None]:
     the implementation it had before ``attach``, over whole local sequences: what generation needs (a KV cache,
     left-padded prompts, one token at a time), where nothing is sharded. Sequence-parallel attention after it."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    before = base.__dict__.get(_BEFORE) or model.__dict__.get(_BEFORE)
-    if before is None or getattr(base.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+    if getattr(base.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         yield
         return
+    before = base.__dict__.get(_BEFORE) or model.__dict__.get(_BEFORE) or "sdpa"  # as reference_implementation
     base.set_attn_implementation(before)
     try:
         yield

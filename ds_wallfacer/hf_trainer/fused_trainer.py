@@ -24,7 +24,6 @@ import torch
 from ..adapters import hf
 from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
 from .fused_head import shard_fused_lm_head
-from .metrics import LogMetrics
 from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_common_options, refuse_unsupported_model,
                       take_wallfacer_section)
 from .replicas import ReplicaView
@@ -52,6 +51,7 @@ class WallfacerFusedHeadMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_accelerate_sp(getattr(kwargs.get("args"), "parallelism_config", None))
+        self._wf_refuse_arguments(kwargs)
         self._wf_deferred: list[tuple[str, int]] = []
         super().__init__(*args, **kwargs)
         run = take_wallfacer_section(self.args, self.accelerator)
@@ -70,12 +70,15 @@ class WallfacerFusedHeadMixin:
             self._wf_attach_reference(_engine_module(self.ref_model))
         dims = sp.setup.dims
         self._wf_view = ReplicaView(self.accelerator, dims=dims, dp_index=sp.groups.dp_index)
-        self.wallfacer_metrics = LogMetrics(sp.comm)
         self._wf_after_setup()
 
     # -- set-up --------------------------------------------------------------------------------------------
+    @classmethod
+    def _wf_refuse_arguments(cls, kwargs: dict[str, Any]) -> None:
+        """The subclass's refusals that read only the constructor's arguments: before TRL acts on them."""
+
     def _wf_refuse(self, run: Any) -> None:
-        """The subclass's own refusals (its TRL options)."""
+        """The subclass's own refusals of what TRL's construction made (its TRL options)."""
 
     def _wf_attach_reference(self, ref: torch.nn.Module) -> None:
         """The reference model attends like the policy: this rank's sequence-parallel attention on its layers,

@@ -15,7 +15,7 @@ advantages. Under sequence parallelism:
   loss (``loss_type`` grpo, dr_grpo, bnpo, dapo, ...: clipping, KL, importance sampling) runs on the gathered
   per-token values, as on one process.
 
-Refused by name: vLLM and continuous-batching generation, tool calling, image prompts. Needs ``trl``.
+Refused by name: vLLM and continuous-batching generation, custom rollouts, tool calling, image prompts. Needs ``trl``.
 """
 from __future__ import annotations
 
@@ -34,18 +34,29 @@ __all__ = ["WallfacerGRPOTrainer"]
 class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
 
-    def _wf_refuse(self, run: Any) -> None:
-        args = self.args
+    @classmethod
+    def _wf_refuse_arguments(cls, kwargs: dict[str, Any]) -> None:
+        args = kwargs.get("args")
         checks = [
-            (self.use_vllm, f"use_vllm=True (vllm_mode={getattr(args, 'vllm_mode', None)!r})",
+            (bool(getattr(args, "use_vllm", False)), f"use_vllm=True (vllm_mode={getattr(args, 'vllm_mode', None)!r})",
              "generate with transformers (use_vllm=False); vLLM generation is not wired to sequence parallelism yet"),
-            (self.use_transformers_continuous_batching, "continuous batching generation",
-             "use the plain transformers generate"),
-            (bool(getattr(self, "tools", None)), "tools", "tool-calling rollouts are not supported yet"),
-            (bool(getattr(self, "_is_vlm", False)), "a vision-language processor", "train on text prompts"),
-            (self.aux_loss_enabled, "the MoE router aux loss", "set router_aux_loss_coef=0"),
+            (bool(getattr(args, "use_transformers_continuous_batching", False)),
+             "use_transformers_continuous_batching=True", "use the plain transformers generate"),
+            (bool(kwargs.get("tools")) or bool(kwargs.get("environment_factory")), "tools / environments",
+             "tool-calling rollouts are not supported yet"),
+            (kwargs.get("rollout_func") is not None, "rollout_func",
+             "a custom rollout would run per rank; use the trainer's own generation"),
         ]
         for bad, what, fix in checks:
+            if bad:
+                raise UnsupportedTrainerOption(f"WallfacerGRPOTrainer: {what} is not supported under sequence "
+                                               f"parallelism: {fix}")
+
+    def _wf_refuse(self, run: Any) -> None:
+        for bad, what, fix in [
+            (bool(getattr(self, "_is_vlm", False)), "a vision-language processor", "train on text prompts"),
+            (self.aux_loss_enabled, "the MoE router aux loss", "set router_aux_loss_coef=0"),
+        ]:
             if bad:
                 raise UnsupportedTrainerOption(f"WallfacerGRPOTrainer: {what} is not supported under sequence "
                                                f"parallelism: {fix}")

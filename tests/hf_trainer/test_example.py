@@ -1,7 +1,7 @@
-"""The example scripts ``launch/train_hf.py`` (Trainer) and ``launch/train_trl.py`` (TRL SFT) on 4 gloo ranks
-forked from the test process (what the ``deepspeed`` launcher's ranks run): they train, evaluate, save a
-checkpoint (the SFT one a LoRA adapter only), log to an offline wandb run (with ``WallfacerTrainer``'s metrics),
-resume from the checkpoint, and print their JSON summary last."""
+"""The example scripts ``launch/train_hf.py`` (Trainer), ``launch/train_trl.py`` (TRL SFT), ``train_dpo.py`` and
+``train_grpo.py`` on 4 gloo ranks forked from the test process (what the ``deepspeed`` launcher's ranks run): they
+train, evaluate, save a checkpoint (the SFT one a LoRA adapter only), log to an offline wandb run (with
+``WallfacerTrainer``'s metrics), resume from the checkpoint, and print their JSON summary last."""
 from __future__ import annotations
 
 import json
@@ -77,3 +77,18 @@ def test_the_sft_example_trains_a_lora_adapter_on_packed_chats_and_prints_its_su
     assert got["tokens_per_s"] > 0 and got["final_loss"] > 0 and got["eval_loss"] > 0, got
     saved = {p.name for p in (tmp_path / "run" / "checkpoint-4").iterdir()}
     assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved, saved
+
+
+@pytest.mark.parametrize("script", ["train_dpo", "train_grpo"])
+def test_the_dpo_and_grpo_examples_train_and_print_their_summary(script: str, tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    import trl  # noqa: F401  (imported in the parent, shared by the forked ranks)
+
+    argv = ["--deepspeed_config", "wallfacer", "--steps", "2", "--output_dir", str(tmp_path / "run")]
+    got = _summary(run_distributed(_example_rank, 4, argv, script, timeout_s=240)[0])
+    assert got["steps"] == 2 and got["sequence_parallel_size"] == 4 and got["mode"] == "wallfacer", got
+    assert got["tokens_per_s"] > 0 and got["final_loss"] is not None, got
+    if script == "train_dpo":
+        assert got["eval_loss"] > 0 and 0 <= got["reward_accuracy"] <= 1, got
+    else:
+        assert got["first_reward"] is not None and got["last_reward"] is not None, got

@@ -1,0 +1,89 @@
+"""Reinforcement learning with TRL's ``GRPOTrainer`` and sequence parallelism: the example of
+``ds_wallfacer.hf_trainer.WallfacerGRPOTrainer``.
+
+    deepspeed --num_gpus 4 launch/train_grpo.py --deepspeed_config wallfacer --filler 8 --steps 20
+
+A plain TRL script (model, prompts, a rule-based reward, ``GRPOConfig(deepspeed=...)``) whose one change is
+``WallfacerGRPOTrainer`` in place of ``GRPOTrainer``. The prompts are synthetic and shipped
+(``ds_wallfacer.hf_trainer.rl_data``): addition questions, rewarded 1 when the completion's first number is the sum,
+0.5 when it starts with a digit; ``--filler K`` puts K context sentences before each question. Completions are
+generated with the model whole on each rank, then trained on under sequence parallelism. With ``--lora_r`` and
+``--beta`` > 0 the KL is taken to the base model under the adapter. Runs on CPU ranks (gloo) where there is no GPU.
+The last line printed (rank 0) is a JSON summary: final_loss, mean reward of the first and last step, steps,
+tokens_per_s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_dpo import rl_summary  # noqa: E402
+from train_hf import add_run_options, run_arguments  # noqa: E402  (the Trainer example's shared parts)
+from train_trl import tokenizer_for  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
+    p.add_argument("--prompts", type=int, default=64, help="prompts to train on")
+    p.add_argument("--filler", type=int, default=2, help="context sentences before each question (row length)")
+    p.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
+    p.add_argument("--max_completion_length", type=int, default=16)
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 needs --lora_r: the base model is "
+                                                           "the reference)")
+    p.add_argument("--loss_type", default="grpo", help="TRL's GRPO loss type (grpo, dr_grpo, dapo, ...)")
+    p.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter of this rank (peft)")
+    add_run_options(p, output_dir="runs/grpo", unit="completions")
+    p.set_defaults(micro_batch=4, lr=1e-3)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.beta > 0 and args.lora_r <= 0 and not Path(args.model).is_dir():
+        raise SystemExit("--beta > 0 needs a reference model: give --lora_r (the base model is the reference) or "
+                         "a model folder (TRL loads the reference from it)")
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer
+    from ds_wallfacer.hf_trainer.rl_data import arithmetic_reward, make_prompts
+    from ds_wallfacer.train.model import load_model
+
+    run = run_arguments(args)
+    run.update(eval_strategy="no", per_device_eval_batch_size=args.micro_batch)
+    training = GRPOConfig(**run, beta=args.beta, loss_type=args.loss_type, num_generations=args.num_generations,
+                          max_completion_length=args.max_completion_length, gradient_checkpointing=False)
+    import deepspeed
+
+    deepspeed.init_distributed()  # ZeRO-3 builds the model partitioned (zero.Init), sized by DeepSpeed's world
+    loaded = load_model(args.model, seq_len=64 * (args.filler + 2), dtype=torch.float32, seed=training.seed)
+    model = args.model if Path(args.model).is_dir() else loaded.model
+    peft_config = None
+    if args.lora_r > 0:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                 target_modules="all-linear")
+    trainer = WallfacerGRPOTrainer(model=model, args=training, processing_class=tokenizer_for(loaded),
+                                   reward_funcs=arithmetic_reward, peft_config=peft_config,
+                                   train_dataset=Dataset.from_list(make_prompts(args.prompts, seed=training.seed,
+                                                                                filler=args.filler)))
+    resume = True if args.resume == "last" else args.resume
+    result = trainer.train(resume_from_checkpoint=resume)
+    if trainer.is_world_process_zero():
+        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        print(json.dumps(rl_summary(trainer, result, {}, args.output_dir, lora=args.lora_r > 0,
+                                    first_reward=rewards[0] if rewards else None,
+                                    last_reward=rewards[-1] if rewards else None)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
