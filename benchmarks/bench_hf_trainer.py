@@ -19,9 +19,6 @@ one JSON line: ``max_loss_diff`` per trainer and ``ulysses_over_alst`` (tokens/s
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,8 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (add_out_option, emit, free_port, plot_path, print_table,  # noqa: E402
-                               remove_shm_segments, save_plot)
+from benchmarks.harness import add_out_option, emit, launch_job, plot_path, print_table, save_plot  # noqa: E402
 
 SCRIPTS = {"trainer": ROOT / "launch" / "train_hf.py", "sft": ROOT / "launch" / "train_trl.py",
            "alst": ROOT / "benchmarks" / "hf_trainer_alst.py"}
@@ -53,30 +49,18 @@ def configurations(args: argparse.Namespace) -> list[dict]:
 
 def _run(cfg: dict, args: argparse.Namespace) -> dict:
     length = "--max_length" if cfg["trainer"] == "sft" else "--seq_len"
-    port = free_port()
+    t0 = time.time()
     with tempfile.TemporaryDirectory() as out:
-        cmd = ["deepspeed", "--num_gpus", str(cfg["ranks"]), "--master_port", str(port), str(SCRIPTS[cfg["trainer"]]),
-               "--deepspeed_config", cfg["config"], length, str(args.seq_len), "--steps", str(args.steps),
-               "--eval_steps", str(10 * args.steps), "--output_dir", out]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TRANSFORMERS_VERBOSITY="error",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        # DeepSpeed's CPU op, built once per venv by launch/setup_env.sh: found there, not rebuilt in a job
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-        t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.job_timeout_s, cwd=out)
-            text, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            text, rc = str(e.stdout or ""), "timeout"
-        finally:
-            remove_shm_segments(port)
-    lines = [ln for ln in text.splitlines() if ln.startswith("{") and '"final_loss"' in ln]
+        options = ["--deepspeed_config", cfg["config"], length, args.seq_len, "--steps", args.steps,
+                   "--eval_steps", 10 * args.steps, "--output_dir", out]
+        result, text, rc = launch_job(SCRIPTS[cfg["trainer"]], cfg["ranks"], options, threads=args.threads,
+                                      timeout_s=args.job_timeout_s, cwd=out)
     row = {**cfg, "job_s": round(time.time() - t0, 1)}
-    if rc != 0 or not lines:
+    if result is None:
         tail = "\n".join(text.splitlines()[-20:])
         print(f"{cfg['trainer']} {cfg['config']} x{cfg['ranks']}: failed (rc {rc}):\n{tail}", file=sys.stderr)
         return {**row, "error": f"rc {rc}"}
-    row.update(json.loads(lines[-1]))
+    row.update(result)
     print(f"  {cfg['trainer']:8s} {cfg['config']:10s} x{cfg['ranks']}  loss {row['final_loss']:.6f}  "
           f"{row['tokens_per_s']:8.0f} tok/s  ({row['job_s']:.0f} s)", flush=True)
     return row

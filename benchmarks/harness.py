@@ -30,7 +30,8 @@ if str(ROOT) not in sys.path:  # the repository's package, also when it is not i
     sys.path.insert(0, str(ROOT))
 
 __all__ = [
-    "ROOT", "RanksFailed", "add_out_option", "emit", "free_port", "init_launched", "init_one_rank", "launched",
+    "ROOT", "RanksFailed", "add_out_option", "emit", "free_port", "init_launched", "init_one_rank", "launch_job",
+    "launched",
     "plot_path", "print_table", "rank_device", "remove_shm_segments", "run_ranks", "save_plot", "spawn_ranks",
 ]
 
@@ -123,6 +124,30 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_job(script: Path | str, ranks: int, options: Sequence[str], *, threads: int = 1,
+               timeout_s: float = 600.0, cwd: Path | str | None = None) -> tuple[dict | None, str, Any]:
+    """Run ``deepspeed --num_gpus ranks script *options`` (the real launcher, on a free port; ``threads`` OMP
+    threads per rank) and return (the JSON summary the script printed last, or None; its output; its return code,
+    or "timeout"). Its shared-memory segments are removed afterwards."""
+    import subprocess
+
+    port = free_port()
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), str(script), *map(str, options)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # DeepSpeed's CPU op, built once per venv by launch/setup_env.sh: found there, not rebuilt in a job
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=cwd)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = str(e.stdout or ""), "timeout"
+    finally:
+        remove_shm_segments(port)
+    lines = [ln for ln in text.splitlines() if ln.startswith("{") and '"final_loss"' in ln]
+    return (json.loads(lines[-1]) if rc == 0 and lines else None), text, rc
 
 
 def remove_shm_segments(port: int | str, rank: int | str = "*") -> None:

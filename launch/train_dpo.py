@@ -34,6 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--loss_type", default="sigmoid", help="TRL's DPO loss type(s), comma-separated")
     p.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter of this rank (peft)")
+    p.add_argument("--trainer", choices=("wallfacer", "trl"), default="wallfacer",
+                   help="trl: TRL's own trainer, without sequence parallelism (the benchmark's one-rank reference)")
+    p.add_argument("--measure_step", type=int, default=0,
+                   help="> 0: the activation bytes of that training step on rank 0 (saved for backward, per "
+                        "micro-step; the benchmark's memory figure)")
     add_run_options(p, output_dir="runs/dpo", unit="preference pairs")
     return p.parse_args(argv)
 
@@ -45,11 +50,24 @@ def rl_summary(trainer, result, metrics: dict, output_dir: str, **extra) -> dict
 
     logs = [h for h in trainer.state.log_history if "loss" in h]
     last = logs[-1] if logs else {}
-    dims = trainer.sequence_parallel.setup.dims
+    sp = getattr(trainer, "sequence_parallel", None)  # None: TRL's own trainer (--trainer trl)
     runtime = result.metrics.get("train_runtime") or float("nan")
     return {"final_loss": last.get("loss"), "eval_loss": metrics.get("eval_loss"), "steps": result.global_step,
-            "tokens_per_s": (last.get("num_tokens") or 0) / runtime, "sequence_parallel_size": dims.sp_size,
-            "mode": dims.mode, "world_size": dims.world_size, "output_dir": os.path.abspath(output_dir), **extra}
+            "tokens_per_s": (last.get("num_tokens") or 0) / runtime,
+            "sequence_parallel_size": sp.setup.dims.sp_size if sp else 1, "mode": sp.setup.dims.mode if sp else None,
+            "world_size": trainer.args.world_size, "output_dir": os.path.abspath(output_dir), **extra}
+
+
+def trainer_setup(args: argparse.Namespace) -> tuple[dict, object]:
+    """The trainer's arguments from the shared options (TRL's own trainer: the ds_config without its
+    ``"wallfacer"`` section) and the step-memory probe (``--measure_step``)."""
+    from ds_wallfacer.hf_trainer.metrics import StepActivationBytes
+
+    run = run_arguments(args)
+    if args.trainer == "trl":
+        run["deepspeed"] = {k: v for k, v in run["deepspeed"].items() if k != "wallfacer"}
+    return run, StepActivationBytes(args.measure_step)
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from trl import DPOConfig
 
+    from trl import DPOTrainer
+
     from ds_wallfacer.hf_trainer import WallfacerDPOTrainer
     from ds_wallfacer.hf_trainer.rl_data import make_preferences
     from ds_wallfacer.train.model import load_model
 
-    training = DPOConfig(**run_arguments(args), beta=args.beta, loss_type=args.loss_type.split(","),
+    run, probe = trainer_setup(args)
+    training = DPOConfig(**run, beta=args.beta, loss_type=args.loss_type.split(","),
                          gradient_checkpointing=False)  # layer checkpointing is the ds_config's choice here
     import deepspeed
 
@@ -70,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed()
     seq_len = 64 * (args.filler + 2)
     loaded = load_model(args.model, seq_len=seq_len, dtype=torch.float32, seed=training.seed)
+    if args.trainer == "trl":  # TRL's own trainer attends with the model's usual kernels
+        loaded.model.set_attn_implementation("sdpa")
     pairs = make_preferences(args.pairs + args.eval_size, seed=training.seed, filler=args.filler)
     kwargs = {}
     if args.lora_r > 0:
@@ -79,9 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                                            target_modules="all-linear")
     else:  # the initial policy, loaded again
         kwargs["ref_model"] = load_model(args.model, seq_len=seq_len, dtype=torch.float32, seed=training.seed).model
-    trainer = WallfacerDPOTrainer(model=loaded.model, args=training, processing_class=tokenizer_for(loaded),
-                                  train_dataset=Dataset.from_list(pairs[args.eval_size:]),
-                                  eval_dataset=Dataset.from_list(pairs[: args.eval_size]), **kwargs)
+        kwargs["ref_model"].set_attn_implementation(loaded.model.config._attn_implementation)
+    cls = WallfacerDPOTrainer if args.trainer == "wallfacer" else DPOTrainer
+    trainer = cls(model=loaded.model, args=training, processing_class=tokenizer_for(loaded),
+                  train_dataset=Dataset.from_list(pairs[args.eval_size:]),
+                  eval_dataset=Dataset.from_list(pairs[: args.eval_size]), **kwargs)
+    if args.measure_step:
+        trainer.add_callback(probe.callback())
     resume = True if args.resume == "last" else args.resume
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate()
@@ -89,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         last = [h for h in trainer.state.log_history if "rewards/accuracies" in h][-1]
         print(json.dumps(rl_summary(trainer, result, metrics, args.output_dir, lora=args.lora_r > 0,
                                     reward_accuracy=last["rewards/accuracies"], reward_margin=last["rewards/margins"],
-                                    eval_reward_accuracy=metrics.get("eval_rewards/accuracies"))))
+                                    eval_reward_accuracy=metrics.get("eval_rewards/accuracies"),
+                                    activation_bytes=probe.activation_bytes,
+                                    cuda_peak_bytes=probe.cuda_peak_bytes)))
     return 0
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_dpo import rl_summary  # noqa: E402
-from train_hf import add_run_options, run_arguments  # noqa: E402  (the Trainer example's shared parts)
+from train_dpo import rl_summary, trainer_setup  # noqa: E402
+from train_hf import add_run_options  # noqa: E402  (the Trainer example's shared parts)
 from train_trl import tokenizer_for  # noqa: E402
 
 
@@ -38,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                            "the reference)")
     p.add_argument("--loss_type", default="grpo", help="TRL's GRPO loss type (grpo, dr_grpo, dapo, ...)")
     p.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter of this rank (peft)")
+    p.add_argument("--trainer", choices=("wallfacer", "trl"), default="wallfacer",
+                   help="trl: TRL's own trainer, without sequence parallelism (the benchmark's one-rank reference)")
+    p.add_argument("--measure_step", type=int, default=0,
+                   help="> 0: the activation bytes of that training step on rank 0 (saved for backward, per "
+                        "micro-step; the benchmark's memory figure)")
     add_run_options(p, output_dir="runs/grpo", unit="completions")
     p.set_defaults(micro_batch=4, lr=1e-3)
     return p.parse_args(argv)
@@ -50,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
                          "a model folder (TRL loads the reference from it)")
     import torch
     from datasets import Dataset
-    from trl import GRPOConfig
+    from trl import GRPOConfig, GRPOTrainer
 
     from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer
     from ds_wallfacer.hf_trainer.rl_data import arithmetic_reward, make_prompts
     from ds_wallfacer.train.model import load_model
 
-    run = run_arguments(args)
+    run, probe = trainer_setup(args)
     run.update(eval_strategy="no", per_device_eval_batch_size=args.micro_batch)
     training = GRPOConfig(**run, beta=args.beta, loss_type=args.loss_type, num_generations=args.num_generations,
                           max_completion_length=args.max_completion_length, gradient_checkpointing=False)
@@ -64,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     deepspeed.init_distributed()  # ZeRO-3 builds the model partitioned (zero.Init), sized by DeepSpeed's world
     loaded = load_model(args.model, seq_len=64 * (args.filler + 2), dtype=torch.float32, seed=training.seed)
+    if args.trainer == "trl":  # TRL's own trainer attends with the model's usual kernels
+        loaded.model.set_attn_implementation("sdpa")
     model = args.model if Path(args.model).is_dir() else loaded.model
     peft_config = None
     if args.lora_r > 0:
@@ -71,17 +78,20 @@ def main(argv: list[str] | None = None) -> int:
 
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
                                  target_modules="all-linear")
-    trainer = WallfacerGRPOTrainer(model=model, args=training, processing_class=tokenizer_for(loaded),
-                                   reward_funcs=arithmetic_reward, peft_config=peft_config,
-                                   train_dataset=Dataset.from_list(make_prompts(args.prompts, seed=training.seed,
-                                                                                filler=args.filler)))
+    cls = WallfacerGRPOTrainer if args.trainer == "wallfacer" else GRPOTrainer
+    trainer = cls(model=model, args=training, processing_class=tokenizer_for(loaded), reward_funcs=arithmetic_reward,
+                  peft_config=peft_config,
+                  train_dataset=Dataset.from_list(make_prompts(args.prompts, seed=training.seed, filler=args.filler)))
+    if args.measure_step:
+        trainer.add_callback(probe.callback())
     resume = True if args.resume == "last" else args.resume
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
         rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         print(json.dumps(rl_summary(trainer, result, {}, args.output_dir, lora=args.lora_r > 0,
                                     first_reward=rewards[0] if rewards else None,
-                                    last_reward=rewards[-1] if rewards else None)))
+                                    last_reward=rewards[-1] if rewards else None, activation_bytes=probe.activation_bytes,
+                                    cuda_peak_bytes=probe.cuda_peak_bytes)))
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..train.metrics import comm_bytes, peak_memory_bytes
 
-__all__ = ["LogMetrics"]
+__all__ = ["LogMetrics", "StepActivationBytes"]
 
 
 class LogMetrics:
@@ -44,3 +44,68 @@ class LogMetrics:
         out.update({f"wallfacer/{k}": float(v) for k, v in comm_bytes(+sent).items()})
         self.restart()
         return out
+
+
+class StepActivationBytes:
+    """A ``TrainerCallback`` (``callback()``) that measures, during optimizer step ``step`` on this rank, the bytes of
+    the tensors autograd saves for backward in one micro-step (the activations; distinct storages, parameters
+    excluded), the largest micro-step's: the benchmarks' memory figure, the same on CPU and GPU
+    (``torch.autograd.graph.saved_tensors_hooks``). On CUDA also the step's ``max_memory_allocated``.
+    ``activation_bytes`` is None until measured."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.activation_bytes: int | None = None
+        self.cuda_peak_bytes: int | None = None
+        self._hooks: Any = None
+        self._seen: dict[tuple[Any, int], int] = {}
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        owner = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step + 1 == owner.step:
+                    owner.start()
+
+            def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if owner._hooks is not None:
+                    owner.close_micro_step()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if owner._hooks is not None:
+                    owner.stop()
+
+        return _Callback()
+
+    def _pack(self, t: Any) -> Any:
+        import torch
+
+        if not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            self._seen[(t.device, storage.data_ptr())] = storage.nbytes()
+        return t
+
+    def start(self) -> None:
+        import torch
+
+        self._seen, self.activation_bytes = {}, 0
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+
+    def close_micro_step(self) -> None:
+        self.activation_bytes = max(self.activation_bytes or 0, sum(self._seen.values()))
+        self._seen = {}
+
+    def stop(self) -> None:
+        import torch
+
+        self.close_micro_step()
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        if torch.cuda.is_available():
+            self.cuda_peak_bytes = int(torch.cuda.max_memory_allocated())

@@ -1,0 +1,144 @@
+"""TRL's DPO and GRPO trainers with sequence parallelism against the same TRL trainer on one rank: tokens/s and
+activation bytes per rank, side by side in one run.
+
+    python benchmarks/bench_rl.py                          # 4 CPU ranks, rows of ~1K tokens, 4 steps (~3-5 min)
+    python benchmarks/bench_rl.py --filler 64 --only dpo   # longer rows
+
+Every run is a shipped example under the real launcher: ``deepspeed --num_gpus N launch/train_dpo.py`` or
+``launch/train_grpo.py``, with ``--trainer trl`` for TRL's own trainer (one rank; the example ds_config without its
+``"wallfacer"`` section) and the Wallfacer trainer under the example config of each mode (``wallfacer``: ZeRO-2,
+WallFacer; ``ulysses``: ZeRO-3; ``hybrid``: ZeRO-1, U = 2 x ring). The tiny Llama preset, fp32, the synthetic
+arithmetic data with ``--filler`` context sentences before each question (the row length), micro-batch 1 pair (DPO:
+2 rows) or 4 completions (GRPO), gradient accumulation 2. Per run: the final loss against the one-rank run, tokens/s
+over all ranks (TRL's ``num_tokens`` / ``train_runtime``: generation, the reference and the trainer's overheads
+included), and the activation bytes of step 3 on rank 0 (what autograd saves for backward in one micro-step,
+``StepActivationBytes``: the part of memory that grows with the sequence and that sequence parallelism divides).
+
+TRL + ALST: TRL's DPO and GRPO trainers have no DeepSpeed-Ulysses path (accelerate's ``ParallelismConfig`` sequence
+parallelism is wired into its SFT trainer only; their losses sum over whole sequences, which a sharded batch would
+cut), so there is no ALST column. On this machine 4 ranks share 2 cores: tokens/s shows the cost of the sharded
+path at small sizes, not the speed-up a GPU per rank gives; the activation ratio is what carries over.
+Prints one table, writes ``runs/bench/rl/`` (result.json, plot.png) and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import add_out_option, emit, launch_job, plot_path, print_table, save_plot  # noqa: E402
+
+SCRIPTS = {"dpo": ROOT / "launch" / "train_dpo.py", "grpo": ROOT / "launch" / "train_grpo.py"}
+MEASURED_STEP = 3
+
+
+def configurations(args: argparse.Namespace) -> list[dict]:
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    out = []
+    for trainer in ("dpo", "grpo"):
+        if only and trainer not in only:
+            continue
+        out.append(dict(trainer=trainer, impl="trl", config="wallfacer", ranks=1))
+        out += [dict(trainer=trainer, impl="wallfacer", config=c, ranks=args.ranks)
+                for c in ("wallfacer", "ulysses", "hybrid")]
+    return out
+
+
+def _run(cfg: dict, args: argparse.Namespace) -> dict:
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as out:
+        options = ["--deepspeed_config", cfg["config"], "--trainer", cfg["impl"], "--filler", args.filler,
+                   "--steps", args.steps, "--measure_step", MEASURED_STEP, "--eval_steps", 10 * args.steps,
+                   "--output_dir", out]
+        result, text, rc = launch_job(SCRIPTS[cfg["trainer"]], cfg["ranks"], options, threads=args.threads,
+                                      timeout_s=args.job_timeout_s, cwd=out)
+    row = {**cfg, "job_s": round(time.time() - t0, 1)}
+    if result is None:
+        tail = "\n".join(text.splitlines()[-20:])
+        print(f"{cfg['trainer']} {cfg['impl']} {cfg['config']} x{cfg['ranks']}: failed (rc {rc}):\n{tail}",
+              file=sys.stderr)
+        return {**row, "error": f"rc {rc}"}
+    row.update(result)
+    print(f"  {cfg['trainer']:5s} {cfg['impl']:9s} {cfg['config']:9s} x{cfg['ranks']}  loss {row['final_loss']:.6f}  "
+          f"{row['tokens_per_s']:8.0f} tok/s  {row['activation_bytes'] / 2**20:7.1f} MiB  ({row['job_s']:.0f} s)",
+          flush=True)
+    return row
+
+
+def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
+    ok = [r for r in rows if "error" not in r]
+    ref = {r["trainer"]: r for r in ok if r["impl"] == "trl"}
+
+    def ratio(r: dict, key: str) -> float | None:
+        base = ref.get(r["trainer"])
+        return r[key] / base[key] if base and base.get(key) and r.get(key) is not None else None
+
+    def diff(r: dict) -> float | None:
+        base = ref.get(r["trainer"])
+        return abs(r["final_loss"] - base["final_loss"]) if base else None
+
+    print(f"\ntiny Llama, --filler {args.filler} (DPO rows ~{64 * (args.filler + 2)} tokens), {args.steps} steps, fp32, "
+          f"{args.threads} thread(s) per rank; ratios against TRL's own trainer on one rank")
+    print_table([("trainer", "<"), ("impl", "<"), ("config", "<"), ("mode", "<"), ("ranks", "d"),
+                 ("final loss", ".6f"), ("|d loss|", ".1e"), ("tok/s", ".0f"), ("tok/s ratio", ".2f"),
+                 ("act MiB/rank", ".2f"), ("act ratio", ".2f")],
+                [[r["trainer"], r["impl"], r["config"], r.get("mode"), r["ranks"], r["final_loss"], diff(r),
+                  r["tokens_per_s"], ratio(r, "tokens_per_s"), r["activation_bytes"] / 2**20,
+                  ratio(r, "activation_bytes")] for r in ok])
+    for r in rows:
+        if "error" in r:
+            print(f"{r['trainer']} {r['impl']} {r['config']} x{r['ranks']}: failed: {r['error']}")
+    summary: dict[str, Any] = dict(bench="rl", ranks=args.ranks, filler=args.filler, steps=args.steps,
+                                   wall_s=round(wall_s))
+    for trainer in ref:
+        ours = [r for r in ok if r["trainer"] == trainer and r["impl"] == "wallfacer"]
+        if ours:
+            summary[f"{trainer}_activation_ratio"] = {r["config"]: round(ratio(r, "activation_bytes"), 3) for r in ours}
+            summary[f"{trainer}_tokens_per_s_ratio"] = {r["config"]: round(ratio(r, "tokens_per_s"), 3) for r in ours}
+    summary["results"] = rows
+    save_plot(plot_path(args), lambda plt: _draw(ok, plt), dpi=110)
+    emit(summary, args.out / "result.json")
+    return summary
+
+
+def _draw(rows: list[dict], plt):
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    names = [f"{r['trainer']} {r['impl']} {r['config']} x{r['ranks']}" for r in rows]
+    colors = ["tab:gray" if r["impl"] == "trl" else "tab:blue" for r in rows]
+    axes[0].barh(names, [r["tokens_per_s"] for r in rows], color=colors)
+    axes[0].set_xlabel("tokens/s (all ranks)")
+    axes[1].barh(names, [r["activation_bytes"] / 2**20 for r in rows], color=colors)
+    axes[1].set_xlabel(f"activation MiB per rank (step {MEASURED_STEP})")
+    axes[0].invert_yaxis()
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--filler", type=int, default=14, help="context sentences per question (~64 tokens each)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--only", default="", help="comma-separated: dpo, grpo")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    p.add_argument("--job-timeout-s", type=int, default=600)
+    add_out_option(p, "rl")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    rows = [_run(cfg, args) for cfg in configurations(args)]
+    summary = _report(args, rows, time.time() - t0)
+    return 0 if all("error" not in r for r in summary["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
