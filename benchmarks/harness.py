@@ -134,7 +134,8 @@ def launch_job(script: Path | str, ranks: int, options: Sequence[str], *, thread
     import subprocess
 
     port = free_port()
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), str(script), *map(str, options)]
+    beside = Path(sys.executable).parent / "deepspeed"  # this environment's launcher, activated or not
+    cmd = [str(beside) if beside.exists() else "deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), str(script), *map(str, options)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     # DeepSpeed's CPU op, built once per venv by launch/setup_env.sh: found there, not rebuilt in a job

@@ -11,7 +11,7 @@ per-token values and the batch's masks.
 rank of the sequence-parallel group holds the same one), and
 
 1. packs the rows into one row of documents, without padding (Note [Rows as documents]), with the labels shifted
-   before sharding (Note [Labels shifted before sharding], docs/design/documents.md),
+   before sharding (as the loader shifts them, ``data/loader.py``: no label crosses a shard),
 2. shards it like the loader does (``data.loader.prepare_batch``) and runs TRL's own fused forward on the shard,
    with pre-shifted ``shift_labels``: the backbone under sequence-parallel attention (each document attends only
    to itself), the LM head in tiles on the shard only, so neither the full hidden states nor any [N, V] logits
