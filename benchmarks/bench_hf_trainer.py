@@ -28,7 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import add_out_option, emit, launch_job, plot_path, print_table, save_plot  # noqa: E402
+from benchmarks.harness import (add_job_options, add_out_option, emit, launch_job, plot_path,  # noqa: E402
+                               print_table, run_jobs, save_plot)
 
 SCRIPTS = {"trainer": ROOT / "launch" / "train_hf.py", "sft": ROOT / "launch" / "train_trl.py",
            "alst": ROOT / "benchmarks" / "hf_trainer_alst.py"}
@@ -124,18 +125,12 @@ def _draw(rows: list[dict], plt):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--only", default="", help="comma-separated trainers: trainer (with ALST), sft")
-    p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
-    p.add_argument("--job-timeout-s", type=int, default=600)
+    add_job_options(p, steps=8)
     add_out_option(p, "hf_trainer")
     args = p.parse_args(argv)
-    t0 = time.time()
-    rows = [_run(cfg, args) for cfg in configurations(args)]
-    summary = _report(args, rows, time.time() - t0)
-    return 0 if all("error" not in r for r in summary["results"]) else 1
+    return run_jobs(args, configurations(args), _run, _report)
 
 
 if __name__ == "__main__":

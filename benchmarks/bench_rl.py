@@ -7,9 +7,11 @@ activation bytes per rank, side by side in one run.
 Every run is a shipped example under the real launcher: ``deepspeed --num_gpus N launch/train_dpo.py`` or
 ``launch/train_grpo.py``, with ``--trainer trl`` for TRL's own trainer (one rank; the example ds_config without its
 ``"wallfacer"`` section) and the Wallfacer trainer under the example config of each mode (``wallfacer``: ZeRO-2,
-WallFacer; ``ulysses``: ZeRO-3; ``hybrid``: ZeRO-1, U = 2 x ring). The tiny Llama preset, fp32, the synthetic
+WallFacer; ``ulysses``: ZeRO-3 in the example, ZeRO-2 here, since the activation probe cannot run under ZeRO-3;
+``hybrid``: ZeRO-1, U = 2 x ring). The tiny Llama preset, fp32, the synthetic
 arithmetic data with ``--filler`` context sentences before each question (the row length), micro-batch 1 pair (DPO:
-2 rows) or 4 completions (GRPO), gradient accumulation 2. Per run: the final loss against the one-rank run, tokens/s
+2 rows) or 4 completions (GRPO), gradient accumulation 2. Per run: the final loss (GRPO: and the last step's mean
+reward) against the one-rank run, tokens/s
 over all ranks (TRL's ``num_tokens`` / ``train_runtime``: generation, the reference and the trainer's overheads
 included), and the activation bytes of step 3 on rank 0 (what autograd saves for backward in one micro-step,
 ``StepActivationBytes``: the part of memory that grows with the sequence and that sequence parallelism divides).
@@ -23,6 +25,7 @@ Prints one table, writes ``runs/bench/rl/`` (result.json, plot.png) and ends wit
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -32,7 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import add_out_option, emit, launch_job, plot_path, print_table, save_plot  # noqa: E402
+from benchmarks.harness import (add_job_options, add_out_option, emit, launch_job, plot_path,  # noqa: E402
+                               print_table, run_jobs, save_plot)
 
 SCRIPTS = {"dpo": ROOT / "launch" / "train_dpo.py", "grpo": ROOT / "launch" / "train_grpo.py"}
 MEASURED_STEP = 3
@@ -50,10 +54,23 @@ def configurations(args: argparse.Namespace) -> list[dict]:
     return out
 
 
+def _config(name: str, out: str) -> str:
+    """The example ds_config ``name``, as a path; ZeRO-3 lowered to 2 (the activation probe reads autograd's saved
+    tensors, which ZeRO-3's parameters cannot pass through)."""
+    from ds_wallfacer.examples import find_config
+
+    cfg = json.loads(find_config(name).read_text())
+    if cfg.get("zero_optimization", {}).get("stage") == 3:
+        cfg["zero_optimization"]["stage"] = 2
+    path = Path(out) / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
 def _run(cfg: dict, args: argparse.Namespace) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as out:
-        options = ["--deepspeed_config", cfg["config"], "--trainer", cfg["impl"], "--filler", args.filler,
+        options = ["--deepspeed_config", _config(cfg["config"], out), "--trainer", cfg["impl"], "--filler", args.filler,
                    "--steps", args.steps, "--measure_step", MEASURED_STEP, "--eval_steps", 10 * args.steps,
                    "--output_dir", out]
         result, text, rc = launch_job(SCRIPTS[cfg["trainer"]], cfg["ranks"], options, threads=args.threads,
@@ -79,17 +96,18 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
         base = ref.get(r["trainer"])
         return r[key] / base[key] if base and base.get(key) and r.get(key) is not None else None
 
-    def diff(r: dict) -> float | None:
+    def diff(r: dict, key: str = "final_loss") -> float | None:
         base = ref.get(r["trainer"])
-        return abs(r["final_loss"] - base["final_loss"]) if base else None
+        return abs(r[key] - base[key]) if base and r.get(key) is not None and base.get(key) is not None else None
 
-    print(f"\ntiny Llama, --filler {args.filler} (DPO rows ~{64 * (args.filler + 2)} tokens), {args.steps} steps, fp32, "
-          f"{args.threads} thread(s) per rank; ratios against TRL's own trainer on one rank")
+    print(f"\ntiny Llama, --filler {args.filler} (DPO rows ~{64 * (args.filler + 2)} tokens), {args.steps} steps, "
+          f"fp32, {args.threads} thread(s) per rank; ratios against TRL's own trainer on one rank")
     print_table([("trainer", "<"), ("impl", "<"), ("config", "<"), ("mode", "<"), ("ranks", "d"),
-                 ("final loss", ".6f"), ("|d loss|", ".1e"), ("tok/s", ".0f"), ("tok/s ratio", ".2f"),
+                 ("final loss", ".6f"), ("|d loss|", ".1e"), ("|d reward|", ".1e"), ("tok/s", ".0f"),
+                 ("tok/s ratio", ".2f"),
                  ("act MiB/rank", ".2f"), ("act ratio", ".2f")],
                 [[r["trainer"], r["impl"], r["config"], r.get("mode"), r["ranks"], r["final_loss"], diff(r),
-                  r["tokens_per_s"], ratio(r, "tokens_per_s"), r["activation_bytes"] / 2**20,
+                  diff(r, "last_reward"), r["tokens_per_s"], ratio(r, "tokens_per_s"), r["activation_bytes"] / 2**20,
                   ratio(r, "activation_bytes")] for r in ok])
     for r in rows:
         if "error" in r:
@@ -126,18 +144,12 @@ def _draw(rows: list[dict], plt):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--filler", type=int, default=14, help="context sentences per question (~64 tokens each)")
-    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--only", default="", help="comma-separated: dpo, grpo")
-    p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
-    p.add_argument("--job-timeout-s", type=int, default=600)
+    add_job_options(p, steps=4)
     add_out_option(p, "rl")
     args = p.parse_args(argv)
-    t0 = time.time()
-    rows = [_run(cfg, args) for cfg in configurations(args)]
-    summary = _report(args, rows, time.time() - t0)
-    return 0 if all("error" not in r for r in summary["results"]) else 1
+    return run_jobs(args, configurations(args), _run, _report)
 
 
 if __name__ == "__main__":

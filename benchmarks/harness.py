@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:  # the repository's package, also when it is not i
     sys.path.insert(0, str(ROOT))
 
 __all__ = [
-    "ROOT", "RanksFailed", "add_out_option", "emit", "free_port", "init_launched", "init_one_rank", "launch_job",
-    "launched",
+    "ROOT", "RanksFailed", "add_job_options", "add_out_option", "emit", "free_port", "init_launched", "init_one_rank", "launch_job",
+    "launched", "run_jobs",
     "plot_path", "print_table", "rank_device", "remove_shm_segments", "run_ranks", "save_plot", "spawn_ranks",
 ]
 
@@ -124,6 +124,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def add_job_options(parser: argparse.ArgumentParser, *, steps: int) -> None:
+    """The options of a benchmark made of launched jobs (``launch_job``): ranks, steps, threads, a time limit."""
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    parser.add_argument("--job-timeout-s", type=int, default=600)
+
+
+def run_jobs(args: argparse.Namespace, configurations: Iterable[dict], run: Callable[[dict, Any], dict],
+             report: Callable[[Any, list[dict], float], dict]) -> int:
+    """Run every configuration (``run(cfg, args)`` -> a row, with "error" when it failed), then ``report(args,
+    rows, seconds)``; the exit status: 0 when no job failed."""
+    import time
+
+    t0 = time.time()
+    rows = [run(cfg, args) for cfg in configurations]
+    summary = report(args, rows, time.time() - t0)
+    return 0 if all("error" not in r for r in summary["results"]) else 1
 
 
 def launch_job(script: Path | str, ranks: int, options: Sequence[str], *, threads: int = 1,

@@ -27,20 +27,25 @@ from train_trl import tokenizer_for  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
     p.add_argument("--pairs", type=int, default=96, help="preference pairs to train on")
     p.add_argument("--eval_size", type=int, default=8, help="pairs held out for evaluation")
-    p.add_argument("--filler", type=int, default=2, help="context sentences before each question (row length)")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--loss_type", default="sigmoid", help="TRL's DPO loss type(s), comma-separated")
+    add_rl_options(p, output_dir="runs/dpo", unit="preference pairs")
+    return p.parse_args(argv)
+
+
+def add_rl_options(p: argparse.ArgumentParser, *, output_dir: str, unit: str) -> None:
+    """The options the DPO and GRPO examples share, and the Trainer example's (``add_run_options``)."""
+    p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
+    p.add_argument("--filler", type=int, default=2, help="context sentences before each question (row length)")
     p.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter of this rank (peft)")
     p.add_argument("--trainer", choices=("wallfacer", "trl"), default="wallfacer",
                    help="trl: TRL's own trainer, without sequence parallelism (the benchmark's one-rank reference)")
     p.add_argument("--measure_step", type=int, default=0,
                    help="> 0: the activation bytes of that training step on rank 0 (saved for backward, per "
-                        "micro-step; the benchmark's memory figure)")
-    add_run_options(p, output_dir="runs/dpo", unit="preference pairs")
-    return p.parse_args(argv)
+                        "micro-step; the benchmark's memory figure; not under ZeRO-3)")
+    add_run_options(p, output_dir=output_dir, unit=unit)
 
 
 def rl_summary(trainer, result, metrics: dict, output_dir: str, **extra) -> dict:
@@ -64,6 +69,9 @@ def trainer_setup(args: argparse.Namespace) -> tuple[dict, object]:
     from ds_wallfacer.hf_trainer.metrics import StepActivationBytes
 
     run = run_arguments(args)
+    if args.measure_step and (run["deepspeed"].get("zero_optimization") or {}).get("stage") == 3:
+        raise SystemExit("--measure_step reads the tensors autograd saves, which hands ZeRO-3's gathered parameters "
+                         "back without their ZeRO attributes: measure under ZeRO stage 0-2")
     if args.trainer == "trl":
         run["deepspeed"] = {k: v for k, v in run["deepspeed"].items() if k != "wallfacer"}
     return run, StepActivationBytes(args.measure_step)

@@ -22,28 +22,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_dpo import rl_summary, trainer_setup  # noqa: E402
-from train_hf import add_run_options  # noqa: E402  (the Trainer example's shared parts)
+from train_dpo import add_rl_options, rl_summary, trainer_setup  # noqa: E402  (the DPO example's shared parts)
 from train_trl import tokenizer_for  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
     p.add_argument("--prompts", type=int, default=64, help="prompts to train on")
-    p.add_argument("--filler", type=int, default=2, help="context sentences before each question (row length)")
     p.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
     p.add_argument("--max_completion_length", type=int, default=16)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 needs --lora_r: the base model is "
                                                            "the reference)")
     p.add_argument("--loss_type", default="grpo", help="TRL's GRPO loss type (grpo, dr_grpo, dapo, ...)")
-    p.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter of this rank (peft)")
-    p.add_argument("--trainer", choices=("wallfacer", "trl"), default="wallfacer",
-                   help="trl: TRL's own trainer, without sequence parallelism (the benchmark's one-rank reference)")
-    p.add_argument("--measure_step", type=int, default=0,
-                   help="> 0: the activation bytes of that training step on rank 0 (saved for backward, per "
-                        "micro-step; the benchmark's memory figure)")
-    add_run_options(p, output_dir="runs/grpo", unit="completions")
+    add_rl_options(p, output_dir="runs/grpo", unit="completions")
     p.set_defaults(micro_batch=4, lr=1e-3)
     return p.parse_args(argv)
 
@@ -90,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         print(json.dumps(rl_summary(trainer, result, {}, args.output_dir, lora=args.lora_r > 0,
                                     first_reward=rewards[0] if rewards else None,
-                                    last_reward=rewards[-1] if rewards else None, activation_bytes=probe.activation_bytes,
-                                    cuda_peak_bytes=probe.cuda_peak_bytes)))
+                                    last_reward=rewards[-1] if rewards else None,
+                                    activation_bytes=probe.activation_bytes, cuda_peak_bytes=probe.cuda_peak_bytes)))
     return 0
 
 

@@ -25,7 +25,8 @@ shard receives the gradient summed over the group's identical losses, P times it
 average over all W = P x D ranks divides the P out, as for the token-mean loss (docs/design/layouts.md).
 
 Each document's positions start at 0. Models with learned absolute position embeddings would score a left-padded
-row at other positions than their own forward does: refused at construction (``fused_trainer.refuse_absolute_positions``).
+row at other positions than their own forward does: refused at construction
+(``fused_trainer.refuse_absolute_positions``).
 """
 from __future__ import annotations
 

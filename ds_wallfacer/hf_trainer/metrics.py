@@ -51,7 +51,8 @@ class StepActivationBytes:
     the tensors autograd saves for backward in one micro-step (the activations; distinct storages, parameters
     excluded), the largest micro-step's: the benchmarks' memory figure, the same on CPU and GPU
     (``torch.autograd.graph.saved_tensors_hooks``). On CUDA also the step's ``max_memory_allocated``.
-    ``activation_bytes`` is None until measured."""
+    ``activation_bytes`` is None until measured. Not under ZeRO-3: a saved tensor comes back from the hooks as a
+    plain tensor, and ZeRO-3's parameters, saved by some backward functions, need their own attributes there."""
 
     def __init__(self, step: int) -> None:
         self.step = step
