@@ -62,7 +62,11 @@ class ReplicaAccelerator:
     def gather_object(self, obj: Any) -> list:
         from accelerate.utils import gather_object
 
-        every = gather_object(obj if isinstance(obj, list) else [obj])
+        return self.select_objects(gather_object(obj if isinstance(obj, list) else [obj]))
+
+    def select_objects(self, every: list) -> list:
+        """Items gathered from all W ranks (W equal parts, in rank order) -> the parts of each replica's first
+        rank."""
         if len(every) % self._world:
             raise ValueError(f"gather_object: {len(every)} items from {self._world} ranks are not equal parts")
         per = len(every) // self._world

@@ -19,6 +19,8 @@ Refused by name: vLLM and continuous-batching generation, custom rollouts, tool 
 """
 from __future__ import annotations
 
+from collections import defaultdict, deque
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +31,9 @@ from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
 
 __all__ = ["WallfacerGRPOTrainer"]
+
+_GATHERED_COLUMNS = ("prompt", "completion", "images", "extra")
+"""The completions table's columns TRL fills with ``accelerate.utils.gather_object`` (every rank's part)."""
 
 
 class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
@@ -74,6 +79,9 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
                 f"{self.num_generations}: change one of them"
             )
         args.generation_batch_size = size
+        # the completions table TRL keeps, sized like a round (as TRL sizes it)
+        self._logs = {key: defaultdict(partial(deque, maxlen=size)) if key in ("rewards", "extra")
+                      else deque(maxlen=size) for key in self._logs}
         # TRL seeds each process apart (seed + process index) so that processes sample different completions: the
         # processes are the replicas, and the ranks of a group must sample alike
         from accelerate.utils import set_seed
@@ -99,6 +107,24 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
             if comm.device is not None and comm.device.type == "cuda":
                 dev = comm.all_gather(torch.cuda.get_rng_state(comm.device).to(comm.device), group)[0].cpu()
                 torch.cuda.set_rng_state(dev, comm.device)
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        """TRL's rollout; the completions table's columns that TRL gathers from every rank (prompts, completions,
+        images, extra columns) keep each replica's first rank's part, as the rewards and advantages do."""
+        replicas = self._wf_view.replicas
+        kept = {key: self._logs[key] for key in _GATHERED_COLUMNS}
+        for key in _GATHERED_COLUMNS:
+            self._logs[key] = defaultdict(list) if key == "extra" else []
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            for key in _GATHERED_COLUMNS:
+                added, self._logs[key] = self._logs[key], kept[key]
+                if key == "extra":
+                    for column, values in added.items():
+                        self._logs[key][column].extend(replicas.select_objects(values))
+                else:
+                    self._logs[key].extend(replicas.select_objects(added))
 
     def _calculate_rewards(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """TRL's rewards, gathered over every rank by TRL: one copy per replica kept."""

@@ -82,3 +82,4 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     _same_logs(got, ref, case)
     assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref  # some group had rewards to learn from
     assert "kl" in ref["logs"][0] and "clip_ratio/region_mean" in ref["logs"][0], ref
+    assert got["table"] == ref["table"], (got["table"], ref["table"])  # the completions table, row for row

@@ -123,7 +123,9 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
 
         trainer = WallfacerGRPOTrainer(**kwargs)
     trainer.train()
-    return _history(trainer)
+    table = trainer._logs  # TRL's completions table (the last round): one row per completion, every column aligned
+    return {**_history(trainer), "table": {"prompt": list(table["prompt"]), "completion": list(table["completion"]),
+                                           "advantages": [round(a, 5) for a in table["advantages"]]}}
 
 
 def save_tiny_llama(path: str) -> str:
