@@ -47,8 +47,6 @@ class WallfacerFusedHeadMixin:
     """The shared part of ``WallfacerDPOTrainer`` and ``WallfacerGRPOTrainer`` (see the module docstring).
     ``self.sequence_parallel`` is the run's ``integration.SequenceParallel``."""
 
-    _wf_trainer_name = "TRL trainer"
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_accelerate_sp(getattr(kwargs.get("args"), "parallelism_config", None))
         self._wf_refuse_arguments(kwargs)
@@ -107,10 +105,6 @@ class WallfacerFusedHeadMixin:
 
     def _wf_after_setup(self) -> None:
         """What TRL's construction asked for before the setup existed, and what depends on it (subclasses)."""
-
-    @property
-    def _tokenizer_pad(self) -> int:
-        return int(self._tokenizer.pad_token_id)
 
     # -- data, loss and logs as one process per replica ------------------------------------------------------
     def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
