@@ -67,7 +67,8 @@ class WallfacerFusedHeadMixin:
         if getattr(self, "ref_model", None) is not None:
             self._wf_attach_reference(_engine_module(self.ref_model))
         dims = sp.setup.dims
-        self._wf_view = ReplicaView(self.accelerator, dims=dims, dp_index=sp.groups.dp_index)
+        self._wf_view = ReplicaView(self.accelerator, dims=dims, dp_index=sp.groups.dp_index,
+                                    module=_trl_module(type(self)))
         self._wf_after_setup()
 
     # -- set-up --------------------------------------------------------------------------------------------
@@ -130,6 +131,13 @@ class WallfacerFusedHeadMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         with self._wf_view(self):
             super().log(logs, *args, **kwargs)
+
+
+def _trl_module(cls: type) -> Any:
+    """The module of the TRL trainer class ``cls`` derives from (where TRL's own gathers are looked up)."""
+    import sys
+
+    return next((sys.modules[c.__module__] for c in cls.__mro__ if c.__module__.startswith("trl.")), None)
 
 
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,8 +9,10 @@ gather keeps one rank per group (its first) in replica order. It runs the real a
 still takes part) and keeps only the rows of those ranks, so what TRL computes from it is what a D-process run
 computes. Everything else is the real accelerator.
 
-``ReplicaView`` puts it in place of ``trainer.accelerator`` for the span of a call (``with view(trainer):``), so
-the Trainer's own training loop (backward, the optimizer step, checkpoints) keeps the real one.
+``ReplicaView`` puts it in place of ``trainer.accelerator`` for the span of a call (``with view(trainer):``), and of
+the ``gather`` / ``gather_object`` functions the TRL module imported from accelerate by name (GRPO and RLOO gather
+rewards, KL terms and the completions table that way), so the Trainer's own training loop (backward, the optimizer
+step, checkpoints) keeps the real ones.
 """
 from __future__ import annotations
 
@@ -105,18 +107,29 @@ def _all_tensors(x: Any) -> bool:
     return False
 
 
-class ReplicaView:
-    """``with view(trainer):`` -> ``trainer.accelerator`` is the ``ReplicaAccelerator`` (re-entrant)."""
+_MODULE_GATHERS = ("gather", "gather_object")
+"""accelerate's functions some TRL trainer modules call by name (``from accelerate.utils import gather, ...``)."""
 
-    def __init__(self, accelerator: Any, *, dims: Any, dp_index: int) -> None:
+
+class ReplicaView:
+    """``with view(trainer):`` -> ``trainer.accelerator`` is the ``ReplicaAccelerator``, and so are the gathers the
+    trainer's TRL module calls by name (``module``: ``gather``, ``gather_object``); re-entrant."""
+
+    def __init__(self, accelerator: Any, *, dims: Any, dp_index: int, module: Any = None) -> None:
         self.replicas = ReplicaAccelerator(accelerator, dims=dims, dp_index=dp_index)
+        self._module = module
         self._depth = 0
 
     @contextlib.contextmanager
     def __call__(self, trainer: Any) -> Iterator[ReplicaAccelerator]:
         outermost = self._depth == 0
+        saved = {}
         if outermost:
             trainer.__dict__["accelerator"] = self.replicas
+            for name in _MODULE_GATHERS:
+                if self._module is not None and hasattr(self._module, name):
+                    saved[name] = getattr(self._module, name)
+                    setattr(self._module, name, getattr(self.replicas, name))
         self._depth += 1
         try:
             yield self.replicas
@@ -124,3 +137,5 @@ class ReplicaView:
             self._depth -= 1
             if outermost:
                 trainer.__dict__["accelerator"] = self.replicas._accelerator
+                for name, fn in saved.items():
+                    setattr(self._module, name, fn)

@@ -1,19 +1,20 @@
-"""``WallfacerGRPOTrainer``: TRL's ``GRPOTrainer`` with sequence parallelism, one changed line
-(``GRPOTrainer(...)`` -> ``WallfacerGRPOTrainer(...)``, a ``"wallfacer"`` section in the ds_config of
-``GRPOConfig(deepspeed=...)``).
+"""``WallfacerGRPOTrainer`` and ``WallfacerRLOOTrainer``: TRL's ``GRPOTrainer`` and ``RLOOTrainer`` with sequence
+parallelism, one changed line (``GRPOTrainer(...)`` -> ``WallfacerGRPOTrainer(...)``, ``RLOOTrainer(...)`` ->
+``WallfacerRLOOTrainer(...)``, a ``"wallfacer"`` section in the ds_config of ``GRPOConfig(deepspeed=...)`` /
+``RLOOConfig(deepspeed=...)``).
 
-A GRPO step generates completions, scores them with the reward functions, normalises the rewards within each
-prompt's group, and trains on per-token log-probability ratios (clipped), the KL to the reference and the
-advantages. Under sequence parallelism:
+A step of either generates completions, scores them with the reward functions, turns the rewards into advantages
+within each prompt's group (GRPO: normalised; RLOO: against the leave-one-out mean, with the KL to the reference in
+the reward), and trains on per-token log-probability ratios (clipped). Under sequence parallelism:
 
 - **Generation** runs with the model whole on each rank, with the attention it had before the setup
   (``adapters.hf.model_attention``: a KV cache over local sequences); every rank of a group generates the group's
-  batch and the group then takes its first rank's completions (one gather of token ids), so the group trains on one
-  set of sequences whatever the device's nondeterminism.
-- **Rewards and advantages**: TRL's, with the group counted as one process (``replicas.py``).
-- **The training step and the reference**: the fused LM head runs sequence-parallel (``fused_head.py``); TRL's
-  loss (``loss_type`` grpo, dr_grpo, bnpo, dapo, ...: clipping, KL, importance sampling) runs on the gathered
-  per-token values, as on one process.
+  batch from the same random state and the group then takes its first rank's completions (one gather of token ids),
+  so the group trains on one set of sequences whatever the device's nondeterminism (Note [One process per replica
+  for TRL], docs/design/training.md).
+- **Rewards, advantages, the completions table**: TRL's, with the group counted as one process (``replicas.py``).
+- **The training step and the reference**: the fused LM head runs sequence-parallel (``fused_head.py``); TRL's loss
+  (clipping, KL, importance sampling, every ``loss_type``) runs on the gathered per-token values.
 
 Refused by name: vLLM and continuous-batching generation, custom rollouts, tool calling, image prompts. Needs ``trl``.
 """
@@ -24,20 +25,18 @@ from functools import partial
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
+from trl import GRPOTrainer, RLOOTrainer
 
 from ..adapters.hf import model_attention
 from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
 
-__all__ = ["WallfacerGRPOTrainer"]
-
-_GATHERED_COLUMNS = ("prompt", "completion", "images", "extra")
-"""The completions table's columns TRL fills with ``accelerate.utils.gather_object`` (every rank's part)."""
+__all__ = ["WallfacerGRPOTrainer", "WallfacerRLOOTrainer", "WallfacerRolloutMixin"]
 
 
-class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
-    """``trl.GRPOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
+class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
+    """What TRL's rollout trainers (GRPO, RLOO) need beyond the fused head: generation per group, the group's
+    random state, rounds and seeds counted per replica."""
 
     @classmethod
     def _wf_refuse_arguments(cls, kwargs: dict[str, Any]) -> None:
@@ -52,28 +51,31 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
             (kwargs.get("rollout_func") is not None, "rollout_func",
              "a custom rollout would run per rank; use the trainer's own generation"),
         ]
-        for bad, what, fix in checks:
-            if bad:
-                raise UnsupportedTrainerOption(f"WallfacerGRPOTrainer: {what} is not supported under sequence "
-                                               f"parallelism: {fix}")
+        cls._wf_raise_first(checks)
 
     def _wf_refuse(self, run: Any) -> None:
-        for bad, what, fix in [
+        self._wf_raise_first([
             (bool(getattr(self, "_is_vlm", False)), "a vision-language processor", "train on text prompts"),
-            (self.aux_loss_enabled, "the MoE router aux loss", "set router_aux_loss_coef=0"),
-        ]:
+            (bool(getattr(self, "aux_loss_enabled", False)), "the MoE router aux loss", "set router_aux_loss_coef=0"),
+        ])
+
+    @classmethod
+    def _wf_raise_first(cls, checks: list[tuple[bool, str, str]]) -> None:
+        for bad, what, fix in checks:
             if bad:
-                raise UnsupportedTrainerOption(f"WallfacerGRPOTrainer: {what} is not supported under sequence "
+                raise UnsupportedTrainerOption(f"{cls.__name__}: {what} is not supported under sequence "
                                                f"parallelism: {fix}")
 
     def _wf_after_setup(self) -> None:
         """TRL sizes a generation round as per_device_train_batch_size x processes x steps_per_generation and its
-        sampler draws generation_batch_size / num_generations prompts a round: the processes are the replicas."""
+        sampler draws generation_batch_size / num_generations prompts a round: the processes are the replicas.
+        TRL seeds each process apart (seed + process index) so processes sample different completions: here each
+        replica, the ranks of a group alike."""
         args, dims = self.args, self.sequence_parallel.setup.dims
         size = args.per_device_train_batch_size * dims.dp_size * args.steps_per_generation
         if size % self.num_generations:
             raise UnsupportedTrainerOption(
-                f"WallfacerGRPOTrainer: a generation round of per_device_train_batch_size "
+                f"{type(self).__name__}: a generation round of per_device_train_batch_size "
                 f"{args.per_device_train_batch_size} x {dims.dp_size} data-parallel replicas x steps_per_generation "
                 f"{args.steps_per_generation} = {size} completions is not a multiple of num_generations "
                 f"{self.num_generations}: change one of them"
@@ -82,8 +84,6 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
         # the completions table TRL keeps, sized like a round (as TRL sizes it)
         self._logs = {key: defaultdict(partial(deque, maxlen=size)) if key in ("rewards", "extra")
                       else deque(maxlen=size) for key in self._logs}
-        # TRL seeds each process apart (seed + process index) so that processes sample different completions: the
-        # processes are the replicas, and the ranks of a group must sample alike
         from accelerate.utils import set_seed
 
         set_seed(args.seed + self.sequence_parallel.groups.dp_index)
@@ -96,6 +96,15 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
         with self._wf_view(self):
             return super()._prepare_inputs(generation_batch)
 
+    def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
+        """TRL's generation with the model's own attention; the group keeps its first rank's completion ids (GRPO
+        returns them with their log-probs, RLOO alone)."""
+        with model_attention(self.model):
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        if isinstance(out, tuple):
+            return (self._wf_group_leaders(out[0]), *out[1:])
+        return self._wf_group_leaders(out)
+
     def _wf_share_random_state(self) -> None:
         """The random state of the group's first rank on every rank of the group (torch's CPU generator, and the
         current device's where there is one)."""
@@ -107,33 +116,6 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
             if comm.device is not None and comm.device.type == "cuda":
                 dev = comm.all_gather(torch.cuda.get_rng_state(comm.device).to(comm.device), group)[0].cpu()
                 torch.cuda.set_rng_state(dev, comm.device)
-
-    def _generate_and_score_completions(self, inputs: Any) -> Any:
-        """TRL's rollout; the completions table's columns that TRL gathers from every rank (prompts, completions,
-        images, extra columns) keep each replica's first rank's part, as the rewards and advantages do."""
-        replicas = self._wf_view.replicas
-        kept = {key: self._logs[key] for key in _GATHERED_COLUMNS}
-        for key in _GATHERED_COLUMNS:
-            self._logs[key] = defaultdict(list) if key == "extra" else []
-        try:
-            return super()._generate_and_score_completions(inputs)
-        finally:
-            for key in _GATHERED_COLUMNS:
-                added, self._logs[key] = self._logs[key], kept[key]
-                if key == "extra":
-                    for column, values in added.items():
-                        self._logs[key][column].extend(replicas.select_objects(values))
-                else:
-                    self._logs[key].extend(replicas.select_objects(added))
-
-    def _calculate_rewards(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """TRL's rewards, gathered over every rank by TRL: one copy per replica kept."""
-        return self._wf_view.replicas.select(super()._calculate_rewards(*args, **kwargs))
-
-    def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> tuple[list, Any]:
-        with model_attention(self.model):
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        return self._wf_group_leaders(completion_ids), logprobs
 
     def _wf_group_leaders(self, completion_ids: list[list[int]]) -> list[list[int]]:
         """The completions of the group's first rank, on every rank of the group (one all-gather of lengths, one
@@ -148,9 +130,16 @@ class WallfacerGRPOTrainer(WallfacerFusedHeadMixin, GRPOTrainer):
             mine = [t for c in completion_ids for t in c]
             flat[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
             ids = comm.all_gather(comm.place(flat), group)[0].cpu()
-        first = every[0].tolist()
         out, start = [], 0
-        for k in first:
+        for k in every[0].tolist():
             out.append(ids[start:start + k].tolist())
             start += k
         return out
+
+
+class WallfacerGRPOTrainer(WallfacerRolloutMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
+
+
+class WallfacerRLOOTrainer(WallfacerRolloutMixin, RLOOTrainer):
+    """``trl.RLOOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""

@@ -83,25 +83,27 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
 
 def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
                options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``STEPS`` GRPO steps: 4 completions per prompt, sampled (temperature 1, seeded: the same completions in every
+    """``STEPS`` GRPO (``options["algo"] == "rloo"``: RLOO) steps: 4 completions per prompt, sampled (temperature 1, seeded: the same completions in every
     run), the arithmetic reward, gradient accumulation 2. ``options``: ``lora``, ``beta`` (default 0.1: the
     KL to the reference, the base model under LoRA, else a second model TRL loads from ``pretrained``),
     ``pretrained`` (a saved tiny model, the policy's and reference's checkpoint), ``zero_stage``, ``loss_type``."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from ds_wallfacer.hf_trainer.chat import chat_tokenizer
     from ds_wallfacer.hf_trainer.rl_data import arithmetic_reward, make_prompts
     from tests.models import tiny_model
 
     opts = options or {}
-    args = GRPOConfig(
+    rloo = opts.get("algo") == "rloo"
+    config_kwargs = {} if rloo else {"loss_type": opts.get("loss_type", "grpo")}
+    args = (RLOOConfig if rloo else GRPOConfig)(
         output_dir=out, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
         disable_tqdm=True, use_cpu=True, bf16=False, save_strategy="no",
         deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
         num_generations=4, max_completion_length=12, temperature=1.0, beta=opts.get("beta", 0.1),
-        loss_type=opts.get("loss_type", "grpo"), num_iterations=opts.get("num_iterations", 1),
+        num_iterations=opts.get("num_iterations", 1), **config_kwargs,
         gradient_checkpointing=opts.get("gradient_checkpointing", True),
     )
     if opts.get("pretrained") and opts.get("zero_stage") == 3:
@@ -117,15 +119,15 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
     if opts.get("lora"):
         kwargs["peft_config"] = _lora()
     if section is None:
-        trainer = GRPOTrainer(**kwargs)
+        trainer = (RLOOTrainer if rloo else GRPOTrainer)(**kwargs)
     else:
-        from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer
+        from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer, WallfacerRLOOTrainer
 
-        trainer = WallfacerGRPOTrainer(**kwargs)
+        trainer = (WallfacerRLOOTrainer if rloo else WallfacerGRPOTrainer)(**kwargs)
     trainer.train()
     table = trainer._logs  # TRL's completions table (the last round): one row per completion, every column aligned
     return {**_history(trainer), "table": {"prompt": list(table["prompt"]), "completion": list(table["completion"]),
-                                           "advantages": [round(a, 5) for a in table["advantages"]]}}
+                                           "advantages": list(table["advantages"])}}
 
 
 def save_tiny_llama(path: str) -> str:
