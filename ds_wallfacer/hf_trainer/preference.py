@@ -1,6 +1,7 @@
-"""``WallfacerDPOTrainer``: TRL's ``DPOTrainer`` with sequence parallelism, one changed line
-(``DPOTrainer(...)`` -> ``WallfacerDPOTrainer(...)``, a ``"wallfacer"`` section in the ds_config of
-``DPOConfig(deepspeed=...)``).
+"""``WallfacerDPOTrainer`` and ``WallfacerKTOTrainer``: TRL's ``DPOTrainer`` and ``KTOTrainer`` with sequence
+parallelism, one changed line (``DPOTrainer(...)`` -> ``WallfacerDPOTrainer(...)``, ``KTOTrainer(...)`` ->
+``WallfacerKTOTrainer(...)``, a ``"wallfacer"`` section in the ds_config of ``DPOConfig(deepspeed=...)`` /
+``KTOConfig(deepspeed=...)``).
 
 TRL's DPO loss reads, per pair, the summed log-probabilities of the chosen and rejected completions under the
 policy and the reference. Here both models' fused LM heads run sequence-parallel (``fused_head.py``): every rank
@@ -9,30 +10,34 @@ scores its shard of each row, the group gathers the per-token values, and TRL's 
 accuracy, token count) are computed on the full tensors, as on one process. The reference is the one TRL uses: a
 ``ref_model`` (given, or built by TRL from the policy's checkpoint; run under the same sequence parallelism), the
 base model under a LoRA adapter, or ``precompute_ref_log_probs=True`` (computed sequence-parallel once, after the
-setup, and cached as TRL caches it). Needs ``trl`` (``pip install ds_wallfacer[hf]``).
+setup, and cached as TRL caches it). KTO is the same with unpaired completions (a desirable / undesirable
+label each) and its KL term over mismatched prompt-completion pairs, scored the same way. Needs ``trl``
+(``pip install ds_wallfacer[hf]``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from trl import DPOTrainer
+from trl import DPOTrainer, KTOTrainer
 
 from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
 
-__all__ = ["WallfacerDPOTrainer"]
+__all__ = ["WallfacerDPOTrainer", "WallfacerKTOTrainer", "WallfacerPreferenceMixin"]
 
 
-class WallfacerDPOTrainer(WallfacerFusedHeadMixin, DPOTrainer):
-    """``trl.DPOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
+class WallfacerPreferenceMixin(WallfacerFusedHeadMixin):
+    """What TRL's preference trainers (DPO, KTO) need beyond the fused head: their reference log-probabilities
+    precomputed after the setup, and their refusals."""
 
     def _wf_refuse(self, run: Any) -> None:
+        name = type(self).__name__
         if self._is_vision_dataset:
-            raise UnsupportedTrainerOption("WallfacerDPOTrainer: image preference data is not supported under "
-                                           "sequence parallelism yet; train on text pairs")
+            raise UnsupportedTrainerOption(f"{name}: image preference data is not supported under sequence "
+                                           "parallelism yet; train on text")
         if self.aux_loss_enabled:
-            raise UnsupportedTrainerOption("WallfacerDPOTrainer: the MoE router aux loss is not supported under "
-                                           "sequence parallelism yet: set router_aux_loss_coef=0")
+            raise UnsupportedTrainerOption(f"{name}: the MoE router aux loss is not supported under sequence "
+                                           "parallelism yet: set router_aux_loss_coef=0")
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's precompute, run sequence-parallel: during TRL's construction it is deferred to the end of the
@@ -51,3 +56,11 @@ class WallfacerDPOTrainer(WallfacerFusedHeadMixin, DPOTrainer):
             else:
                 self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, name, batch_size)
         self._wf_deferred.clear()
+
+
+class WallfacerDPOTrainer(WallfacerPreferenceMixin, DPOTrainer):
+    """``trl.DPOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
+
+
+class WallfacerKTOTrainer(WallfacerPreferenceMixin, KTOTrainer):
+    """``trl.KTOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""

@@ -1,6 +1,6 @@
-"""TRL's DPO, GRPO and RLOO trainers with sequence parallelism, on 4 gloo ranks, against the same TRL trainer on one rank
-(on two for two data-parallel replicas, whose sampling TRL seeds per process) with the same global batch: every
-logged loss and metric equal (fp32, 1e-5), the evaluation's too.
+"""TRL's DPO, KTO, GRPO and RLOO trainers with sequence parallelism, on 4 gloo ranks, against the same TRL trainer on
+one rank (on two for two data-parallel replicas, whose sampling TRL seeds per process) with the same global batch:
+every logged loss and metric equal (fp32, 1e-5), the evaluation's too.
 
 The runs (``trl_runs.py``) train the tiny Llama on the shipped arithmetic data with SGD, no clipping, gradient
 accumulation 2 (see ``test_trainer_parity.py``). GRPO samples at temperature 1 from a seeded generator: both runs
@@ -43,6 +43,10 @@ DPO_CASES = {
                               {"precompute": True}),
     "ring-ipo-zero3": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 4}, 2,
                        {"loss_type": ["ipo"], "zero_stage": 3}),
+    "kto-wallfacer-c2-ref-model": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 2,
+                                   {"algo": "kto"}),
+    "kto-hybrid-lora-zero3": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 4}, 2,
+                              {"algo": "kto", "lora": True, "zero_stage": 3}),
 }
 
 
@@ -53,7 +57,7 @@ def test_dpo_equals_trl_on_one_rank(case: str, tmp_path) -> None:
     got = run_distributed(dpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
     assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
     _same_logs(got, ref, case)
-    assert ref["logs"][-1]["rewards/margins"] != 0, ref  # the policy moved away from the reference
+    assert any(v != 0 for k, v in ref["logs"][-1].items() if k.startswith("rewards/")), ref  # the policy moved
     for k, want in ref["eval"].items():
         if not any(s in k for s in _SKIP) and "per_second" not in k:
             assert got["eval"][k] == pytest.approx(want, rel=1e-5, abs=1e-5), (case, k, got["eval"][k], want)

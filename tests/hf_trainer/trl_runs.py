@@ -21,6 +21,12 @@ def _lora() -> Any:
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
 
 
+def _unpaired(pairs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Preference pairs -> KTO's unpaired rows: the chosen completion desirable, the rejected one not."""
+    return [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
+            for p in pairs for key in ("chosen", "rejected")]
+
+
 def _on_disk(path: Path, rows: list[dict[str, Any]]) -> Any:
     """``rows`` as a dataset saved under ``path`` by rank 0 and loaded by every rank (after the process group
     exists: the Trainer's arguments start it)."""
@@ -41,25 +47,30 @@ def _history(trainer: Any) -> dict[str, Any]:
 
 def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
               options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``STEPS`` DPO steps (gradient accumulation 2), then evaluation. ``options``: ``lora`` (the reference is the
-    base model), ``precompute`` (``precompute_ref_log_probs``), ``zero_stage`` (default 2), ``loss_type``;
-    without LoRA or precompute the reference is a second copy of the initial model."""
+    """``STEPS`` DPO (``options["algo"] == "kto"``: KTO, each pair as two unpaired completions) steps (gradient
+    accumulation 2), then evaluation. ``options``: ``lora`` (the reference is the base model), ``precompute``
+    (``precompute_ref_log_probs``), ``zero_stage`` (default 2), ``loss_type``; without LoRA or precompute the
+    reference is a second copy of the initial model."""
     from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     from ds_wallfacer.hf_trainer.chat import chat_tokenizer
     from ds_wallfacer.hf_trainer.rl_data import make_preferences
     from tests.models import tiny_model
 
     opts = options or {}
-    args = DPOConfig(
+    kto = opts.get("algo") == "kto"
+    config_kwargs = {} if kto else {"loss_type": opts.get("loss_type", ["sigmoid"])}
+    args = (KTOConfig if kto else DPOConfig)(
         output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=micro_batch,
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=0.5, lr_scheduler_type="constant",
         max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True, bf16=False,
         deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)), save_strategy="no", beta=0.5,
-        loss_type=opts.get("loss_type", ["sigmoid"]), precompute_ref_log_probs=opts.get("precompute", False),
+        precompute_ref_log_probs=opts.get("precompute", False), **config_kwargs,
     )
     train, evaluation = make_preferences(24, seed=1, filler=1), make_preferences(4, seed=2, filler=1)
+    if kto:
+        train, evaluation = _unpaired(train), _unpaired(evaluation)
     if opts.get("precompute"):  # TRL caches the reference log-probs beside the dataset: one every rank can read
         train, evaluation = _on_disk(Path(out) / "train", train), _on_disk(Path(out) / "eval", evaluation)
     else:
@@ -71,11 +82,11 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
     elif not opts.get("precompute"):
         kwargs["ref_model"] = tiny_model("llama", seed=0)
     if section is None:
-        trainer = DPOTrainer(**kwargs)
+        trainer = (KTOTrainer if kto else DPOTrainer)(**kwargs)
     else:
-        from ds_wallfacer.hf_trainer import WallfacerDPOTrainer
+        from ds_wallfacer.hf_trainer import WallfacerDPOTrainer, WallfacerKTOTrainer
 
-        trainer = WallfacerDPOTrainer(**kwargs)
+        trainer = (WallfacerKTOTrainer if kto else WallfacerDPOTrainer)(**kwargs)
     trainer.train()
     metrics = trainer.evaluate()
     return {**_history(trainer), "eval": metrics}
@@ -83,10 +94,11 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
 
 def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
                options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``STEPS`` GRPO (``options["algo"] == "rloo"``: RLOO) steps: 4 completions per prompt, sampled (temperature 1, seeded: the same completions in every
-    run), the arithmetic reward, gradient accumulation 2. ``options``: ``lora``, ``beta`` (default 0.1: the
-    KL to the reference, the base model under LoRA, else a second model TRL loads from ``pretrained``),
-    ``pretrained`` (a saved tiny model, the policy's and reference's checkpoint), ``zero_stage``, ``loss_type``."""
+    """``STEPS`` GRPO (``options["algo"] == "rloo"``: RLOO) steps: 4 completions per prompt, sampled (temperature 1,
+    seeded: the same completions in every run), the arithmetic reward, gradient accumulation 2. ``options``:
+    ``lora``, ``beta`` (default 0.1: the KL to the reference, the base model under LoRA, else a second model TRL
+    loads from ``pretrained``), ``pretrained`` (a saved tiny model, the policy's and reference's checkpoint),
+    ``zero_stage``, ``loss_type``."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
