@@ -158,6 +158,9 @@ class _ShardedHead:
                        scheme="zigzag" if assignment is None else spec.scheme,
                        assignment=None if assignment is None else assignment.tolist())
         flat = flat.to(device)
+        dims = sp.setup.dims
+        ranks = dims.sp_ranks(sp.groups.dp_index)  # group order; the gathered shards are taken by shard index
+        group_order = sorted(range(len(ranks)), key=lambda g: dims.shard_index(ranks[g]))
 
         def restore(gathered: torch.Tensor) -> torch.Tensor:
             """[P, 1, T_padded / P] shards -> [B, N - 1] in the caller's positions (position t scores token t + 1;
@@ -167,9 +170,6 @@ class _ShardedHead:
             return whole.new_zeros(b * n).index_add(0, flat, whole).view(b, n)[:, :-1]
 
         comm, group = sp.comm, sp.groups.sp_group
-        dims = sp.setup.dims
-        ranks = dims.sp_ranks(sp.groups.dp_index)
-        group_order = sorted(range(len(ranks)), key=lambda g: dims.shard_index(ranks[g]))
         fields = {"log_probs": restore(GatherShards.apply(local.pop("log_probs").float(), comm, group))}
         if local:  # detached values (metrics, masks): one gather for all of them
             names = list(local)
