@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (add_job_options, add_out_option, emit, launch_job, plot_path,  # noqa: E402
+from benchmarks.harness import (add_job_options, add_out_option, emit, job_row, plot_path,  # noqa: E402
                                print_table, run_jobs, save_plot)
 
 SCRIPTS = {"trainer": ROOT / "launch" / "train_hf.py", "sft": ROOT / "launch" / "train_trl.py",
@@ -50,20 +48,16 @@ def configurations(args: argparse.Namespace) -> list[dict]:
 
 def _run(cfg: dict, args: argparse.Namespace) -> dict:
     length = "--max_length" if cfg["trainer"] == "sft" else "--seq_len"
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as out:
-        options = ["--deepspeed_config", cfg["config"], length, args.seq_len, "--steps", args.steps,
-                   "--eval_steps", 10 * args.steps, "--output_dir", out]
-        result, text, rc = launch_job(SCRIPTS[cfg["trainer"]], cfg["ranks"], options, threads=args.threads,
-                                      timeout_s=args.job_timeout_s, cwd=out)
-    row = {**cfg, "job_s": round(time.time() - t0, 1)}
-    if result is None:
-        tail = "\n".join(text.splitlines()[-20:])
-        print(f"{cfg['trainer']} {cfg['config']} x{cfg['ranks']}: failed (rc {rc}):\n{tail}", file=sys.stderr)
-        return {**row, "error": f"rc {rc}"}
-    row.update(result)
-    print(f"  {cfg['trainer']:8s} {cfg['config']:10s} x{cfg['ranks']}  loss {row['final_loss']:.6f}  "
-          f"{row['tokens_per_s']:8.0f} tok/s  ({row['job_s']:.0f} s)", flush=True)
+
+    def options(out: str) -> list:
+        return ["--deepspeed_config", cfg["config"], length, args.seq_len, "--steps", args.steps,
+                "--eval_steps", 10 * args.steps, "--output_dir", out]
+
+    row = job_row(cfg, SCRIPTS[cfg["trainer"]], options, args,
+                  label=f"{cfg['trainer']} {cfg['config']} x{cfg['ranks']}")
+    if "error" not in row:
+        print(f"  {cfg['trainer']:8s} {cfg['config']:10s} x{cfg['ranks']}  loss {row['final_loss']:.6f}  "
+              f"{row['tokens_per_s']:8.0f} tok/s  ({row['job_s']:.0f} s)", flush=True)
     return row
 
 

@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (add_job_options, add_out_option, emit, launch_job, plot_path,  # noqa: E402
+from benchmarks.harness import (add_job_options, add_out_option, emit, job_row, plot_path,  # noqa: E402
                                print_table, run_jobs, save_plot)
 
 SCRIPTS = {"dpo": ROOT / "launch" / "train_dpo.py", "grpo": ROOT / "launch" / "train_grpo.py"}
@@ -68,23 +66,17 @@ def _config(name: str, out: str) -> str:
 
 
 def _run(cfg: dict, args: argparse.Namespace) -> dict:
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as out:
-        options = ["--deepspeed_config", _config(cfg["config"], out), "--trainer", cfg["impl"], "--filler", args.filler,
-                   "--steps", args.steps, "--measure_step", MEASURED_STEP, "--eval_steps", 10 * args.steps,
-                   "--output_dir", out]
-        result, text, rc = launch_job(SCRIPTS[cfg["trainer"]], cfg["ranks"], options, threads=args.threads,
-                                      timeout_s=args.job_timeout_s, cwd=out)
-    row = {**cfg, "job_s": round(time.time() - t0, 1)}
-    if result is None:
-        tail = "\n".join(text.splitlines()[-20:])
-        print(f"{cfg['trainer']} {cfg['impl']} {cfg['config']} x{cfg['ranks']}: failed (rc {rc}):\n{tail}",
-              file=sys.stderr)
-        return {**row, "error": f"rc {rc}"}
-    row.update(result)
-    print(f"  {cfg['trainer']:5s} {cfg['impl']:9s} {cfg['config']:9s} x{cfg['ranks']}  loss {row['final_loss']:.6f}  "
-          f"{row['tokens_per_s']:8.0f} tok/s  {row['activation_bytes'] / 2**20:7.1f} MiB  ({row['job_s']:.0f} s)",
-          flush=True)
+    def options(out: str) -> list:
+        return ["--deepspeed_config", _config(cfg["config"], out), "--trainer", cfg["impl"], "--filler", args.filler,
+                "--steps", args.steps, "--measure_step", MEASURED_STEP, "--eval_steps", 10 * args.steps,
+                "--output_dir", out]
+
+    row = job_row(cfg, SCRIPTS[cfg["trainer"]], options, args,
+                  label=f"{cfg['trainer']} {cfg['impl']} {cfg['config']} x{cfg['ranks']}")
+    if "error" not in row:
+        print(f"  {cfg['trainer']:5s} {cfg['impl']:9s} {cfg['config']:9s} x{cfg['ranks']}  "
+              f"loss {row['final_loss']:.6f}  {row['tokens_per_s']:8.0f} tok/s  "
+              f"{row['activation_bytes'] / 2**20:7.1f} MiB  ({row['job_s']:.0f} s)", flush=True)
     return row
 
 

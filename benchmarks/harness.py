@@ -30,9 +30,9 @@ if str(ROOT) not in sys.path:  # the repository's package, also when it is not i
     sys.path.insert(0, str(ROOT))
 
 __all__ = [
-    "ROOT", "RanksFailed", "add_job_options", "add_out_option", "emit", "free_port", "init_launched", "init_one_rank", "launch_job",
-    "launched", "run_jobs",
-    "plot_path", "print_table", "rank_device", "remove_shm_segments", "run_ranks", "save_plot", "spawn_ranks",
+    "ROOT", "RanksFailed", "add_job_options", "add_out_option", "emit", "free_port", "init_launched", "init_one_rank",
+    "job_row", "launch_job", "launched", "run_jobs", "plot_path", "print_table", "rank_device", "remove_shm_segments",
+    "run_ranks", "save_plot", "spawn_ranks",
 ]
 
 
@@ -155,7 +155,8 @@ def launch_job(script: Path | str, ranks: int, options: Sequence[str], *, thread
 
     port = free_port()
     beside = Path(sys.executable).parent / "deepspeed"  # this environment's launcher, activated or not
-    cmd = [str(beside) if beside.exists() else "deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), str(script), *map(str, options)]
+    cmd = [str(beside) if beside.exists() else "deepspeed", "--num_gpus", str(ranks), "--master_port", str(port),
+           str(script), *map(str, options)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     # DeepSpeed's CPU op, built once per venv by launch/setup_env.sh: found there, not rebuilt in a job
@@ -169,6 +170,26 @@ def launch_job(script: Path | str, ranks: int, options: Sequence[str], *, thread
         remove_shm_segments(port)
     lines = [ln for ln in text.splitlines() if ln.startswith("{") and '"final_loss"' in ln]
     return (json.loads(lines[-1]) if rc == 0 and lines else None), text, rc
+
+
+def job_row(cfg: dict, script: Path | str, options: Callable[[str], Sequence[Any]], args: argparse.Namespace,
+            *, label: str) -> dict:
+    """One benchmark job: ``launch_job(script, cfg["ranks"], options(out))`` in a fresh temporary folder ``out``
+    (with ``args.threads`` and ``args.job_timeout_s``) -> ``cfg`` with ``job_s`` and the job's JSON summary, or with
+    ``error`` (its output's tail printed to stderr under ``label``)."""
+    import tempfile
+    import time
+
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as out:
+        result, text, rc = launch_job(script, cfg["ranks"], options(out), threads=args.threads,
+                                      timeout_s=args.job_timeout_s, cwd=out)
+    row = {**cfg, "job_s": round(time.time() - t0, 1)}
+    if result is None:
+        tail = "\n".join(text.splitlines()[-20:])
+        print(f"{label}: failed (rc {rc}):\n{tail}", file=sys.stderr)
+        return {**row, "error": f"rc {rc}"}
+    return {**row, **result}
 
 
 def remove_shm_segments(port: int | str, rank: int | str = "*") -> None:
