@@ -50,7 +50,6 @@ class WallfacerFusedHeadMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_accelerate_sp(getattr(kwargs.get("args"), "parallelism_config", None))
         self._wf_refuse_arguments(kwargs)
-        self._wf_deferred: list[tuple[str, int]] = []
         super().__init__(*args, **kwargs)
         run = take_wallfacer_section(self.args, self.accelerator)
         refuse_common_options(self, run)
@@ -96,13 +95,6 @@ class WallfacerFusedHeadMixin:
             )
         hf.attach(ref, sp.attention, sp_size=sp.setup.dims.sp_size)
         shard_fused_lm_head(ref, sp)
-
-    def _wf_defer(self, name: str, batch_size: int) -> bool:
-        """Before the setup: remember a dataset's precompute (``name``) for after it; True when deferred."""
-        if hasattr(self, "sequence_parallel"):
-            return False
-        self._wf_deferred.append((name, batch_size))
-        return True
 
     def _wf_after_setup(self) -> None:
         """What TRL's construction asked for before the setup existed, and what depends on it (subclasses)."""

@@ -30,6 +30,10 @@ class WallfacerPreferenceMixin(WallfacerFusedHeadMixin):
     """What TRL's preference trainers (DPO, KTO) need beyond the fused head: their reference log-probabilities
     precomputed after the setup, and their refusals."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._wf_deferred: list[tuple[str, int]] = []  # precomputes TRL asks for before the setup exists
+        super().__init__(*args, **kwargs)
+
     def _wf_refuse(self, run: Any) -> None:
         name = type(self).__name__
         if self._is_vision_dataset:
@@ -42,7 +46,8 @@ class WallfacerPreferenceMixin(WallfacerFusedHeadMixin):
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's precompute, run sequence-parallel: during TRL's construction it is deferred to the end of the
         setup (``_wf_after_setup``); afterwards it runs with the loader sharded over the replicas."""
-        if self._wf_defer(name, batch_size):
+        if not hasattr(self, "sequence_parallel"):
+            self._wf_deferred.append((name, batch_size))
             return dataset
         with self._wf_view(self):
             return super()._precompute_ref_logps(dataset, name, batch_size)
