@@ -24,7 +24,7 @@ BATCH_KWARG = "wallfacer_batch"
 """The model-forward keyword carrying a packed batch's documents and chunk assignment (``packing.py``)."""
 
 __all__ = ["ATTN_IMPLEMENTATION", "BATCH_KWARG", "attach", "attention_modules", "detach", "reference_implementation",
-           "model_attention", "register", "wallfacer_attention_forward"]
+           "model_attention", "point_attention", "register", "wallfacer_attention_forward"]
 
 ATTN_IMPLEMENTATION = "wallfacer"
 _ATTR = "_wallfacer_attention"
@@ -160,11 +160,17 @@ def attach(model: nn.Module, attention: Any, *, sp_size: int) -> list[str]:
     if before != ATTN_IMPLEMENTATION:
         model.__dict__[_BEFORE] = before or "eager"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    for _, m in mods:
+    point_attention([m for _, m in mods], attention, sp_size=sp_size)
+    return [n for n, _ in mods]
+
+
+def point_attention(modules: list[nn.Module], attention: Any, *, sp_size: int) -> None:
+    """Give the attention ``modules`` (``attention_modules``, already attached) this sequence-parallel attention over
+    ``sp_size`` ranks: how dynamic sequence parallelism switches group size between forwards."""
+    for m in modules:
         # plain attributes (not sub-modules): no parameters, no state_dict entries
         m.__dict__[_ATTR] = attention
         m.__dict__[_SP_SIZE] = sp_size
-    return [n for n, _ in mods]
 
 
 def detach(model: nn.Module) -> None:

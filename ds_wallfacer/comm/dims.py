@@ -6,13 +6,15 @@ function and one error text, which the config parser, the planner's candidates a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
 from .layout import RankLayout, check_ring_count
 
 __all__ = ["MODES", "PLACEMENTS", "ParallelDims", "check_heads", "check_mode", "check_placement", "check_sp_size",
-           "check_ulysses_degree", "divisors", "ring_offset", "splits_heads", "valid_ulysses_degrees"]
+           "check_ulysses_degree", "divisors", "dynamic_sizes", "ring_offset", "splits_heads", "sub_dims",
+           "valid_ulysses_degrees"]
 
 MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
 """Attention across ranks once resolved: WallFacer (U = 1), Ulysses (U = P) or both (the config also accepts
@@ -223,3 +225,40 @@ class ParallelDims:
             for d in range(self.dp_size)
             for u in range(self.ulysses_degree)
         ]
+
+
+# -- dynamic sequence parallelism: the smaller groups inside each sequence-parallel group ------------------------
+def sub_dims(dims: ParallelDims, size: int) -> ParallelDims:
+    """The layout of groups of ``size`` consecutive ranks (``size`` divides P) in the shape of ``dims``: the Ulysses
+    degree as large as it was, up to ``size``; the ring count as large as it was that still fits the ring ranks.
+    Raises ``ValueError`` (the heads rule's text) when that Ulysses degree does not fit the model's heads."""
+    p = dims.sp_size
+    if size < 1 or p % size:
+        raise ValueError(f"group size {size} does not divide sequence_parallel_size {p}")
+    if size == p:
+        return dims
+    u = math.gcd(dims.ulysses_degree, size)
+    ring = size // u
+    c = max(c for c in divisors(dims.ring_count) if ring % (c * c) == 0)
+    return ParallelDims(world_size=dims.world_size, sp_size=size, ulysses_degree=u, ring_count=c,
+                        placement=dims.placement, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+
+
+def dynamic_sizes(dims: ParallelDims, *, whole_heads: tuple[int, ...] = (),
+                  head_groups: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The group sizes dynamic sequence parallelism may give a row, ascending: 1, every power of two dividing P and
+    P itself, keeping those whose Ulysses degree fits the attention heads and whose ranks split the heads of the
+    head-parallel mixers (``whole_heads``, ``head_groups``: ``splits_heads``). P itself always stays (it was
+    validated as the run's size); 1 always fits (no sequence parallelism)."""
+    p = dims.sp_size
+    keep = []
+    for size in sorted({1, p, *(1 << k for k in range(p.bit_length()) if p % (1 << k) == 0)}):
+        if size not in (1, p):
+            try:
+                sub_dims(dims, size)
+            except ValueError:
+                continue
+            if not splits_heads(size, whole_heads, head_groups):
+                continue
+        keep.append(size)
+    return tuple(keep)

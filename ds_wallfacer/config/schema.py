@@ -34,7 +34,8 @@ from ..comm.dims import MODES, PLACEMENTS, check_mode
 from ..data.chunks import SHARDINGS
 from .alst import apply_alst_keys
 
-__all__ = ["MODES", "PLACEMENTS", "SHARDINGS", "RunConfig", "WallFacerConfig", "parse_ds_config"]
+__all__ = ["MODES", "PLACEMENTS", "SHARDINGS", "DynamicSequenceParallelConfig", "RunConfig", "WallFacerConfig",
+           "parse_ds_config"]
 
 AutoInt = Union[int, Literal["auto"]]
 
@@ -104,6 +105,10 @@ class WallFacerConfig:
     allow_modules: tuple[str, ...] = ()
     """Class names the deny-by-default rules would refuse that you have checked yourself (e.g. a position-wise
     module of your own whose code calls ``torch.arange``); the self-check still compares them."""
+    dynamic_sequence_parallel: Any = None
+    """Dynamic sequence parallelism (``DynamicSequenceParallelConfig``): each row of a step runs on a group of the
+    size it needs (1, the powers of two dividing P, P), many groups at once; absent/null = every row on P ranks,
+    ``{}`` = on with its defaults."""
     collective_timeout_s: float = 600.0
     """Seconds a collective may wait for a peer before it fails: torch.distributed's world group, DeepSpeed's own
     groups and ours (torch's default, 30 min for gloo, would otherwise apply to DeepSpeed's)."""
@@ -142,6 +147,9 @@ class WallFacerConfig:
         if not isinstance(self.allow_modules, tuple) or not all(isinstance(c, str) and c for c in self.allow_modules):
             raise ValueError(f"wallfacer.allow_modules = {list(self.allow_modules)!r} is invalid: allowed is a list "
                              "of module class names")
+        if self.dynamic_sequence_parallel is not None and self.balance_steps:
+            raise ValueError("wallfacer.dynamic_sequence_parallel schedules every step's rows by their work itself: "
+                             "drop wallfacer.balance_steps")
         if self.mode != "auto":
             check_mode(self.mode, ulysses_degree=self.ulysses_degree, ring_count=self.ring_count,
                        sp_size=self.sequence_parallel_size)
@@ -154,9 +162,29 @@ class WallFacerConfig:
         kwargs = section_kwargs(cls, d, name="wallfacer")
         if isinstance(kwargs.get("allow_modules"), list):
             kwargs["allow_modules"] = tuple(kwargs["allow_modules"])
+        if kwargs.get("dynamic_sequence_parallel") is not None:
+            kwargs["dynamic_sequence_parallel"] = DynamicSequenceParallelConfig.from_dict(
+                kwargs["dynamic_sequence_parallel"])
         if "mini_sequence" in kwargs and kwargs["mini_sequence"] is not None:
             kwargs["mini_sequence"] = _parse_mini_sequence(kwargs["mini_sequence"])
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class DynamicSequenceParallelConfig:
+    """The ``wallfacer.dynamic_sequence_parallel`` section: how rows choose their group size
+    (``planner/dynamic.py``)."""
+
+    max_tokens_per_rank: AutoInt = "auto"
+    """A row fits a group when each rank holds at most this many of its tokens; "auto": when the planner's memory
+    model says it fits the device (``wallfacer.cluster``)."""
+
+    def __post_init__(self) -> None:
+        _check_auto_int("dynamic_sequence_parallel.max_tokens_per_rank", self.max_tokens_per_rank)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "DynamicSequenceParallelConfig":
+        return cls(**section_kwargs(cls, d, name="wallfacer.dynamic_sequence_parallel"))
 
 
 def _parse_mini_sequence(d: Any) -> Any:
@@ -246,6 +274,8 @@ class RunConfig:
         d["train_micro_batch_size_per_gpu"] = micro
         d["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         d["train_batch_size"] = want * sp_size
+        if self.wallfacer.dynamic_sequence_parallel is not None:  # a step has as many rounds as its rows need
+            d["managed_gradient_accumulation"] = False
         return d
 
 

@@ -17,11 +17,12 @@ Design: Note [Work-balanced steps] in docs/design/documents.md.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .balance import segment_work
 
-__all__ = ["balanced_order", "check_rounds", "idle_share", "round_balance", "row_work"]
+__all__ = ["FILLER", "Slot", "balanced_order", "check_rounds", "dynamic_rounds", "idle_share", "rank_slots",
+           "round_balance", "round_seconds", "row_work"]
 
 
 def row_work(doc_lengths: Sequence[int], *, window: int | None = None) -> int:
@@ -96,3 +97,79 @@ def idle_share(work: Sequence[int], order: Sequence[int], *, per_replica: int, r
     loads = _loads(work, order, per_replica, replicas)
     span = sum(max(x) * replicas for x in loads)
     return (span - sum(sum(x) for x in loads)) / span if span else 0.0
+
+
+# -- dynamic sequence parallelism: rows of several group sizes in one round ----------------------------------------
+FILLER = -1
+"""The row of a slot no row of the step took: a minimal sequence with no labels (its gradient is exactly zero), run
+so that every rank takes part in every round (ZeRO's collectives span the world)."""
+
+
+class Slot(NamedTuple):
+    """One row on one group in one round: ranks ``first .. first + size - 1``."""
+
+    row: int
+    """Index into the step's rows, or ``FILLER``."""
+    first: int
+    size: int
+
+
+def _aligned_blocks(lo: int, hi: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Ranks ``lo .. hi - 1`` as (first, size) blocks, each of the largest size in ``sizes`` that starts aligned
+    (first % size == 0) and fits."""
+    out = []
+    while lo < hi:
+        size = max(s for s in sizes if lo % s == 0 and lo + s <= hi)
+        out.append((lo, size))
+        lo += size
+    return out
+
+
+def dynamic_rounds(group_sizes: Sequence[int], seconds: Sequence[float], *, world_size: int, sp_size: int,
+                   sizes: Sequence[int]) -> list[list[Slot]]:
+    """A step's rows (row i runs on ``group_sizes[i]`` ranks for ``seconds[i]``) -> rounds, each a tiling of the
+    world's ranks by aligned groups inside the sequence-parallel blocks of ``sp_size`` ranks.
+
+    Rows are taken longest first and each goes into the first round with a free aligned block of its size (a
+    round's rows then take similar times: the round lasts as long as its longest). Ranks no row took run a
+    ``FILLER`` alone. Pure and deterministic: every rank computes the same rounds. ``sizes``: the group sizes the
+    run built (1 included; each divides the next)."""
+    if world_size % sp_size:
+        raise ValueError(f"sequence_parallel_size {sp_size} does not divide the world size {world_size}")
+    if 1 not in sizes or any(b % a for a, b in zip(sorted(sizes), sorted(sizes)[1:])) or max(sizes) != sp_size:
+        raise ValueError(f"group sizes {list(sizes)} must include 1 and P = {sp_size}, each dividing the next")
+    for i, p in enumerate(group_sizes):
+        if p not in sizes:
+            raise ValueError(f"row {i}: group size {p} is not one of {list(sizes)}")
+    rounds: list[list[Slot]] = []
+    free: list[list[tuple[int, int]]] = []  # per round: free (first, size) blocks, ascending
+    for i in sorted(range(len(group_sizes)), key=lambda i: (-seconds[i], -group_sizes[i], i)):
+        p = group_sizes[i]
+        for r, blocks in enumerate(free):
+            fit = [b for b in blocks if b[1] >= p]
+            if fit:
+                break
+        else:
+            rounds.append([])
+            free.append([(d * sp_size, sp_size) for d in range(world_size // sp_size)])
+            r, blocks = len(rounds) - 1, free[-1]
+            fit = blocks
+        first, size = min(fit, key=lambda b: (b[1], b[0]))  # the tightest block: big ones stay whole
+        blocks.remove((first, size))
+        blocks.extend(_aligned_blocks(first + p, first + size, sizes))
+        blocks.sort()
+        rounds[r].append(Slot(i, first, p))
+    for slots, blocks in zip(rounds, free):
+        slots.extend(Slot(FILLER, first + k, 1) for first, size in blocks for k in range(size))
+        slots.sort(key=lambda s: s.first)
+    return rounds
+
+
+def rank_slots(rounds: Sequence[Sequence[Slot]], rank: int) -> list[Slot]:
+    """The slot of ``rank`` in each round."""
+    return [next(s for s in slots if s.first <= rank < s.first + s.size) for slots in rounds]
+
+
+def round_seconds(rounds: Sequence[Sequence[Slot]], seconds: Sequence[float], *, filler_s: float = 0.0) -> list[float]:
+    """Each round's length if every group runs its row's ``seconds`` (fillers ``filler_s``): its longest slot."""
+    return [max(seconds[s.row] if s.row != FILLER else filler_s for s in slots) for slots in rounds]

@@ -31,17 +31,20 @@ from ..audit.model_audit import RefusedModel, audit_model, audit_sequence, reent
 from ..audit.self_check import check_length, run_self_check
 from ..comm import CommLayer
 from ..config import RunConfig, parse_ds_config
+from ..data.dynamic import DynamicStepLoader
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from ..hf_config import text_config
 from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto
 from ..planner.cluster import cluster_preset
+from ..planner.dynamic import RowModel, choose_sizes, row_candidates
 from .ds_runtime import init_distributed, rank_device
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
+from .dynamic import build_dynamic_groups, check_dynamic_run
 from .parallel import (SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch,
                        mixer_shards)
 
-__all__ = ["SequenceParallel", "initialize", "model_heads", "prepare_sequence_parallel"]
+__all__ = ["SequenceParallel", "initialize", "model_heads", "prepare_sequence_parallel", "row_model"]
 
 log = logging.getLogger("ds_wallfacer")
 
@@ -98,12 +101,17 @@ class SequenceParallel:
         pad: bool = True,
         verify: bool = True,
         balance_steps: bool | None = None,
-    ) -> SequenceParallelLoader:
-        """Wrap a map-style dataset or an iterable of full batches (see ``SequenceParallelLoader``).
+    ) -> Any:
+        """Wrap a map-style dataset or an iterable of full batches (see ``SequenceParallelLoader``); with
+        ``wallfacer.dynamic_sequence_parallel``, a map-style dataset's optimizer steps (``DynamicStepLoader``: iterate
+        each step's batches, then call ``engine.step()`` once).
         ``batch_size`` defaults to ``train_micro_batch_size_per_gpu``; ``verify`` checks each batch is the same
         on all ranks of the sequence-parallel group (one tiny all-gather per batch); ``balance_steps`` (default:
         the section's ``balance_steps``) evens the replicas' attention work in each round (a map-style dataset;
         ``data/steps.py``)."""
+        if self.dynamic is not None:
+            return self._dynamic_loader(source, batch_size=batch_size, shuffle=shuffle, seed=seed, verify=verify,
+                                        balance_steps=balance_steps)
         spec = self.groups.shard_spec
         bs = batch_size or self.config.micro_batch(dp_size=self.setup.dims.dp_size)
         check = None
@@ -118,6 +126,57 @@ class SequenceParallel:
             pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad, verify=check,
             balance_steps=self.config.wallfacer.balance_steps if balance_steps is None else balance_steps,
         )
+
+
+    @property
+    def dynamic(self) -> Any:
+        """``integration.dynamic.DynamicGroups`` with ``wallfacer.dynamic_sequence_parallel``, else None."""
+        return self.module.dynamic
+
+    def _dynamic_loader(self, source: Any, *, batch_size: int | None, shuffle: bool, seed: int, verify: bool,
+                        balance_steps: bool | None) -> DynamicStepLoader:
+        if balance_steps:
+            raise ValueError("balance_steps=True with wallfacer.dynamic_sequence_parallel: the dynamic schedule "
+                             "already lays each step's rows out by their work; drop balance_steps")
+        dims, dyn, comm = self.setup.dims, self.dynamic, self.comm
+        micro = batch_size or self.config.micro_batch(dp_size=dims.dp_size)
+        gas = self.config.gradient_accumulation_steps
+        rows = row_model(self.model, self.config, dyn.sizes, dims)
+        check = None
+        if verify:
+            def check(size: int, batch: Mapping[str, Any]) -> None:
+                check_same_batch(batch, group=dyn.by_size[size].groups.sp_group, comm=comm)
+
+        return DynamicStepLoader(
+            source, specs={p: g.spec for p, g in dyn.by_size.items()}, rank=dist.get_rank(),
+            world_size=dims.world_size, sp_size=dims.sp_size, rows_per_step=micro * gas * dims.dp_size,
+            gradient_accumulation_steps=gas,
+            choose=lambda lengths, works: choose_sizes(lengths, works, model=rows, world_size=dims.world_size),
+            seconds=rows.seconds, shuffle=shuffle, seed=seed, pad_token_id=self.pad_token_id,
+            ignore_index=self.ignore_index, verify=check,
+        )
+
+
+def row_model(model: nn.Module, run: RunConfig, sizes: tuple[int, ...], dims: Any) -> RowModel:
+    """The planner's model of one row on each group size, for dynamic sequence parallelism's choice: the
+    ``wallfacer.cluster`` preset's figures (uncalibrated, so every host chooses alike)."""
+    from ..comm.dims import sub_dims
+    from ..planner import Workload, get_cluster, get_model
+    from ..planner.auto import run_facts
+
+    cfg = run.wallfacer
+    ms = cfg.mini_sequence
+    cluster = get_cluster(cluster_preset() if cfg.cluster == "auto" else cfg.cluster)
+    facts = run_facts(run)
+    facts["offload_checkpoints"] |= ms is not None and ms.offload_checkpoints
+    checkpointing = bool(getattr(model, "is_activation_checkpointing", False)) or (
+        ms is not None and ms.activation_checkpointing != "none")
+    cands = row_candidates({p: sub_dims(dims, p) for p in sizes}, mini_sequence=ms is not None,
+                           checkpointing=checkpointing, keep_attention=ms.keep_attention if ms is not None else True)
+    cap = cfg.dynamic_sequence_parallel.max_tokens_per_rank
+    return RowModel(model=get_model(text_config(model)), cluster=cluster,
+                    workload=Workload(seq_len=2 * dims.sp_size, **facts), candidates=cands,
+                    max_tokens_per_rank=None if cap == "auto" else int(cap))
 
 
 def model_heads(model: nn.Module) -> tuple[int, int]:
@@ -230,15 +289,23 @@ def prepare_sequence_parallel(
     ms = run.wallfacer.mini_sequence
     if ms is None or ms.keep_attention:  # also layer checkpointing the caller turned on (attention/residuals.py)
         keep_attention_in_layers(model)
+    packing = PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec)
+    dynamic = None
+    if run.wallfacer.dynamic_sequence_parallel is not None:
+        check_dynamic_run(run, router_aux=found.router_aux is not None)
+        heads, head_groups = mixer_head_counts(model)
+        dynamic = build_dynamic_groups(setup, groups, model=model, comm=comm, full_attention=attention,
+                                       full_mixing=mixing if mixers else None, full_packing=packing,
+                                       whole_heads=heads, head_groups=head_groups, timeout=timeout)
     module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
                                       ignore_index=ignore_index, router_aux=found.router_aux,
                                       rope=rope if found.rotary else None, sp_size=dims.sp_size,
-                                      packing=PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec),
+                                      packing=packing,
                                       positions=any(scales_by_position(m) for _, m in hf.attention_modules(model)),
-                                      mixer_inputs=mixing.inputs if mixers else None)
+                                      mixer_inputs=mixing.inputs if mixers else None, dynamic=dynamic)
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None) or 0
-    if run.wallfacer.self_check:  # the model as configured, with and without sequence parallelism (self_check.py)
+    if run.wallfacer.self_check:  # the model as configured (on P ranks; dynamic sizes reuse the same layers), with and without sequence parallelism (self_check.py)
         _self_check(module, run, groups, comm, device, pad_token_id=int(pad_token_id),
                     ignore_index=ignore_index)
     return SequenceParallel(

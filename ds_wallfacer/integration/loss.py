@@ -106,6 +106,7 @@ class SequenceParallelCausalLM(nn.Module):
         packing: PackedBatches | None = None,
         positions: bool = False,
         mixer_inputs: MixerInputs | None = None,
+        dynamic: Any = None,
     ) -> None:
         super().__init__()
         self._packing = packing
@@ -119,6 +120,10 @@ class SequenceParallelCausalLM(nn.Module):
         self.router_aux, self._rope, self._sp_size = router_aux, rope, sp_size
         self.last_aux_loss: torch.Tensor | None = None
         self._captured: list[torch.Tensor] | None = None
+        self.dynamic = dynamic
+        """``integration.dynamic.DynamicGroups`` with dynamic sequence parallelism, else None."""
+        if dynamic is not None:
+            dynamic.on_switch = self._use_group
         if router_aux is not None:
             # the decoder's output carries router_logits (output_router_logits is on), whichever local loss runs it
             lm.get_decoder().register_forward_hook(self._capture_router_logits)
@@ -150,6 +155,12 @@ class SequenceParallelCausalLM(nn.Module):
             self._mixer_inputs.batch, self._mixer_inputs.positions = kwargs.get(BATCH_KWARG), position_ids
         return kwargs
 
+    def _use_group(self, g: Any) -> None:
+        """Dynamic sequence parallelism: this forward's group of ``g.size`` ranks (``DynamicGroups.use``)."""
+        self._group, self._packing, self._sp_size = g.groups.sp_group, g.packing, g.size
+        if self._mixer_inputs is not None and g.mixing is not None:
+            self._mixer_inputs = g.mixing.inputs
+
     def _capture_router_logits(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._captured is not None:
             logits = getattr(out, "router_logits", None)
@@ -165,7 +176,19 @@ class SequenceParallelCausalLM(nn.Module):
         sequence_length: torch.Tensor | None = None,
         document_starts: torch.Tensor | None = None,
         chunk_assignment: torch.Tensor | None = None,
+        sequence_parallel_size: torch.Tensor | None = None,
+        loss_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``sequence_parallel_size`` and ``loss_weight`` (dynamic sequence parallelism's loader): the row's group
+        size, and the factor that turns the group's summed token losses into this forward's share of the step's
+        token mean (``data/dynamic.py``)."""
+        if (sequence_parallel_size is None) != (loss_weight is None):
+            raise ValueError("a dynamic batch carries both sequence_parallel_size and loss_weight")
+        if sequence_parallel_size is not None:
+            if self.dynamic is None:
+                raise ValueError("this batch is from a dynamic sequence-parallel loader, but the run was built without "
+                                 'wallfacer.dynamic_sequence_parallel: add the key, or use sp.dataloader\'s batches')
+            self.dynamic.use(int(sequence_parallel_size.reshape(-1)[0]))
         model_kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
@@ -179,9 +202,18 @@ class SequenceParallelCausalLM(nn.Module):
             captured = self._captured
         finally:
             self._captured = None
+        if loss_weight is not None:
+            return self._weighted_sum(loss_sum, loss_weight)
         if self.router_aux is None:
             return global_token_mean(loss_sum, count, group=self._group, comm=self._comm)
         return self._with_router_aux(loss_sum, count, captured or [], token_mask)
+
+    def _weighted_sum(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The group's summed token losses x ``weight`` (Note [Dynamic sequence parallelism])."""
+        total = loss_sum.double().reshape(1)
+        if self._sp_size > 1:
+            total = _SumOverRanks.apply(total, self._comm, self._group)
+        return (total[0] * weight.to(device=total.device, dtype=torch.float64).reshape(-1)[0]).float()
 
     def _with_router_aux(
         self, loss_sum: torch.Tensor, count: torch.Tensor, router_logits: list[torch.Tensor],

@@ -1,0 +1,120 @@
+"""Dynamic sequence parallelism's choice: how many ranks each row of a step gets (``choose_sizes``), from the
+planner's cost and memory models (``RowModel``). Deterministic: no measured speeds, so every rank chooses alike.
+
+The rule (Note [Dynamic sequence parallelism] in docs/design/training.md):
+1. the smallest group size whose memory fits the row (or whose local tokens stay within ``max_tokens_per_rank``);
+2. among the sizes that fit, the one with the fewest rank-seconds (size x the row's seconds): communication only
+   adds, so this is the smallest that fits unless the model says a larger group is cheaper;
+3. a row that would still outlast the step's mean rank load alone (its seconds > the sum of every row's
+   rank-seconds / W) grows to the next size that fits, until it does not or P is reached: one long row on few
+   ranks would keep every other rank waiting.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ..comm.dims import ParallelDims
+from .candidate import Candidate, Workload
+from .cluster import ClusterSpec
+from .cost import estimate
+from .memory import memory_breakdown
+from .model import ModelSpec
+
+__all__ = ["RowModel", "choose_sizes", "row_candidates"]
+
+
+def row_candidates(shapes: Mapping[int, ParallelDims], *, mini_sequence: bool, checkpointing: bool,
+                   keep_attention: bool = True, reentrant: bool = True) -> dict[int, Candidate]:
+    """The planner's ``Candidate`` of each group size's layout (``comm.dims.sub_dims``)."""
+    return {
+        p: Candidate(sp_size=p, ring_count=d.ring_count, ulysses_degree=d.ulysses_degree, placement=d.placement,
+                     mini_sequence=mini_sequence, checkpointing=checkpointing, keep_attention=keep_attention,
+                     reentrant=reentrant)
+        for p, d in shapes.items()
+    }
+
+
+def _bucket(n: int, p: int) -> int:
+    """n padded to a multiple of 2p, then up to the next of 16 steps per octave: the estimates are smooth in n, and
+    a step's lengths then share a few cached estimates."""
+    n = max(n, 2 * p)
+    step = max(2 * p, 2 ** max(0, math.floor(math.log2(n)) - 4))
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class RowModel:
+    """Seconds and memory fit of one row on a group of p ranks, from ``planner.cost.estimate`` and
+    ``planner.memory.memory_breakdown`` (uncalibrated: identical on every host)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    workload: Workload
+    """The run's facts (ZeRO stage, dtype, offloads); its ``seq_len`` is replaced by each row's."""
+    candidates: Mapping[int, Candidate]
+    """Group size -> its layout (``row_candidates``)."""
+    max_tokens_per_rank: int | None = None
+    """When set, "fits" is "at most this many local tokens" instead of the memory model."""
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.candidates))
+
+    def _cost(self, n: int, p: int):
+        key = ("cost", _bucket(n, p), p)
+        if key not in self._cache:
+            from dataclasses import replace
+
+            w = replace(self.workload, seq_len=key[1], batch=1)
+            self._cache[key] = estimate(self.model, self.cluster.with_world_size(p), self.candidates[p], w)
+        return self._cache[key]
+
+    def fits(self, n: int, p: int) -> bool:
+        """Whether a row of ``n`` tokens fits a group of ``p`` ranks."""
+        if self.max_tokens_per_rank is not None:
+            return -(-n // p) <= self.max_tokens_per_rank
+        key = ("mem", _bucket(n, p), p)
+        if key not in self._cache:
+            from dataclasses import replace
+
+            w = replace(self.workload, seq_len=key[1], batch=1)
+            self._cache[key] = memory_breakdown(self.model, self.cluster.with_world_size(p), self.candidates[p],
+                                                w).fits
+        return self._cache[key]
+
+    def seconds(self, n: int, work: int, p: int) -> float:
+        """Predicted forward + backward seconds of a row of ``n`` tokens whose attention does ``work`` score entries
+        (a causal row: n(n+1)/2; packed documents: the sum of theirs), on ``p`` ranks: the planner's step without its
+        optimizer and ZeRO terms, its attention part scaled by ``work`` over a causal row's."""
+        c = self._cost(n, p)
+        m = _bucket(n, p)
+        attention = self.model.layers * c.attn_layer_s
+        rest = max(0.0, c.step_s - attention - c.optimizer_s - c.detail.get("zero_exposed_s", 0.0))
+        dense = m * (m + 1) / 2
+        return rest * n / m + attention * (work / dense if dense else 0.0)
+
+
+def choose_sizes(lengths: Sequence[int], works: Sequence[int], *, model: RowModel, world_size: int) -> list[int]:
+    """Each row's group size (the rule in the module docstring). Raises ``ValueError`` for a row no size fits."""
+    sizes = model.sizes
+    chosen: list[int] = []
+    fitting: list[list[int]] = []
+    for i, (n, work) in enumerate(zip(lengths, works)):
+        ok = [p for p in sizes if model.fits(n, p)]
+        if not ok:
+            cap = (f"max_tokens_per_rank = {model.max_tokens_per_rank}" if model.max_tokens_per_rank is not None
+                   else f"the memory model of {model.cluster.name}")
+            raise ValueError(
+                f"row {i} has {n} tokens, more than a group of {sizes[-1]} ranks holds ({cap}): raise "
+                f"sequence_parallel_size or wallfacer.dynamic_sequence_parallel.max_tokens_per_rank, or cut the row")
+        fitting.append(ok)
+        chosen.append(min(ok, key=lambda p: (p * model.seconds(n, work, p), p)))
+    mean_load = sum(p * model.seconds(n, w, p) for p, n, w in zip(chosen, lengths, works)) / world_size
+    for i, (n, work) in enumerate(zip(lengths, works)):
+        larger = [p for p in fitting[i] if p > chosen[i]]
+        while larger and model.seconds(n, work, chosen[i]) > mean_load:
+            chosen[i] = larger.pop(0)
+    return chosen
