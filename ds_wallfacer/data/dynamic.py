@@ -1,12 +1,15 @@
 """The dynamic sequence-parallel loader: a map-style dataset of rows of any length -> per optimizer step, this
 rank's batches of the step's rounds, each row sharded over the group of the size it was given.
 
-A step is the same rows a fixed-P run trains in one optimizer step (``rows_per_step``, taken in the epoch's seeded
-order); ``choose(lengths, works)`` gives each row its group size, ``steps.dynamic_rounds`` lays the rows out in
-rounds that tile the world's ranks, and each rank takes its slot of every round. Every batch carries
-``sequence_parallel_size`` (its group's size) and ``loss_weight`` (W x GA / (p x T), T the step's labelled tokens):
-the loss module turns the group's summed token losses into the step's token mean with it. Everything is a function
-of the dataset, the seed and the step, so every rank computes the same rounds, and a resumed run replays them.
+A step holds exactly the rows the fixed-P run (``SequenceParallelLoader`` over the same dataset, seed and batch
+sizes) trains in that optimizer step: the epoch's order split over the D = W / P replicas as
+``DistributedSampler`` splits it, ``micro`` rows per micro-batch, ``gradient_accumulation_steps`` micro-batches per
+step. ``choose(lengths, works)`` gives each row its group size, ``steps.dynamic_rounds`` lays the rows out in rounds
+that tile the world's ranks, and each rank takes its slot of every round. Every batch carries
+``sequence_parallel_size`` (p, its group's size) and ``loss_weight`` = W / (p x D x c), c the labelled tokens of the
+fixed run's micro-batch that holds the row: the loss module multiplies the group's summed token losses by it, and
+the step's gradient is the fixed run's (Note [Dynamic sequence parallelism]). Everything is a function of the
+dataset, the seed and the step, so every rank computes the same rounds, and a resumed run replays them.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ class DynamicStep:
     lengths: list[int]
     """Each row's tokens."""
     labelled: int
-    """T: labelled tokens of the step (the token mean's denominator)."""
+    """Labelled tokens of the step."""
     predicted_s: list[float] = field(default_factory=list)
     """Each round's predicted length (its slowest group)."""
 
@@ -73,17 +76,18 @@ class DynamicStepLoader:
     ``size`` holds the same full batch (or None)."""
 
     def __init__(self, source: Any, *, specs: Mapping[int, ShardSpec], rank: int, world_size: int, sp_size: int,
-                 rows_per_step: int, gradient_accumulation_steps: int, choose: Choose, seconds: Seconds,
+                 micro_batch: int, gradient_accumulation_steps: int, choose: Choose, seconds: Seconds,
                  shuffle: bool = True, seed: int = 0, pad_token_id: int = 0, ignore_index: int = -100,
                  verify: Callable[[int, Mapping[str, Any]], None] | None = None) -> None:
         if not (hasattr(source, "__getitem__") and hasattr(source, "__len__")):
             raise ValueError("dynamic sequence parallelism needs a map-style dataset (__getitem__ and __len__): it "
                              "reads each step's rows to choose their group sizes")
-        if rows_per_step < 1 or len(source) < rows_per_step:
-            raise ValueError(f"the dataset has {len(source)} rows, fewer than one step's {rows_per_step} "
-                             "(train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size)")
         self.source, self.specs, self.rank, self.world_size, self.sp_size = source, dict(specs), rank, world_size, sp_size
-        self.rows_per_step, self.gas = rows_per_step, gradient_accumulation_steps
+        self.micro, self.gas, self.dp = micro_batch, gradient_accumulation_steps, world_size // sp_size
+        self.rows_per_step = micro_batch * gradient_accumulation_steps * self.dp
+        if len(source) < self.rows_per_step:
+            raise ValueError(f"the dataset has {len(source)} rows, fewer than one step's {self.rows_per_step} "
+                             "(train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size)")
         self.choose, self.seconds, self.shuffle, self.seed = choose, seconds, shuffle, seed
         self.pad_token_id, self.ignore_index, self.verify = pad_token_id, ignore_index, verify
         self.epoch, self.start_step = 0, 0
@@ -96,35 +100,45 @@ class DynamicStepLoader:
         """The epoch to iterate (its seeded order), from its step ``start_step`` (a resumed run)."""
         self.epoch, self.start_step = epoch, start_step
 
-    def order(self, epoch: int) -> list[int]:
-        """The epoch's row order (the same on every rank)."""
-        if not self.shuffle:
-            return list(range(len(self.source)))
-        g = torch.Generator().manual_seed(self.seed + epoch)  # DistributedSampler's seeding
-        return torch.randperm(len(self.source), generator=g).tolist()
+    def replica_orders(self, epoch: int) -> list[list[int]]:
+        """Each replica's rows of the epoch, as ``DistributedSampler(drop_last=True)`` deals them (the same on every
+        rank)."""
+        n = len(self.source) // self.dp * self.dp
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)  # DistributedSampler's seeding
+            order = torch.randperm(len(self.source), generator=g).tolist()[:n]
+        else:
+            order = list(range(n))
+        return [order[d::self.dp] for d in range(self.dp)]
 
     def __iter__(self) -> Iterator[DynamicStep]:
-        order, per = self.order(self.epoch), self.rows_per_step
+        replicas, per = self.replica_orders(self.epoch), self.micro * self.gas
         for k in range(self.start_step, len(self)):
-            yield self.step([self.source[i] for i in order[k * per:(k + 1) * per]])
+            rows = [i for r in replicas for i in r[k * per:(k + 1) * per]]  # replica by replica
+            yield self.step([self.source[i] for i in rows])
 
     def step(self, items: Sequence[Any]) -> DynamicStep:
-        """The rounds of one step's rows (``items``: map-style items, ``collate_right_padded``'s forms)."""
+        """The rounds of one step's rows (``items``: map-style items, ``collate_right_padded``'s forms, replica by
+        replica as ``__iter__`` lists them: consecutive ``micro`` rows form one of the fixed run's micro-batches)."""
         rows = [collate_right_padded([it], pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)
                 for it in items]
         lengths = [int(r["input_ids"].shape[1]) for r in rows]
         works = [item_work(it) for it in items]
-        labelled = sum(labelled_tokens(r, ignore_index=self.ignore_index) for r in rows)
+        counts = [labelled_tokens(r, ignore_index=self.ignore_index) for r in rows]
+        per_micro = [sum(counts[a:a + self.micro]) for a in range(0, len(counts), self.micro)]
+        micro_count = [per_micro[i // self.micro] for i in range(len(rows))]
         sizes = self.choose(lengths, works)
         secs = [self.seconds(n, w, p) for n, w, p in zip(lengths, works, sizes)]
         rounds = dynamic_rounds(sizes, secs, world_size=self.world_size, sp_size=self.sp_size,
                                 sizes=sorted(self.specs))
-        batches = [self._shard(slot, rows) for slot in rank_slots(rounds, self.rank)]
-        for b in batches:
-            b["loss_weight"] = torch.tensor(
-                [self.world_size * self.gas / (int(b["sequence_parallel_size"]) * labelled) if labelled else 0.0],
-                dtype=torch.float64)
-        return DynamicStep(batches=batches, sizes=sizes, rounds=rounds, lengths=lengths, labelled=labelled,
+        batches = []
+        for slot in rank_slots(rounds, self.rank):
+            b = self._shard(slot, rows)
+            c = micro_count[slot.row] if slot.row != FILLER else 0
+            b["loss_weight"] = torch.tensor([self.world_size / (slot.size * self.dp * c) if c else 0.0],
+                                            dtype=torch.float64)
+            batches.append(b)
+        return DynamicStep(batches=batches, sizes=sizes, rounds=rounds, lengths=lengths, labelled=sum(counts),
                            predicted_s=round_seconds(rounds, secs))
 
     def _shard(self, slot: Slot, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

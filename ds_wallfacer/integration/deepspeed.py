@@ -149,9 +149,9 @@ class SequenceParallel:
 
         return DynamicStepLoader(
             source, specs={p: g.spec for p, g in dyn.by_size.items()}, rank=dist.get_rank(),
-            world_size=dims.world_size, sp_size=dims.sp_size, rows_per_step=micro * gas * dims.dp_size,
-            gradient_accumulation_steps=gas,
-            choose=lambda lengths, works: choose_sizes(lengths, works, model=rows, world_size=dims.world_size),
+            world_size=dims.world_size, sp_size=dims.sp_size, micro_batch=micro, gradient_accumulation_steps=gas,
+            choose=lambda lengths, works: choose_sizes(lengths, works, model=rows, world_size=dims.world_size,
+                                                        sp_size=dims.sp_size),
             seconds=rows.seconds, shuffle=shuffle, seed=seed, pad_token_id=self.pad_token_id,
             ignore_index=self.ignore_index, verify=check,
         )

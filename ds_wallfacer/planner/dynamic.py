@@ -1,13 +1,13 @@
 """Dynamic sequence parallelism's choice: how many ranks each row of a step gets (``choose_sizes``), from the
 planner's cost and memory models (``RowModel``). Deterministic: no measured speeds, so every rank chooses alike.
 
-The rule (Note [Dynamic sequence parallelism] in docs/design/training.md):
-1. the smallest group size whose memory fits the row (or whose local tokens stay within ``max_tokens_per_rank``);
-2. among the sizes that fit, the one with the fewest rank-seconds (size x the row's seconds): communication only
-   adds, so this is the smallest that fits unless the model says a larger group is cheaper;
-3. a row that would still outlast the step's mean rank load alone (its seconds > the sum of every row's
-   rank-seconds / W) grows to the next size that fits, until it does not or P is reached: one long row on few
-   ranks would keep every other rank waiting.
+The rule (Note [Dynamic sequence parallelism] in docs/design/training.md): each row's smallest group size whose
+memory fits it (or whose local tokens stay within ``max_tokens_per_rank``); then a time limit t is chosen, each row
+growing to the smallest size that runs it within t (or the largest), and the rows laid out in rounds
+(``data.steps.dynamic_rounds``); the t whose rounds end soonest wins (ties: the one with fewer rank-seconds, i.e.
+less communication). A round lasts as long as its slowest group, because ZeRO's collectives keep every rank in
+step: rows of similar times in one round waste least, and one long row on few ranks would keep every other rank
+waiting.
 """
 from __future__ import annotations
 
@@ -97,12 +97,14 @@ class RowModel:
         return rest * n / m + attention * (work / dense if dense else 0.0)
 
 
-def choose_sizes(lengths: Sequence[int], works: Sequence[int], *, model: RowModel, world_size: int) -> list[int]:
+def choose_sizes(lengths: Sequence[int], works: Sequence[int], *, model: RowModel, world_size: int,
+                 sp_size: int) -> list[int]:
     """Each row's group size (the rule in the module docstring). Raises ``ValueError`` for a row no size fits."""
+    from ..data.steps import dynamic_rounds, round_seconds
+
     sizes = model.sizes
-    chosen: list[int] = []
     fitting: list[list[int]] = []
-    for i, (n, work) in enumerate(zip(lengths, works)):
+    for i, n in enumerate(lengths):
         ok = [p for p in sizes if model.fits(n, p)]
         if not ok:
             cap = (f"max_tokens_per_rank = {model.max_tokens_per_rank}" if model.max_tokens_per_rank is not None
@@ -111,10 +113,14 @@ def choose_sizes(lengths: Sequence[int], works: Sequence[int], *, model: RowMode
                 f"row {i} has {n} tokens, more than a group of {sizes[-1]} ranks holds ({cap}): raise "
                 f"sequence_parallel_size or wallfacer.dynamic_sequence_parallel.max_tokens_per_rank, or cut the row")
         fitting.append(ok)
-        chosen.append(min(ok, key=lambda p: (p * model.seconds(n, work, p), p)))
-    mean_load = sum(p * model.seconds(n, w, p) for p, n, w in zip(chosen, lengths, works)) / world_size
-    for i, (n, work) in enumerate(zip(lengths, works)):
-        larger = [p for p in fitting[i] if p > chosen[i]]
-        while larger and model.seconds(n, work, chosen[i]) > mean_load:
-            chosen[i] = larger.pop(0)
+    secs = [{p: model.seconds(n, w, p) for p in ok} for n, w, ok in zip(lengths, works, fitting)]
+    best: tuple[float, float] | None = None
+    chosen: list[int] = []
+    for limit in sorted({t for row in secs for t in row.values()}, reverse=True):
+        trial = [next((p for p in ok if row[p] <= limit), ok[-1]) for ok, row in zip(fitting, secs)]
+        t = [row[p] for row, p in zip(secs, trial)]
+        rounds = dynamic_rounds(trial, t, world_size=world_size, sp_size=sp_size, sizes=sizes)
+        key = (sum(round_seconds(rounds, t)), sum(p * x for p, x in zip(trial, t)))
+        if best is None or key < best:
+            best, chosen = key, trial
     return chosen
