@@ -73,12 +73,14 @@ class DynamicStepLoader:
             engine.step()
 
     ``specs``: this rank's shard spec in its group of each size; ``verify(size, batch)``: checks the group of
-    ``size`` holds the same full batch (or None)."""
+    ``size`` holds the same full batch (or None); ``fits(length)``: whether a row fits P ranks, checked for every
+    row when the loader is built (None: when its step comes)."""
 
     def __init__(self, source: Any, *, specs: Mapping[int, ShardSpec], rank: int, world_size: int, sp_size: int,
                  micro_batch: int, gradient_accumulation_steps: int, choose: Choose, seconds: Seconds,
                  shuffle: bool = True, seed: int = 0, pad_token_id: int = 0, ignore_index: int = -100,
-                 verify: Callable[[int, Mapping[str, Any]], None] | None = None) -> None:
+                 verify: Callable[[int, Mapping[str, Any]], None] | None = None,
+                 fits: Callable[[int], bool] | None = None) -> None:
         if not (hasattr(source, "__getitem__") and hasattr(source, "__len__")):
             raise ValueError("dynamic sequence parallelism needs a map-style dataset (__getitem__ and __len__): it "
                              "reads each step's rows to choose their group sizes")
@@ -91,6 +93,14 @@ class DynamicStepLoader:
         self.choose, self.seconds, self.shuffle, self.seed = choose, seconds, shuffle, seed
         self.pad_token_id, self.ignore_index, self.verify = pad_token_id, ignore_index, verify
         self.epoch, self.start_step = 0, 0
+        if fits is not None:  # every row read once now: one too long for P ranks is refused before any training
+            for i in range(len(source)):
+                n = len(collate_right_padded([source[i]], pad_token_id=pad_token_id)["input_ids"][0])
+                if not fits(n):
+                    raise ValueError(
+                        f"row {i} of the dataset has {n} tokens, more than a group of {sp_size} ranks holds: raise "
+                        "sequence_parallel_size or wallfacer.dynamic_sequence_parallel.max_tokens_per_rank, or cut "
+                        "the row")
 
     def __len__(self) -> int:
         """Optimizer steps per epoch."""
