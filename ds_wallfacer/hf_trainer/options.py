@@ -144,6 +144,10 @@ def refuse_common_options(trainer: Any, run: RunConfig) -> None:
         (bool(args.accelerator_config.dispatch_batches), "accelerator_config.dispatch_batches",
          "every rank must load its own batches (set dispatch_batches to False)"),
         (bool(args.accelerator_config.split_batches), "accelerator_config.split_batches", "set it to False"),
+        (run.wallfacer.dynamic_sequence_parallel is not None, "wallfacer.dynamic_sequence_parallel",
+         "the Trainer runs a fixed number of micro-batches per step, each on every rank of its group; train with "
+         "ds_wallfacer.integration.initialize and sp.dataloader (each step's rounds, then engine.step()), or drop "
+         "the key"),
     ]
     for bad, what, fix in checks:
         if bad:

@@ -166,7 +166,7 @@ def row_model(model: nn.Module, run: RunConfig, sizes: tuple[int, ...], dims: An
 
     cfg = run.wallfacer
     ms = cfg.mini_sequence
-    cluster = get_cluster(cluster_preset() if cfg.cluster == "auto" else cfg.cluster)
+    cluster = get_cluster(cluster_preset() if cfg.cluster == "auto" else cfg.cluster).with_world_size(dims.world_size)
     facts = run_facts(run)
     facts["offload_checkpoints"] |= ms is not None and ms.offload_checkpoints
     checkpointing = bool(getattr(model, "is_activation_checkpointing", False)) or (

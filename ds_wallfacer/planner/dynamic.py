@@ -51,6 +51,7 @@ class RowModel:
 
     model: ModelSpec
     cluster: ClusterSpec
+    """The whole world's hardware (ZeRO partitions over every rank, whatever the group size)."""
     workload: Workload
     """The run's facts (ZeRO stage, dtype, offloads); its ``seq_len`` is replaced by each row's."""
     candidates: Mapping[int, Candidate]
@@ -69,7 +70,7 @@ class RowModel:
             from dataclasses import replace
 
             w = replace(self.workload, seq_len=key[1], batch=1)
-            self._cache[key] = estimate(self.model, self.cluster.with_world_size(p), self.candidates[p], w)
+            self._cache[key] = estimate(self.model, self.cluster, self.candidates[p], w)
         return self._cache[key]
 
     def fits(self, n: int, p: int) -> bool:
@@ -81,8 +82,7 @@ class RowModel:
             from dataclasses import replace
 
             w = replace(self.workload, seq_len=key[1], batch=1)
-            self._cache[key] = memory_breakdown(self.model, self.cluster.with_world_size(p), self.candidates[p],
-                                                w).fits
+            self._cache[key] = memory_breakdown(self.model, self.cluster, self.candidates[p], w).fits
         return self._cache[key]
 
     def seconds(self, n: int, work: int, p: int) -> float:

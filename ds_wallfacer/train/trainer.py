@@ -119,6 +119,11 @@ class Trainer:
             raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: wallfacer.balance_steps = true evens "
                                "the documents' attention work, but without --document_masking every row is one causal "
                                "stream of equal work: add --document_masking or drop the key")
+        if self.run_cfg.wallfacer.dynamic_sequence_parallel is not None:
+            raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: wallfacer.dynamic_sequence_parallel "
+                               "schedules rows of different lengths, and this trainer trains rows of --seq_len "
+                               "tokens each; train with ds_wallfacer.integration.initialize and sp.dataloader "
+                               "(docs/trainer.md), or drop the key")
         self.resume_candidates = ckpt.resume_candidates(args.resume, self.out)  # verified in resume()
         self.resume_tag = self.resume_candidates[0] if self.resume_candidates else None
         self.dtype = dtype_of(self.run_cfg.deepspeed)
