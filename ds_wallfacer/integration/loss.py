@@ -189,6 +189,8 @@ class SequenceParallelCausalLM(nn.Module):
                 raise ValueError("this batch is from a dynamic sequence-parallel loader, but the run was built without "
                                  'wallfacer.dynamic_sequence_parallel: add the key, or use sp.dataloader\'s batches')
             self.dynamic.use(int(sequence_parallel_size.reshape(-1)[0]))
+        elif self.dynamic is not None:  # a batch sharded over all P ranks (sp.shard, an evaluation)
+            self.dynamic.use(self.dynamic.sp_size)
         model_kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
