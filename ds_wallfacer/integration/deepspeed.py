@@ -101,6 +101,7 @@ class SequenceParallel:
         pad: bool = True,
         verify: bool = True,
         balance_steps: bool | None = None,
+        dynamic: bool = True,
     ) -> Any:
         """Wrap a map-style dataset or an iterable of full batches (see ``SequenceParallelLoader``); with
         ``wallfacer.dynamic_sequence_parallel``, a map-style dataset's optimizer steps (``DynamicStepLoader``: iterate
@@ -108,8 +109,9 @@ class SequenceParallel:
         ``batch_size`` defaults to ``train_micro_batch_size_per_gpu``; ``verify`` checks each batch is the same
         on all ranks of the sequence-parallel group (one tiny all-gather per batch); ``balance_steps`` (default:
         the section's ``balance_steps``) evens the replicas' attention work in each round (a map-style dataset;
-        ``data/steps.py``)."""
-        if self.dynamic is not None:
+        ``data/steps.py``); ``dynamic=False``: batches over all P ranks even with dynamic sequence parallelism (an
+        evaluation)."""
+        if self.dynamic is not None and dynamic:
             return self._dynamic_loader(source, batch_size=batch_size, shuffle=shuffle, seed=seed, verify=verify,
                                         balance_steps=balance_steps)
         spec = self.groups.shard_spec

@@ -22,6 +22,7 @@ from . import checkpoint as ckpt
 from . import manifest
 from .cli import StartupError, offline_defaults, read_ds_config
 from .data import eval_batches, load_token_data
+from .dynamic import DynamicData
 from .export import export_hf
 from .metrics import (comm_bytes, gather_rows, init_wandb, log_step, model_flops_per_step, peak_memory_bytes,
                       peak_tflops, replica_mean, split_wandb_section)
@@ -65,6 +66,8 @@ class Trainer:
     seq_per_step: int
     eos: int | None
     order: DataOrder
+    dynamic: DynamicData | None
+    """The rows and steps under dynamic sequence parallelism, else None."""
     # set by start()
     flops: float
     peak: float | None
@@ -81,6 +84,7 @@ class Trainer:
         """Data position and token count, saved in every checkpoint."""
         self.losses: list[float] = []
         self.step_times: list[float] = []
+        self.step_tokens: list[int] = []
         self.eval_loss: float | None = None
         self.saved: dict[str, Any] | None = None
         """The trainer state of the checkpoint resumed from."""
@@ -119,11 +123,9 @@ class Trainer:
             raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: wallfacer.balance_steps = true evens "
                                "the documents' attention work, but without --document_masking every row is one causal "
                                "stream of equal work: add --document_masking or drop the key")
-        if self.run_cfg.wallfacer.dynamic_sequence_parallel is not None:
-            raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: wallfacer.dynamic_sequence_parallel "
-                               "schedules rows of different lengths, and this trainer trains rows of --seq_len "
-                               "tokens each; train with ds_wallfacer.integration.initialize and sp.dataloader "
-                               "(docs/trainer.md), or drop the key")
+        if self.run_cfg.wallfacer.dynamic_sequence_parallel is not None and args.balance_steps:
+            raise StartupError("--balance_steps with wallfacer.dynamic_sequence_parallel: the dynamic schedule lays "
+                               "each step's rows out by their work itself; drop --balance_steps")
         self.resume_candidates = ckpt.resume_candidates(args.resume, self.out)  # verified in resume()
         self.resume_tag = self.resume_candidates[0] if self.resume_candidates else None
         self.dtype = dtype_of(self.run_cfg.deepspeed)
@@ -145,6 +147,10 @@ class Trainer:
         self.eos = loaded.eos_id if args.document_masking else None  # documents end at EOS (train/data.py)
         self.order = DataOrder(self.data.train, micro=self.micro, dp=self.dp, seed=args.seed, eos_id=self.eos,
                                balance=args.balance_steps or self.run_cfg.wallfacer.balance_steps)
+        self.dynamic = None
+        if self.sp.dynamic is not None:  # every document a row of its own length (train/dynamic.py)
+            self.dynamic = DynamicData(self.sp, self.data.train, eos_id=loaded.eos_id, seq_len=args.seq_len,
+                                       seed=args.seed, rows_per_step=self.seq_per_step)
         if len(self.data.train) < self.micro * self.dp:
             raise StartupError(
                 f"the training split has {len(self.data.train)} sequences of {args.seq_len} tokens, fewer than one "
@@ -251,7 +257,10 @@ class Trainer:
 
                 self.bar = tqdm(total=args.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                                 disable=None)  # None: no bar when stderr is not a terminal
-        self.batches = self._epoch(self.state["epoch"], self.state["sequences_in_epoch"])
+        if self.dynamic is not None:
+            self.batches = self.dynamic.steps(self.state["epoch"], self.state["sequences_in_epoch"])
+        else:
+            self.batches = self._epoch(self.state["epoch"], self.state["sequences_in_epoch"])
         if self.saved is not None:
             ckpt.set_rng_state(ckpt.rng_for_rank(self.saved))  # last: nothing after the load may draw from an RNG first
 
@@ -289,39 +298,48 @@ class Trainer:
         sp.comm.reset()
         t0 = time.perf_counter()
         acc = torch.zeros(3, device=engine.device)  # loss, MoE router aux loss, stop request
-        imbalance = []  # of each round: busiest replica's attention work / the mean replica's
-        for i in range(self.gas):
-            batch = self._next_batch()
-            imbalance.append(self.order.imbalance(self.state["sequences_in_epoch"]))
-            loss = engine(**self._to_device(batch))
-            engine.backward(loss)
-            acc[0] += loss.detach().float()
-            if sp.aux_loss is not None:
-                acc[1] += sp.aux_loss.float()
-            if self.gate is not None and i == self.gas - 1:
-                self.gate.loss_finite = bool(torch.isfinite(acc[0]))
-            engine.step()  # DeepSpeed updates at the accumulation boundary
-            self.state["sequences_in_epoch"] += self.micro * self.dp
+        imbalance: list[float | None] = [None]  # of each round: busiest replica's attention work / the mean's
+        if self.dynamic is not None:
+            tokens = self._dynamic_step(acc)
+        else:
+            tokens = self.seq_per_step * seq_len
+            imbalance = []
+            for i in range(self.gas):
+                batch = self._next_batch()
+                imbalance.append(self.order.imbalance(self.state["sequences_in_epoch"]))
+                loss = engine(**self._to_device(batch))
+                engine.backward(loss)
+                acc[0] += loss.detach().float()
+                if sp.aux_loss is not None:
+                    acc[1] += sp.aux_loss.float()
+                if self.gate is not None and i == self.gas - 1:
+                    self.gate.loss_finite = bool(torch.isfinite(acc[0]))
+                engine.step()  # DeepSpeed updates at the accumulation boundary
+                self.state["sequences_in_epoch"] += self.micro * self.dp
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
-        self.state["tokens_seen"] += self.seq_per_step * seq_len
+        self.state["tokens_seen"] += tokens
         if self.preemption is not None:
             acc[2] = self.preemption.flag()
         rows = gather_rows(acc, comm=sp.comm)  # one collective: the losses and any rank's stop request
-        means = replica_mean(rows[:, :2] / self.gas, dims=self.setup.dims)
+        if self.dynamic is not None:  # every rank's forwards return its share of the step's loss x W x GA
+            means = rows[:, :2].sum(0) / (self.world * self.gas)
+        else:
+            means = replica_mean(rows[:, :2] / self.gas, dims=self.setup.dims)
         if bool(rows[:, 2].any()):
             self.stopped = stop_reason(rows[:, 2].tolist())
         loss_v = float(means[0])
         self.losses.append(loss_v)
         self.step_times.append(dt)
+        self.step_tokens.append(tokens)
         gn = engine.get_global_grad_norm()
         self.check = check_step((rows[:, 0] / self.gas).tolist(), None if gn is None else float(gn),
                                 applied=engine.was_step_applied(), fp16=self.dtype == torch.float16)
         values: dict[str, Any] = {
             "step": self.step, "loss": loss_v, "lr": lr, "step_time_s": dt,
-            "tokens_per_s": self.seq_per_step * seq_len / dt, "model_tflops": self.flops / dt / 1e12,
+            "tokens_per_s": tokens / dt, "model_tflops": self.flops / dt / 1e12,
             "peak_memory_bytes": peak_memory_bytes(), "epoch": self.state["epoch"], **comm_bytes(sp.comm.sent),
         }
         if gn is not None:
@@ -336,6 +354,27 @@ class Trainer:
             values["mfu"] = values["model_tflops"] / (self.peak * self.world)
         return values
 
+    def _dynamic_step(self, acc: torch.Tensor) -> int:
+        """Dynamic sequence parallelism: this rank's forward and backward of each round of the next step, then one
+        ``engine.step()``; the step's tokens."""
+        engine = self.engine
+        step = next(self.batches, None)
+        if step is None:  # epoch done: reshuffle
+            self.state["epoch"] += 1
+            self.state["sequences_in_epoch"] = 0
+            assert self.dynamic is not None
+            self.batches = self.dynamic.steps(self.state["epoch"], 0)
+            step = next(self.batches)
+        for batch in step:
+            loss = engine(**self._to_device(batch))
+            engine.backward(loss)
+            acc[0] += loss.detach().float()
+        if self.gate is not None:
+            self.gate.loss_finite = bool(torch.isfinite(acc[0]))
+        engine.step()
+        self.state["sequences_in_epoch"] += self.seq_per_step
+        return sum(step.lengths)
+
     def evaluate(self) -> float:
         """Token-mean loss over the held-out sequences (every rank takes part)."""
         engine = self.engine
@@ -344,7 +383,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=engine.device)
         engine.eval()
         with torch.no_grad():
-            for batch, count in zip(self.sp.dataloader(batches, batch_size=self.micro), mine):
+            for batch, count in zip(self.sp.dataloader(batches, batch_size=self.micro, dynamic=False), mine):
                 total[0] += engine(**self._to_device(batch)).double() * count
                 total[1] += count
         engine.train()
@@ -402,7 +441,7 @@ class Trainer:
 
     def _epoch(self, epoch: int, start: int) -> Iterator[Batch]:
         src = self.order.epoch(epoch, start)
-        return iter(self.sp.dataloader(src, batch_size=self.micro, balance_steps=False))  # ordered already
+        return iter(self.sp.dataloader(src, batch_size=self.micro, balance_steps=False, dynamic=False))  # ordered
 
     def _next_batch(self) -> Batch:
         batch = next(self.batches, None)
@@ -478,7 +517,8 @@ class Trainer:
             "steps": self.step, "steps_this_run": len(losses), "first_loss": losses[0] if losses else None,
             "final_loss": losses[-1] if losses else None, "eval_loss": self.eval_loss,
             "finite": all(math.isfinite(x) for x in losses),
-            "tokens_per_s": self.seq_per_step * args.seq_len / measured if measured else None, "wall_s": self.wall_s,
+            "tokens_per_s": (statistics.median(t / s for t, s in zip(self.step_tokens, self.step_times))
+                             if measured else None), "wall_s": self.wall_s,
             "measured_step_s": measured, "predicted_step_s": predicted, "mode": dims.mode,
             "sequence_parallel_size": dims.sp_size, "data_parallel_size": dims.dp_size,
             "ulysses_degree": dims.ulysses_degree, "ring_count": dims.ring_count, "placement": dims.placement,

@@ -1,7 +1,7 @@
 """Dynamic sequence parallelism against the fixed-P run of the same rows (``SequenceParallelLoader``, the same
 seed and batch sizes): the losses and every parameter after each SGD step (clipping off) within 1e-5 in fp32, on
-4 and 8 CPU ranks, dense rows and packed documents mixed, with groups of several sizes in one round; a run resumed from
-a checkpoint continues bitwise; what it cannot run is refused at start-up."""
+4 and 8 CPU ranks, dense rows and packed documents mixed, with groups of several sizes in one round; what it
+cannot run is refused at start-up. (A resumed run continues bitwise: ``tests/train/test_modes.py``.)"""
 from __future__ import annotations
 
 import pytest
@@ -107,34 +107,6 @@ def test_dynamic_trains_like_the_fixed_run(world, wallfacer, stage, micro, gas) 
     assert max(r["param_err"]) <= 1e-5, r["param_err"]
     used = {p for step in r["sizes"] for p in step}
     assert len(used) >= 2 and 1 in used, r["sizes"]  # several group sizes, and rows with no sequence parallelism
-
-
-def _resume(rank: int, world: int, ckpt: str) -> dict:
-    rows = _rows() * 2  # four steps
-    wf = {"sequence_parallel_size": 4, "mode": "hybrid", "ulysses_degree": 2}
-    engine, sp = _engine(wf, stage=2, micro=3, gas=1, dynamic=True)
-    straight = [_dynamic_step(engine, s) for s in sp.dataloader(rows, shuffle=True, seed=5)]
-    want = _params(engine)
-    engine.destroy()
-    engine, sp = _engine(wf, stage=2, micro=3, gas=1, dynamic=True)
-    loader = sp.dataloader(rows, shuffle=True, seed=5)
-    first = [_dynamic_step(engine, s) for s, _ in zip(loader, range(2))]
-    engine.save_checkpoint(ckpt, tag="two")
-    engine.destroy()
-    engine, sp = _engine(wf, stage=2, micro=3, gas=1, dynamic=True)
-    engine.load_checkpoint(ckpt, tag="two")
-    loader = sp.dataloader(rows, shuffle=True, seed=5)
-    loader.set_epoch(0, start_step=2)
-    rest = [_dynamic_step(engine, s) for s in loader]
-    got = _params(engine)
-    engine.destroy()
-    return dict(straight=straight, resumed=first + rest, same=all(torch.equal(got[n], w) for n, w in want.items()))
-
-
-def test_dynamic_resumes_bitwise(tmp_path) -> None:
-    r = run_distributed(_resume, 4, str(tmp_path / "ckpt"), timeout_s=600)[0]
-    assert r["resumed"] == r["straight"]
-    assert r["same"]
 
 
 def _refused(rank: int, world: int, section: dict, stage: int) -> str:

@@ -113,3 +113,33 @@ def test_balance_steps_evens_the_replicas_attention_work(tmp_path: Path) -> None
     # a small corpus has few rows of the largest works, so the odd round stays uneven: compare the means
     assert sum(ratios[1]) / 6 <= 1.05 < sum(ratios[0]) / 6, ratios
     assert all(r["loss"] < 10 for r in balanced), balanced
+
+
+def test_dynamic_sequence_parallelism_trains_documents_like_one_rank_and_resumes_exactly(tmp_path: Path) -> None:
+    """wallfacer.dynamic_sequence_parallel: every document a row of its own length, each on the group size it needs.
+    On 4 ranks the curve equals the same trainer on one rank (the same rows and steps, no sequence parallelism),
+    and a run resumed from its step-2 checkpoint continues it exactly."""
+    data = _short_docs(tmp_path / "docs.jsonl")
+
+    def run(name: str, ranks: int, steps: int, *extra: str) -> dict[int, float]:
+        out = tmp_path / name
+        out.mkdir(exist_ok=True)
+        # 4 ranks: rows of up to 64 tokens on groups of 1, 2 (Ulysses) or 4 (hybrid); 1 rank: every row alone
+        section = ({"mode": "hybrid", "ulysses_degree": 2} if ranks > 1 else {"mode": "wallfacer"}) | {
+            "sequence_parallel_size": ranks, "dynamic_sequence_parallel": {"max_tokens_per_rank": 64 // ranks}}
+        cfg = json.loads(_config(out / "ds.json", section).read_text())
+        cfg["gradient_accumulation_steps"] = 6
+        (out / "ds.json").write_text(json.dumps(cfg))
+        res = train_on_ranks(ranks, tmp_path, "--deepspeed_config", str(out / "ds.json"), "--steps", str(steps),
+                             "--seq_len", "64", "--data", str(data), "--output_dir", str(out), "--cache_dir",
+                             str(tmp_path / "cache"), "--no_wandb", "--no_export", "--eval_every", "1000",
+                             "--lr_decay", "constant", *extra)  # the same rate whatever --steps says
+        summary(res)
+        return losses(out)
+
+    reference = run("p1", 1, 4, "--no_save")
+    curve = run("p4", 4, 4, "--save_every", "2")
+    for step, want in reference.items():
+        assert abs(curve[step] - want) <= 2e-5 * max(1.0, abs(want)), (step, curve, reference)
+    resumed = run("resumed", 4, 4, "--resume", str(tmp_path / "p4" / "checkpoints" / "step_2"), "--no_save")
+    assert [resumed[s] for s in (3, 4)] == [curve[s] for s in (3, 4)], (resumed, curve)
