@@ -12,7 +12,7 @@ waiting.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from ..comm.dims import ParallelDims
@@ -67,8 +67,6 @@ class RowModel:
     def _cost(self, n: int, p: int):
         key = ("cost", _bucket(n, p), p)
         if key not in self._cache:
-            from dataclasses import replace
-
             w = replace(self.workload, seq_len=key[1], batch=1)
             self._cache[key] = estimate(self.model, self.cluster, self.candidates[p], w)
         return self._cache[key]
@@ -79,8 +77,6 @@ class RowModel:
             return -(-n // p) <= self.max_tokens_per_rank
         key = ("mem", _bucket(n, p), p)
         if key not in self._cache:
-            from dataclasses import replace
-
             w = replace(self.workload, seq_len=key[1], batch=1)
             self._cache[key] = memory_breakdown(self.model, self.cluster, self.candidates[p], w).fits
         return self._cache[key]
