@@ -5,7 +5,7 @@ parallelism] in docs/design/training.md).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ class DynamicData:
                 f"the training split has {len(self.rows)} documents, fewer than one step's {rows_per_step} rows "
                 "(micro batch x gradient accumulation x data-parallel size): add data or lower the batch sizes")
         self.loader = sp.dataloader(self.rows, shuffle=True, seed=seed)
+        self._steps: Iterator[Any] = iter(())
 
     @property
     def steps_per_epoch(self) -> int:
@@ -56,3 +57,28 @@ class DynamicData:
         """Epoch ``epoch``'s steps after its first ``sequences_in_epoch`` rows (a multiple of a step's rows)."""
         self.loader.set_epoch(epoch, start_step=sequences_in_epoch // self.rows_per_step)
         return iter(self.loader)
+
+    def start(self, state: dict[str, int]) -> None:
+        """Continue from the trainer's data position (``state``: ``epoch``, ``sequences_in_epoch``)."""
+        self._steps = self.steps(state["epoch"], state["sequences_in_epoch"])
+
+    def train_step(self, engine: Any, *, state: dict[str, int], acc: torch.Tensor, gate: Any,
+                   to_device: Callable[[dict], dict]) -> int:
+        """One optimizer step: this rank's forward and backward of each round of the next step (the next epoch's
+        first when this one is done), then one ``engine.step()``; the losses added to ``acc[0]``, ``state``
+        advanced. Returns the step's tokens."""
+        step = next(self._steps, None)
+        if step is None:  # epoch done: reshuffle
+            state["epoch"] += 1
+            state["sequences_in_epoch"] = 0
+            self._steps = self.steps(state["epoch"], 0)
+            step = next(self._steps)
+        for batch in step:
+            loss = engine(**to_device(batch))
+            engine.backward(loss)
+            acc[0] += loss.detach().float()
+        if gate is not None:
+            gate.loss_finite = bool(torch.isfinite(acc[0]))
+        engine.step()
+        state["sequences_in_epoch"] += self.rows_per_step
+        return sum(step.lengths)

@@ -12,7 +12,9 @@ docs/design/training.md.
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import resource
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PEAK_TFLOPS", "comm_bytes", "gather_rows", "init_wandb", "log_step", "model_flops_per_step",
-           "peak_memory_bytes", "peak_tflops", "replica_mean", "split_wandb_section"]
+           "peak_memory_bytes", "peak_tflops", "replica_mean", "run_summary", "split_wandb_section"]
 
 PEAK_TFLOPS: dict[str, dict[torch.dtype, float]] = {
     "H100": {torch.bfloat16: 989.0, torch.float16: 989.0},
@@ -120,3 +122,34 @@ def log_step(values: dict[str, Any], *, log_file: Path, wandb_run: Any, bar: Any
         bar.write(line, file=sys.stdout)
     else:
         print(line, flush=True)
+
+
+def run_summary(t: Any, exported: Path | None) -> dict[str, Any]:
+    """The trainer ``t``'s last line (rank 0), as a dict; closes its wandb run."""
+    args, setup, losses = t.args, t.setup, t.losses
+    dims = setup.dims
+    measured = statistics.median(t.step_times) if t.step_times else None
+    predicted = (setup.planner_choice or {}).get("step_s")
+    summary = {
+        "steps": t.step, "steps_this_run": len(losses), "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None, "eval_loss": t.eval_loss,
+        "finite": all(math.isfinite(x) for x in losses),
+        # tokens per step are fixed unless dynamic sequence parallelism trains rows of their own lengths
+        "tokens_per_s": statistics.median(t.step_tokens) / measured if measured else None, "wall_s": t.wall_s,
+        "measured_step_s": measured, "predicted_step_s": predicted, "mode": dims.mode,
+        "sequence_parallel_size": dims.sp_size, "data_parallel_size": dims.dp_size,
+        "ulysses_degree": dims.ulysses_degree, "ring_count": dims.ring_count, "placement": dims.placement,
+        "world_size": t.world, "seq_len": args.seq_len, "params": t.n_params,
+        "dtype": str(t.dtype).replace("torch.", ""), "global_batch": t.seq_per_step,
+        "train_sequences": len(t.data.train), "eval_sequences": len(t.data.eval),
+        "mini_sequence": t.sp.mini_sequence is not None, "skipped_steps": t.nonfinite.skipped,
+        "stopped": t.stopped,
+        "resumed_from": str(t.resume_tag) if t.resume_tag else None,
+        "checkpoint": str(t.last_ckpt) if t.last_ckpt else None,
+        "export_dir": str(exported) if exported else None, "metrics": str(t.log_file), "wandb_dir": None,
+    }
+    if t.wandb_run is not None:
+        t.wandb_run.summary.update({"measured_step_s": measured, "predicted_step_s": predicted})
+        summary["wandb_dir"] = str(Path(t.wandb_run.dir).parent)
+        t.wandb_run.finish()
+    return summary

@@ -5,10 +5,8 @@ Note [Trainer start-up order] in docs/design/training.md.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from .data import eval_batches, load_token_data
 from .dynamic import DynamicData
 from .export import export_hf
 from .metrics import (comm_bytes, gather_rows, init_wandb, log_step, model_flops_per_step, peak_memory_bytes,
-                      peak_tflops, replica_mean, split_wandb_section)
+                      peak_tflops, replica_mean, run_summary, split_wandb_section)
 from .model import dtype_of, load_model
 from .nonfinite import NonFiniteRun, UpdateGate, check_step
 from .order import DataOrder
@@ -258,7 +256,7 @@ class Trainer:
                 self.bar = tqdm(total=args.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                                 disable=None)  # None: no bar when stderr is not a terminal
         if self.dynamic is not None:
-            self.batches = self.dynamic.steps(self.state["epoch"], self.state["sequences_in_epoch"])
+            self.dynamic.start(self.state)
         else:
             self.batches = self._epoch(self.state["epoch"], self.state["sequences_in_epoch"])
         if self.saved is not None:
@@ -300,7 +298,8 @@ class Trainer:
         acc = torch.zeros(3, device=engine.device)  # loss, MoE router aux loss, stop request
         imbalance: list[float | None] = [None]  # of each round: busiest replica's attention work / the mean's
         if self.dynamic is not None:
-            tokens = self._dynamic_step(acc)
+            tokens = self.dynamic.train_step(engine, state=self.state, acc=acc, gate=self.gate,
+                                             to_device=self._to_device)
         else:
             tokens = self.seq_per_step * seq_len
             imbalance = []
@@ -353,27 +352,6 @@ class Trainer:
         if self.peak is not None:
             values["mfu"] = values["model_tflops"] / (self.peak * self.world)
         return values
-
-    def _dynamic_step(self, acc: torch.Tensor) -> int:
-        """Dynamic sequence parallelism: this rank's forward and backward of each round of the next step, then one
-        ``engine.step()``; the step's tokens."""
-        engine = self.engine
-        step = next(self.batches, None)
-        if step is None:  # epoch done: reshuffle
-            self.state["epoch"] += 1
-            self.state["sequences_in_epoch"] = 0
-            assert self.dynamic is not None
-            self.batches = self.dynamic.steps(self.state["epoch"], 0)
-            step = next(self.batches)
-        for batch in step:
-            loss = engine(**self._to_device(batch))
-            engine.backward(loss)
-            acc[0] += loss.detach().float()
-        if self.gate is not None:
-            self.gate.loss_finite = bool(torch.isfinite(acc[0]))
-        engine.step()
-        self.state["sequences_in_epoch"] += self.seq_per_step
-        return sum(step.lengths)
 
     def evaluate(self) -> float:
         """Token-mean loss over the held-out sequences (every rank takes part)."""
@@ -508,31 +486,5 @@ class Trainer:
         self.engine.destroy()
 
     def summary(self, exported: Path | None) -> dict[str, Any]:
-        """The run's last line (rank 0), as JSON; closes the wandb run."""
-        args, setup, losses = self.args, self.setup, self.losses
-        dims = setup.dims
-        measured = statistics.median(self.step_times) if self.step_times else None
-        predicted = (setup.planner_choice or {}).get("step_s")
-        summary = {
-            "steps": self.step, "steps_this_run": len(losses), "first_loss": losses[0] if losses else None,
-            "final_loss": losses[-1] if losses else None, "eval_loss": self.eval_loss,
-            "finite": all(math.isfinite(x) for x in losses),
-            "tokens_per_s": (statistics.median(t / s for t, s in zip(self.step_tokens, self.step_times))
-                             if measured else None), "wall_s": self.wall_s,
-            "measured_step_s": measured, "predicted_step_s": predicted, "mode": dims.mode,
-            "sequence_parallel_size": dims.sp_size, "data_parallel_size": dims.dp_size,
-            "ulysses_degree": dims.ulysses_degree, "ring_count": dims.ring_count, "placement": dims.placement,
-            "world_size": self.world, "seq_len": args.seq_len, "params": self.n_params,
-            "dtype": str(self.dtype).replace("torch.", ""), "global_batch": self.seq_per_step,
-            "train_sequences": len(self.data.train), "eval_sequences": len(self.data.eval),
-            "mini_sequence": self.sp.mini_sequence is not None, "skipped_steps": self.nonfinite.skipped,
-            "stopped": self.stopped,
-            "resumed_from": str(self.resume_tag) if self.resume_tag else None,
-            "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
-            "export_dir": str(exported) if exported else None, "metrics": str(self.log_file), "wandb_dir": None,
-        }
-        if self.wandb_run is not None:
-            self.wandb_run.summary.update({"measured_step_s": measured, "predicted_step_s": predicted})
-            summary["wandb_dir"] = str(Path(self.wandb_run.dir).parent)
-            self.wandb_run.finish()
-        return summary
+        """The run's last line (rank 0), as JSON; closes the wandb run (``metrics.run_summary``)."""
+        return run_summary(self, exported)
