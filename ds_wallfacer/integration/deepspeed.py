@@ -34,9 +34,12 @@ from ..config import RunConfig, parse_ds_config
 from ..data.dynamic import DynamicStepLoader
 from ..data.loader import SequenceParallelLoader, prepare_batch
 from ..hf_config import text_config
-from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto
-from ..planner.cluster import cluster_preset
+from ..comm.dims import sub_dims
+from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto, run_facts
+from ..planner.candidate import Workload
+from ..planner.cluster import cluster_preset, get_cluster
 from ..planner.dynamic import RowModel, choose_sizes, row_candidates
+from ..planner.model import get_model
 from .ds_runtime import init_distributed, rank_device
 from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
 from .packing import PackedBatches
@@ -129,7 +132,6 @@ class SequenceParallel:
             balance_steps=self.config.wallfacer.balance_steps if balance_steps is None else balance_steps,
         )
 
-
     @property
     def dynamic(self) -> Any:
         """``integration.dynamic.DynamicGroups`` with ``wallfacer.dynamic_sequence_parallel``, else None."""
@@ -162,10 +164,6 @@ class SequenceParallel:
 def row_model(model: nn.Module, run: RunConfig, sizes: tuple[int, ...], dims: Any) -> RowModel:
     """The planner's model of one row on each group size, for dynamic sequence parallelism's choice: the
     ``wallfacer.cluster`` preset's figures (uncalibrated, so every host chooses alike)."""
-    from ..comm.dims import sub_dims
-    from ..planner import Workload, get_cluster, get_model
-    from ..planner.auto import run_facts
-
     cfg = run.wallfacer
     ms = cfg.mini_sequence
     cluster = get_cluster(cluster_preset() if cfg.cluster == "auto" else cfg.cluster).with_world_size(dims.world_size)
@@ -307,7 +305,9 @@ def prepare_sequence_parallel(
                                       mixer_inputs=mixing.inputs if mixers else None, dynamic=dynamic)
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None) or 0
-    if run.wallfacer.self_check:  # the model as configured (on P ranks; dynamic sizes reuse the same layers), with and without sequence parallelism (self_check.py)
+    # the model as configured, with and without sequence parallelism (self_check.py); on P ranks only: dynamic
+    # sequence parallelism's smaller groups run the same layers
+    if run.wallfacer.self_check:
         _self_check(module, run, groups, comm, device, pad_token_id=int(pad_token_id),
                     ignore_index=ignore_index)
     return SequenceParallel(
