@@ -13,13 +13,13 @@ dataset, the seed and the step, so every rank computes the same rounds, and a re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from .loader import ShardSpec, collate_right_padded, item_work, prepare_batch
-from .steps import FILLER, Slot, dynamic_rounds, rank_slots, round_seconds
+from .steps import FILLER, Slot, dynamic_rounds, rank_slots
 
 __all__ = ["DynamicStep", "DynamicStepLoader", "labelled_tokens"]
 
@@ -47,21 +47,12 @@ class DynamicStep:
     """Every round's slots (all ranks)."""
     lengths: list[int]
     """Each row's tokens."""
-    labelled: int
-    """Labelled tokens of the step."""
-    predicted_s: list[float] = field(default_factory=list)
-    """Each round's predicted length (its slowest group)."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return iter(self.batches)
 
     def __len__(self) -> int:
         return len(self.batches)
-
-    @property
-    def fillers(self) -> int:
-        """Slots of the step's rounds no row took (rank-rounds run on a filler)."""
-        return sum(s.row == FILLER for slots in self.rounds for s in slots)
 
 
 class DynamicStepLoader:
@@ -73,14 +64,14 @@ class DynamicStepLoader:
             engine.step()
 
     ``specs``: this rank's shard spec in its group of each size; ``verify(size, batch)``: checks the group of
-    ``size`` holds the same full batch (or None); ``fits(length)``: whether a row fits P ranks, checked for every
-    row when the loader is built (None: when its step comes)."""
+    ``size`` holds the same full batch (or None); ``check_row(name, length)``: raises for a row no group fits, called
+    for every row when the loader is built (None: the choice raises when the row's step comes)."""
 
     def __init__(self, source: Any, *, specs: Mapping[int, ShardSpec], rank: int, world_size: int, sp_size: int,
                  micro_batch: int, gradient_accumulation_steps: int, choose: Choose, seconds: Seconds,
                  shuffle: bool = True, seed: int = 0, pad_token_id: int = 0, ignore_index: int = -100,
                  verify: Callable[[int, Mapping[str, Any]], None] | None = None,
-                 fits: Callable[[int], bool] | None = None) -> None:
+                 check_row: Callable[[str, int], None] | None = None) -> None:
         if not (hasattr(source, "__getitem__") and hasattr(source, "__len__")):
             raise ValueError("dynamic sequence parallelism needs a map-style dataset (__getitem__ and __len__): it "
                              "reads each step's rows to choose their group sizes")
@@ -93,14 +84,10 @@ class DynamicStepLoader:
         self.choose, self.seconds, self.shuffle, self.seed = choose, seconds, shuffle, seed
         self.pad_token_id, self.ignore_index, self.verify = pad_token_id, ignore_index, verify
         self.epoch, self.start_step = 0, 0
-        if fits is not None:  # every row read once now: one too long for P ranks is refused before any training
+        if check_row is not None:  # every row read once now: one too long for P ranks is refused before any training
             for i in range(len(source)):
-                n = len(collate_right_padded([source[i]], pad_token_id=pad_token_id)["input_ids"][0])
-                if not fits(n):
-                    raise ValueError(
-                        f"row {i} of the dataset has {n} tokens, more than a group of {sp_size} ranks holds: raise "
-                        "sequence_parallel_size or wallfacer.dynamic_sequence_parallel.max_tokens_per_rank, or cut "
-                        "the row")
+                check_row(f"row {i} of the dataset",
+                          len(collate_right_padded([source[i]], pad_token_id=pad_token_id)["input_ids"][0]))
 
     def __len__(self) -> int:
         """Optimizer steps per epoch."""
@@ -148,8 +135,7 @@ class DynamicStepLoader:
             b["loss_weight"] = torch.tensor([self.world_size / (slot.size * self.dp * c) if c else 0.0],
                                             dtype=torch.float64)
             batches.append(b)
-        return DynamicStep(batches=batches, sizes=sizes, rounds=rounds, lengths=lengths, labelled=sum(counts),
-                           predicted_s=round_seconds(rounds, secs))
+        return DynamicStep(batches=batches, sizes=sizes, rounds=rounds, lengths=lengths)
 
     def _shard(self, slot: Slot, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if slot.row == FILLER:  # the shortest row there is, every label ignored: its gradient is exactly zero

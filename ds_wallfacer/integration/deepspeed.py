@@ -157,7 +157,7 @@ class SequenceParallel:
             choose=lambda lengths, works: choose_sizes(lengths, works, model=rows, world_size=dims.world_size,
                                                         sp_size=dims.sp_size),
             seconds=rows.seconds, shuffle=shuffle, seed=seed, pad_token_id=self.pad_token_id,
-            ignore_index=self.ignore_index, verify=check, fits=lambda n: rows.fits(n, dims.sp_size),
+            ignore_index=self.ignore_index, verify=check, check_row=rows.check_row,
         )
 
 

@@ -81,6 +81,15 @@ class RowModel:
             self._cache[key] = memory_breakdown(self.model, self.cluster, self.candidates[p], w).fits
         return self._cache[key]
 
+    def check_row(self, name: str, n: int) -> None:
+        """Raise ``ValueError`` when even the largest group does not fit a row of ``n`` tokens (``name``: which)."""
+        if not self.fits(n, self.sizes[-1]):
+            cap = (f"max_tokens_per_rank = {self.max_tokens_per_rank}" if self.max_tokens_per_rank is not None
+                   else f"the memory model of {self.cluster.name}")
+            raise ValueError(
+                f"{name} has {n} tokens, more than a group of {self.sizes[-1]} ranks holds ({cap}): raise "
+                f"sequence_parallel_size or wallfacer.dynamic_sequence_parallel.max_tokens_per_rank, or cut the row")
+
     def seconds(self, n: int, work: int, p: int) -> float:
         """Predicted forward + backward seconds of a row of ``n`` tokens whose attention does ``work`` score entries
         (a causal row: n(n+1)/2; packed documents: the sum of theirs), on ``p`` ranks: the planner's step without its
@@ -101,14 +110,8 @@ def choose_sizes(lengths: Sequence[int], works: Sequence[int], *, model: RowMode
     sizes = model.sizes
     fitting: list[list[int]] = []
     for i, n in enumerate(lengths):
-        ok = [p for p in sizes if model.fits(n, p)]
-        if not ok:
-            cap = (f"max_tokens_per_rank = {model.max_tokens_per_rank}" if model.max_tokens_per_rank is not None
-                   else f"the memory model of {model.cluster.name}")
-            raise ValueError(
-                f"row {i} has {n} tokens, more than a group of {sizes[-1]} ranks holds ({cap}): raise "
-                f"sequence_parallel_size or wallfacer.dynamic_sequence_parallel.max_tokens_per_rank, or cut the row")
-        fitting.append(ok)
+        model.check_row(f"row {i}", n)
+        fitting.append([p for p in sizes if model.fits(n, p)])
     secs = [{p: model.seconds(n, w, p) for p in ok} for n, w, ok in zip(lengths, works, fitting)]
     best: tuple[float, float] | None = None
     chosen: list[int] = []
