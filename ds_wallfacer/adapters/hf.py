@@ -23,8 +23,9 @@ from . import positional
 BATCH_KWARG = "wallfacer_batch"
 """The model-forward keyword carrying a packed batch's documents and chunk assignment (``packing.py``)."""
 
-__all__ = ["ATTN_IMPLEMENTATION", "BATCH_KWARG", "attach", "attention_modules", "detach", "reference_implementation",
-           "model_attention", "point_attention", "register", "wallfacer_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "BATCH_KWARG", "attach", "attention_modules", "detach", "implementation",
+           "model_attention", "off_text_path", "point_attention", "reference_implementation", "register",
+           "set_implementation", "wallfacer_attention_forward"]
 
 ATTN_IMPLEMENTATION = "wallfacer"
 _ATTR = "_wallfacer_attention"
@@ -111,6 +112,40 @@ def _check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
         )
 
 
+def off_text_path(model: nn.Module) -> set[int]:
+    """Modules a text-only batch never runs: outside the language model (``get_decoder()``), its input embeddings
+    and its LM head, e.g. the vision or audio tower of a multimodal model. The sequence-parallel loader passes only
+    token ids, positions and labels; images go through the vision tower whole, on every rank (``vision.py``), so
+    these never see a shard."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return set()
+    if decoder is None or decoder is model:
+        return set()
+    used = {id(m) for m in decoder.modules()}
+    for extra in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if extra is not None:
+            used |= {id(m) for m in extra.modules()}
+    around = {id(m) for m in model.modules() if any(x is decoder for x in m.modules())}  # the decoder's ancestors
+    return {id(m) for m in model.modules() if id(m) not in used and id(m) not in around}
+
+
+def set_implementation(model: nn.Module, impl: str) -> None:
+    """``model.set_attn_implementation(impl)``; for a vision-language model whose vision tower runs on full images
+    under sequence parallelism (``vision.ADAPTED``), on its text model only: the tower keeps its own attention."""
+    from .vision import ADAPTED
+
+    model.set_attn_implementation({"text_config": impl} if type(model).__name__ in ADAPTED else impl)
+
+
+def implementation(model: nn.Module) -> str | None:
+    """The attn_implementation of the model's text model (``set_implementation``'s counterpart)."""
+    from ..hf_config import text_config
+
+    return getattr(text_config(model), "_attn_implementation", None)
+
+
 def reference_implementation(model: nn.Module) -> str:
     """The attn_implementation the model had before ``attach`` (what the self-check compares against)."""
     return model.__dict__.get(_BEFORE, "sdpa")
@@ -122,15 +157,15 @@ def model_attention(model: nn.Module) -> Iterator[None]:
     the implementation it had before ``attach``, over whole local sequences: what generation needs (a KV cache,
     left-padded prompts, one token at a time), where nothing is sharded. Sequence-parallel attention after it."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+    if implementation(base) != ATTN_IMPLEMENTATION:
         yield
         return
     before = base.__dict__.get(_BEFORE) or model.__dict__.get(_BEFORE) or "sdpa"  # as reference_implementation
-    base.set_attn_implementation(before)
+    set_implementation(base, before)
     try:
         yield
     finally:
-        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+        set_implementation(base, ATTN_IMPLEMENTATION)
 
 
 def register() -> None:
@@ -156,10 +191,10 @@ def attach(model: nn.Module, attention: Any, *, sp_size: int) -> list[str]:
     mods = attention_modules(model)
     if not mods:
         raise ValueError(f"{type(model).__name__}: found no attention layers (modules with is_causal/scaling/config)")
-    before = getattr(model.config, "_attn_implementation", None)
+    before = implementation(model)
     if before != ATTN_IMPLEMENTATION:
         model.__dict__[_BEFORE] = before or "eager"
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        set_implementation(model, ATTN_IMPLEMENTATION)
     point_attention([m for _, m in mods], attention, sp_size=sp_size)
     return [n for n, _ in mods]
 

@@ -38,8 +38,12 @@ def _hf_wrapper_code() -> Any:
 
 def rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """HF rotary-embedding modules: they carry ``rope_type`` and an ``inv_freq`` buffer (one per layer type, e.g.
-    ``sliding_attention_inv_freq``, in models whose layer types differ in RoPE)."""
-    return [(n, m) for n, m in model.named_modules() if is_rotary(m)]
+    ``sliding_attention_inv_freq``, in models whose layer types differ in RoPE). Not those off the text path (a
+    vision tower's, which runs on whole images: ``hf.off_text_path``)."""
+    from .hf import off_text_path
+
+    off = off_text_path(model)
+    return [(n, m) for n, m in model.named_modules() if is_rotary(m) and id(m) not in off]
 
 
 def is_rotary(module: nn.Module) -> bool:

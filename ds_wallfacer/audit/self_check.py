@@ -145,14 +145,14 @@ def _reference_attention(model: nn.Module) -> Iterator[None]:
             yield
         return
     try:
-        model.set_attn_implementation(hf.reference_implementation(model))
+        hf.set_implementation(model, hf.reference_implementation(model))
     except (ValueError, ImportError):  # e.g. "sdpa" recorded in a config whose model does not take it
-        model.set_attn_implementation("eager")
+        hf.set_implementation(model, "eager")
     try:
         with model_forwards(model):
             yield
     finally:
-        model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
+        hf.set_implementation(model, hf.ATTN_IMPLEMENTATION)
 
 
 def _take_grads(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor | None]:
@@ -195,8 +195,9 @@ def run_self_check(
     saved = _take_grads(params)
     try:
         with _quiet(lm), _state_kept(lm):
-            ref_loss, ref = _reference(lm, ids.to(device), params)
-            sp_loss = _sequence_parallel(module, shard({"input_ids": ids}), device, lm)
+            batch = _sample(module, ids)
+            ref_loss, ref = _reference(lm, batch, device, params)
+            sp_loss = _sequence_parallel(module, shard(batch), device, lm)
             errors = _errors(params, ref, group=group, comm=comm, device=comm.device or device)
     finally:
         for name, p in params:
@@ -222,11 +223,21 @@ def run_self_check(
     return report
 
 
-def _reference(lm: nn.Module, ids: torch.Tensor, params: list[tuple[str, nn.Parameter]]
-               ) -> tuple[float, torch.Tensor]:
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+def _sample(module: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checked batch: the random tokens; for a vision-language model (``module.vision``), with an image inside
+    (the tower, the M-RoPE positions and the feature placement are checked too)."""
+    vision = getattr(module, "vision", None)
+    return vision.sample(ids) if hasattr(vision, "sample") else {"input_ids": ids}
+
+
+def _reference(lm: nn.Module, batch: Mapping[str, torch.Tensor], device: torch.device,
+               params: list[tuple[str, nn.Parameter]]) -> tuple[float, torch.Tensor]:
+    batch = {k: v.to(device) for k, v in batch.items()}
+    ids = batch["input_ids"]
+    if len(batch) == 1:  # text: explicit positions (an image batch lets the model compute its M-RoPE positions)
+        batch["position_ids"] = torch.arange(ids.shape[1], device=device)[None]
     with _reference_attention(lm):
-        out = lm(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
+        out = lm(**batch, labels=ids, use_cache=False)
         out.loss.backward()
     return out.loss.item(), _sketch_grads(params)
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules import activation, conv, dropout, normalization, padding, pooling, rnn
 
 from ..adapters import positional
+from ..adapters.hf import off_text_path
 from ..adapters.mixer_layers import mixer_layers, near_misses
 from .peft_rules import peft_findings
 
@@ -218,24 +219,6 @@ def _exempt(m: nn.Module) -> bool:
     return isinstance(m, PreTrainedModel) or is_rotary(m)
 
 
-def _off_text_path(model: nn.Module) -> set[int]:
-    """Modules a text-only batch never runs: outside the language model (``get_decoder()``), its input embeddings
-    and its LM head, e.g. the vision or audio tower of a multimodal model. The sequence-parallel loader passes only
-    token ids, positions and labels (it refuses pixel or audio inputs), so these never see a shard."""
-    try:
-        decoder = model.get_decoder()
-    except (AttributeError, NotImplementedError, ValueError):
-        return set()
-    if decoder is None or decoder is model:
-        return set()
-    used = {id(m) for m in decoder.modules()}
-    for extra in (model.get_input_embeddings(), model.get_output_embeddings()):
-        if extra is not None:
-            used |= {id(m) for m in extra.modules()}
-    around = {id(m) for m in model.modules() if any(x is decoder for x in m.modules())}  # the decoder's ancestors
-    return {id(m) for m in model.modules() if id(m) not in used and id(m) not in around}
-
-
 def sequence_findings(
     model: nn.Module, *, text: Any, seq_len: int | None = None, allow: Iterable[str] = (),
     attention: Iterable[nn.Module] = (),
@@ -248,7 +231,7 @@ def sequence_findings(
     layers = [m for _, m in mixer_layers(model)]
     mixers = {id(x) for m in layers for x in (m, *(c for c in m.children() if isinstance(c, conv._ConvNd)))}
     near = {name: (kind, misses) for name, kind, misses in near_misses(model)}
-    off_path = _off_text_path(model)
+    off_path = off_text_path(model)
     peft_wrappers, peft_problems = peft_findings(model)
     found: dict[tuple[str, str], Finding] = {}
 

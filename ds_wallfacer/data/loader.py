@@ -33,6 +33,7 @@ from .steps import balanced_order, check_rounds, row_work
 
 __all__ = [
     "BalancedStepSampler",
+    "MEDIA_KEYS",
     "SequenceParallelLoader",
     "ShardSpec",
     "collate_right_padded",
@@ -117,11 +118,25 @@ def _documents(batch: Mapping[str, Any], mask: torch.Tensor | None, shape: torch
     return docs
 
 
-def _checked_ids(batch: Mapping[str, Any]) -> torch.Tensor:
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""Images and videos as the processor gives them: passed to every rank of the group unsharded (with ``vision``)."""
+TOKEN_TYPES_KEY = "mm_token_type_ids"
+
+
+def _checked_ids(batch: Mapping[str, Any], vision: Any = None) -> torch.Tensor:
     """``input_ids`` [B, N] as int64, after checking the batch's keys and the shapes beside it."""
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
     known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"}
+    media = sorted(set(batch) & {*MEDIA_KEYS, TOKEN_TYPES_KEY})
+    if media and getattr(vision, "refusal", None):
+        raise ValueError(vision.refusal)
+    if media and vision is None:
+        raise ValueError(f"batch keys {media} (images or videos) are not supported here: they need a vision-language "
+                         "model ds_wallfacer adapts, sharded by sp.dataloader / sp.shard (dynamic sequence "
+                         "parallelism takes text rows only)")
+    if vision is not None:
+        known |= {*MEDIA_KEYS, TOKEN_TYPES_KEY}
     unknown = sorted(set(batch) - known)
     if unknown:
         raise ValueError(f"batch keys {unknown} are not supported by the sequence-parallel loader; known: {sorted(known)}")
@@ -153,6 +168,7 @@ def prepare_batch(
     pad_token_id: int = 0,
     ignore_index: int = -100,
     pad: bool = True,
+    vision: Any = None,
 ) -> dict[str, torch.Tensor]:
     """A batch of full sequences -> this rank's ``input_ids``, ``position_ids``, ``shift_labels`` [B, N / P].
 
@@ -171,8 +187,13 @@ def prepare_batch(
     ``spec.scheme == "balanced"``: a packed batch is cut into R x ``spec.chunks_per_rank`` ring chunks
     (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
     zigzag); ``chunk_assignment`` [R, chunks per rank] int64 says which ring chunks each ring rank holds, ascending.
+
+    ``vision`` (``adapters.vision``, from the integration): the model's adapter for batches with images or videos
+    (``MEDIA_KEYS``, ``mm_token_type_ids``). Their M-RoPE positions are computed on the full row and sharded
+    (``mrope_position_ids`` [3, B, N / P]), with each vision token's feature row (``media_index``); the media pass
+    through unsharded. A model without an adapter carries ``vision.refusal``, raised for such a batch.
     """
-    ids = _checked_ids(batch)
+    ids = _checked_ids(batch, vision)
     mask = _right_padding_mask(batch)
     docs = _documents(batch, mask, ids.shape)
     shift = _shift_labels(batch, ids, mask, ignore_index=ignore_index)
@@ -214,6 +235,12 @@ def prepare_batch(
         "position_ids": shard_sequence(pos, **kw).contiguous(),
         "shift_labels": shard_sequence(shift, **kw).contiguous(),
     }
+    media = {k: torch.as_tensor(batch[k]) for k in MEDIA_KEYS if batch.get(k) is not None}
+    if media:
+        types = vision.token_types(ids, batch.get(TOKEN_TYPES_KEY))
+        out["mrope_position_ids"] = shard_sequence(vision.positions(ids, types, media, docs), **{**kw, "dim": 2})
+        out["media_index"] = shard_sequence(vision.media_index(types), **kw).contiguous()
+        out.update(media)
     if keep is not None and not bool(keep.all()):
         # only with padding: which local tokens are real, and the length the model would see without our padding
         out["token_mask"] = shard_sequence(keep, **kw).contiguous()
@@ -244,6 +271,14 @@ def collate_right_padded(
         pos = [torch.as_tensor(r["position_ids"]).long().reshape(-1) if "position_ids" in r
                else torch.arange(len(x)) for r, x in zip(rows, ids)]
         out["position_ids"] = torch.stack([F.pad(q, (0, n - len(q))) for q in pos])  # padding: masked out
+    for key in (*MEDIA_KEYS, TOKEN_TYPES_KEY):  # images / videos: the processor's rows concatenated, in item order
+        if any(r.get(key) is not None for r in rows):
+            parts = [torch.as_tensor(r[key]) for r in rows if r.get(key) is not None]
+            if key == TOKEN_TYPES_KEY:
+                parts = [torch.as_tensor(r.get(key, torch.zeros_like(x))).reshape(-1) for r, x in zip(rows, ids)]
+                out[key] = torch.stack([F.pad(t, (0, n - len(t))) for t in parts])
+            else:
+                out[key] = torch.cat([t.reshape(-1) if t.dim() == 0 else t for t in parts])
     if any("document_lengths" in r for r in rows):
         out["document_lengths"] = [
             [int(v) for v in torch.as_tensor(r["document_lengths"]).reshape(-1).tolist()] if "document_lengths" in r
@@ -324,10 +359,13 @@ class SequenceParallelLoader:
         pad: bool = True,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
         balance_steps: bool = False,
+        vision: Any = None,
     ) -> None:
         self.spec, self.pad_token_id, self.ignore_index, self.pad, self.verify = (
             spec, pad_token_id, ignore_index, pad, verify
         )
+        self.vision = vision
+        """The model's vision-language adapter for batches with images (``prepare_batch``), else None."""
         self._epoch = 0
         self._batches: Iterable[Mapping[str, Any]]
         if hasattr(source, "__getitem__") and hasattr(source, "__len__") and not isinstance(source, torch.utils.data.DataLoader):
@@ -383,5 +421,6 @@ class SequenceParallelLoader:
             if self.verify is not None:
                 self.verify(batch)
             yield prepare_batch(
-                batch, self.spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=self.pad
+                batch, self.spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=self.pad,
+                vision=self.vision,
             )

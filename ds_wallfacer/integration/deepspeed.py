@@ -26,6 +26,7 @@ from ..adapters import hf
 from ..adapters.mixer_layers import attach_mixers, mixer_head_counts, mixer_layers
 from ..adapters.positional import scales_by_position
 from ..adapters.rope import RopeLength, wrap_rotary
+from ..adapters.vision import vision_language
 from ..attention.residuals import keep_attention_in_layers
 from ..audit.model_audit import RefusedModel, audit_model, audit_sequence, reentrant_checkpointing
 from ..audit.self_check import check_length, run_self_check
@@ -90,7 +91,8 @@ class SequenceParallel:
     def shard(self, batch: Mapping[str, Any], *, pad: bool = True) -> dict[str, torch.Tensor]:
         """One full batch -> this rank's ``input_ids``, ``position_ids``, ``shift_labels``."""
         return prepare_batch(
-            batch, self.groups.shard_spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad
+            batch, self.groups.shard_spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad,
+            vision=self.module.vision,
         )
 
     def dataloader(
@@ -130,6 +132,7 @@ class SequenceParallel:
             source, spec, batch_size=bs, shuffle=shuffle, seed=seed, drop_last=drop_last,
             pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad, verify=check,
             balance_steps=self.config.wallfacer.balance_steps if balance_steps is None else balance_steps,
+            vision=self.module.vision,
         )
 
     @property
@@ -302,7 +305,8 @@ def prepare_sequence_parallel(
                                       rope=rope if found.rotary else None, sp_size=dims.sp_size,
                                       packing=packing,
                                       positions=any(scales_by_position(m) for _, m in hf.attention_modules(model)),
-                                      mixer_inputs=mixing.inputs if mixers else None, dynamic=dynamic)
+                                      mixer_inputs=mixing.inputs if mixers else None, dynamic=dynamic,
+                                      vision=vision_language(model))
     if pad_token_id is None:
         pad_token_id = getattr(model.config, "pad_token_id", None) or 0
     # the model as configured, with and without sequence parallelism (self_check.py); on P ranks only: dynamic
@@ -326,7 +330,7 @@ def _self_check(module: SequenceParallelCausalLM, run: RunConfig, groups: Sequen
     spec = groups.shard_spec
 
     def shard(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        return prepare_batch(batch, spec, pad_token_id=pad_token_id, ignore_index=ignore_index)
+        return prepare_batch(batch, spec, pad_token_id=pad_token_id, ignore_index=ignore_index, vision=module.vision)
 
     tokens = check_length(text_config(lm), sp_size=groups.setup.dims.sp_size, requested=run.wallfacer.self_check_tokens)
     # parameters ZeRO-3 partitioned at construction (zero.Init) are gathered for the check, as a forward would

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommLayer
+from ..data.loader import MEDIA_KEYS
 from ..adapters.mixer_shards import MixerInputs
 from ..adapters.moe import RouterAuxLoss
 from ..adapters.positional import POSITIONS_KWARG
@@ -62,8 +63,12 @@ def logits_loss(
     lm: nn.Module, *, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
     ignore_index: int = -100, **model_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss_sum, count) from the model's own logits (fp32 cross-entropy, like HF's loss)."""
-    logits = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs).logits  # [B, S_l, V]
+    """(loss_sum, count) from the model's own logits (fp32 cross-entropy, like HF's loss). A vision-language row
+    (``inputs_embeds`` in ``model_kwargs``, ``input_ids`` None) runs the language model and the LM head directly."""
+    if "inputs_embeds" in model_kwargs:
+        logits = lm.get_output_embeddings()(_decoder_hidden(lm, position_ids, model_kwargs))
+    else:
+        logits = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs).logits
     labels = shift_labels.reshape(-1).to(logits.device)
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels, ignore_index=ignore_index, reduction="sum"
@@ -78,9 +83,16 @@ def mini_sequence_loss(
     """(loss_sum, count) with the Mini-Sequence LM head: the backbone's hidden states, then chunked head + CE."""
     from ..mst import mini_sequence_causal_lm_loss
 
-    out = lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if "inputs_embeds" not in model_kwargs:
+        model_kwargs = {"input_ids": input_ids, **model_kwargs}
+    hidden = _decoder_hidden(lm, position_ids, model_kwargs)
     return mini_sequence_causal_lm_loss(lm, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index)
+
+
+def _decoder_hidden(lm: nn.Module, position_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> torch.Tensor:
+    """The backbone's last hidden states [B, S_l, H] (``lm.get_decoder()``)."""
+    out = lm.get_decoder()(position_ids=position_ids, use_cache=False, **model_kwargs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 class SequenceParallelCausalLM(nn.Module):
@@ -107,8 +119,11 @@ class SequenceParallelCausalLM(nn.Module):
         positions: bool = False,
         mixer_inputs: MixerInputs | None = None,
         dynamic: Any = None,
+        vision: Any = None,
     ) -> None:
         super().__init__()
+        self.vision = vision
+        """The model's vision-language adapter (``adapters/vision.py``), ``RefusedVision`` or None."""
         self._packing = packing
         self._positions = positions
         """Whether attention layers need the tokens' positions (``positional.POSITIONS_KWARG``)."""
@@ -178,10 +193,15 @@ class SequenceParallelCausalLM(nn.Module):
         chunk_assignment: torch.Tensor | None = None,
         sequence_parallel_size: torch.Tensor | None = None,
         loss_weight: torch.Tensor | None = None,
+        mrope_position_ids: torch.Tensor | None = None,
+        media_index: torch.Tensor | None = None,
+        **media: torch.Tensor,
     ) -> torch.Tensor:
         """``sequence_parallel_size`` and ``loss_weight`` (dynamic sequence parallelism's loader): the row's group
         size, and the factor that turns the group's summed token losses into this forward's share of the step's
-        token mean (``data/dynamic.py``)."""
+        token mean (``data/dynamic.py``). ``mrope_position_ids``, ``media_index`` and the images / videos
+        (``MEDIA_KEYS``): a vision-language batch (``adapters/vision.py``); the local loss then gets
+        ``input_ids=None`` and ``inputs_embeds``."""
         if (sequence_parallel_size is None) != (loss_weight is None):
             raise ValueError("a dynamic batch carries both sequence_parallel_size and loss_weight")
         if sequence_parallel_size is not None:
@@ -192,13 +212,16 @@ class SequenceParallelCausalLM(nn.Module):
         elif self.dynamic is not None:  # a batch sharded over all P ranks (sp.shard, an evaluation)
             self.dynamic.use(self.dynamic.sp_size)
         model_kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
+        rope_positions, ids = position_ids, input_ids
+        if media:
+            rope_positions, ids = self._vision_inputs(input_ids, mrope_position_ids, media_index, media, model_kwargs)
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None
         try:
             with rope:
                 loss_sum, count = self._local_loss(
-                    self.lm, input_ids=input_ids, position_ids=position_ids, shift_labels=shift_labels,
+                    self.lm, input_ids=ids, position_ids=rope_positions, shift_labels=shift_labels,
                     ignore_index=self.ignore_index, **model_kwargs,
                 )
             captured = self._captured
@@ -209,6 +232,23 @@ class SequenceParallelCausalLM(nn.Module):
         if self.router_aux is None:
             return global_token_mean(loss_sum, count, group=self._group, comm=self._comm)
         return self._with_router_aux(loss_sum, count, captured or [], token_mask)
+
+    def _vision_inputs(self, input_ids: torch.Tensor, rope_positions: torch.Tensor | None,
+                       media_index: torch.Tensor | None, media: dict[str, torch.Tensor],
+                       model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+        """A batch with images or videos: this rank's embeddings into ``model_kwargs``; (M-RoPE positions, None)."""
+        unknown = sorted(set(media) - set(MEDIA_KEYS))
+        if unknown:
+            raise TypeError(f"unexpected batch keys {unknown} for the sequence-parallel loss module")
+        if self.vision is None or getattr(self.vision, "refusal", None):
+            raise ValueError(getattr(self.vision, "refusal", None) or
+                             f"{type(self.lm).__name__} has no vision tower: this batch carries images or videos")
+        if rope_positions is None or media_index is None:
+            raise ValueError("a batch with images or videos needs the loader's mrope_position_ids and media_index: "
+                             "shard it with sp.dataloader / sp.shard")
+        embeds, extra = self.vision.inputs(input_ids, media_index, media)
+        model_kwargs.update(inputs_embeds=embeds, **extra)
+        return rope_positions, None
 
     def _weighted_sum(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The group's summed token losses x ``weight`` (Note [Dynamic sequence parallelism])."""

@@ -1,0 +1,110 @@
+"""Tiny vision-language models and synthetic image conversations: the VLM example (``launch/train_vlm.py``), the
+parity tests and the sweep build from here, so every run uses the same shapes.
+
+A synthetic conversation is text tokens with one or more images inside, each as the Qwen processors lay it out:
+``<vision_start> <image> x k <vision_end>``, where an image of ``h x w`` merged patches is ``k = h * w`` tokens and its
+``pixel_values`` are ``t * (merge h) * (merge w)`` rows of ``channels * temporal_patch * patch^2`` random values
+(seeded). ``conversation_batch`` stacks rows (right-padded) or packs them into one row of documents.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["FAMILIES", "conversation", "conversation_batch", "tiny_vlm"]
+
+IMAGE, VIDEO, START, END = 90, 91, 92, 93
+"""The tiny models' placeholder ids (below their vocabulary of 128)."""
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "gemma3")
+
+
+def tiny_vlm(family: str, *, seed: int = 0) -> Any:
+    """A tiny HF vision-language model in fp32 (2 text layers of 64, 4 query / 2 kv heads; a 2-layer vision tower),
+    with the text model on ``attn_implementation="wallfacer"``'s reference (sdpa) and the vision tower on sdpa."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0)
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    if family in ("qwen2_5_vl", "qwen2_vl"):
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        if family == "qwen2_5_vl":
+            vision.update(window_size=112, fullatt_block_indexes=[1])
+            cfg = tf.Qwen2_5_VLConfig(text_config=dict(text, rope_parameters=rope), vision_config=vision, **ids)
+            cls = tf.Qwen2_5_VLForConditionalGeneration
+        else:
+            vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                          spatial_merge_size=2, temporal_patch_size=2)
+            cfg = tf.Qwen2VLConfig(text_config=dict(text, rope_parameters=rope), vision_config=vision, **ids)
+            cls = tf.Qwen2VLForConditionalGeneration
+    elif family == "qwen3_vl":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        cfg = tf.Qwen3VLConfig(text_config=dict(text, head_dim=16, rope_parameters=rope), vision_config=vision, **ids)
+        cls = tf.Qwen3VLForConditionalGeneration
+    elif family == "gemma3":
+        cfg = tf.Gemma3Config(
+            text_config=dict(text, head_dim=16, sliding_window=16, query_pre_attn_scalar=16),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=7),
+            mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
+        cls = tf.Gemma3ForConditionalGeneration
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    for sub in ("text_config", "vision_config"):
+        c = getattr(cfg, sub)
+        for key in ("attention_dropout", "hidden_dropout", "dropout"):
+            if hasattr(c, key):
+                setattr(c, key, 0.0)
+    model = cls(cfg).float().train()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], seed: int) -> dict[str, torch.Tensor]:
+    """One row: ``text`` random text tokens with the ``images`` ((h, w) merged patches each) spread evenly among them;
+    ``input_ids`` [N], ``pixel_values``, ``image_grid_thw`` [images, 3]."""
+    g = torch.Generator().manual_seed(seed)
+    vc = model.config.vision_config
+    merge = int(getattr(vc, "spatial_merge_size", 1))
+    words = torch.randint(4, IMAGE - 1, (text,), generator=g)
+    cuts = [round(text * (i + 1) / (len(images) + 1)) for i in range(len(images))]
+    pieces, grids, pixels, at = [], [], [], 0
+    channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
+    row = channels * int(getattr(vc, "temporal_patch_size", 1)) * int(vc.patch_size) ** 2
+    for cut, (h, w) in zip(cuts, images):
+        pieces += [words[at:cut], torch.tensor([START]), torch.full((h * w,), IMAGE), torch.tensor([END])]
+        grid = torch.tensor([1, h * merge, w * merge])
+        grids.append(grid)
+        pixels.append(torch.randn(int(grid.prod()), row, generator=g))
+        at = cut
+    pieces.append(words[at:])
+    out = {"input_ids": torch.cat(pieces)}
+    if images:
+        out.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.stack(grids))
+    return out
+
+
+def conversation_batch(rows: Sequence[dict[str, torch.Tensor]], *, packed: bool = False) -> dict[str, Any]:
+    """Rows of ``conversation`` -> one full batch: right-padded rows (``attention_mask``), or one packed row of
+    documents (``document_lengths``); images concatenated in row order, ``mm_token_type_ids`` from the ids."""
+    from ..data.loader import collate_right_padded
+
+    if packed:
+        ids = torch.cat([r["input_ids"] for r in rows])
+        batch: dict[str, Any] = {"input_ids": ids[None], "document_lengths": [[len(r["input_ids"]) for r in rows]]}
+        for key in ("pixel_values", "image_grid_thw"):
+            parts = [r[key] for r in rows if key in r]
+            if parts:
+                batch[key] = torch.cat(parts)
+    else:
+        batch = collate_right_padded(list(rows))
+    batch["mm_token_type_ids"] = (batch["input_ids"] == IMAGE).int() + 2 * (batch["input_ids"] == VIDEO).int()
+    return batch
