@@ -28,15 +28,18 @@ class ShardingCollator:
     ``shift_labels``, and ``token_mask`` / ``document_starts`` / ``chunk_assignment`` where they apply)."""
 
     def __init__(self, inner: Callable[[Sequence[Any]], Mapping[str, Any]], spec: ShardSpec, *,
-                 pad_token_id: int, ignore_index: int) -> None:
+                 pad_token_id: int, ignore_index: int, vision: Any = None) -> None:
         self.inner, self.spec, self.pad_token_id, self.ignore_index = inner, spec, pad_token_id, ignore_index
+        self.vision = vision
+        """The model's vision-language adapter (images and videos in the batch), ``RefusedVision`` or None."""
 
     def __call__(self, features: Sequence[Any]) -> dict[str, torch.Tensor]:
         batch = dict(self.inner(features))
         if "position_ids" in batch:
             for key in _FLATTENING_EXTRAS:
                 batch.pop(key, None)
-        return prepare_batch(batch, self.spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)
+        return prepare_batch(batch, self.spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index,
+                             vision=self.vision)
 
 
 def replica_dataloader(

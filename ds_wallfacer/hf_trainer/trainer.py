@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 from ..attention.residuals import keep_attention_in_layers
 from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
 from ..integration.loss import global_token_mean, logits_loss
+from ..data.loader import MEDIA_KEYS
 from .data import ShardingCollator, replica_dataloader
 from .metrics import LogMetrics
 from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_unbalanceable, refuse_unsupported,
@@ -88,7 +89,7 @@ class WallfacerTrainerMixin:
         return replica_dataloader(
             dataset, batch_size=batch_size, sampler=sampler, spec=sp.groups.shard_spec, accelerator=self.accelerator,
             collate_fn=ShardingCollator(collator, sp.groups.shard_spec, pad_token_id=sp.pad_token_id,
-                                        ignore_index=sp.ignore_index),
+                                        ignore_index=sp.ignore_index, vision=sp.module.vision),
             loader_kwargs=kwargs,
         )
 
@@ -176,10 +177,13 @@ class WallfacerTrainerMixin:
         """(summed token losses, targets) of this rank's shard; packed batches hand attention their documents, layers
         that scale by position get the positions (``SequenceParallelCausalLM.attention_kwargs``)."""
         sp = self.sequence_parallel
-        kwargs = sp.module.attention_kwargs(inputs["position_ids"], inputs.get("document_starts"),
-                                            inputs.get("chunk_assignment"))
-        return logits_loss(model, input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                           shift_labels=inputs["shift_labels"], ignore_index=sp.ignore_index, **kwargs)
+        media = {k: inputs[k] for k in MEDIA_KEYS if inputs.get(k) is not None}  # images: adapters/vision.py
+        ids, positions, kwargs = sp.module.model_inputs(
+            inputs["input_ids"], inputs["position_ids"], document_starts=inputs.get("document_starts"),
+            chunk_assignment=inputs.get("chunk_assignment"), mrope_position_ids=inputs.get("mrope_position_ids"),
+            media_index=inputs.get("media_index"), **media)
+        return logits_loss(model, input_ids=ids, position_ids=positions, shift_labels=inputs["shift_labels"],
+                           ignore_index=sp.ignore_index, **kwargs)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

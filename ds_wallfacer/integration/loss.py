@@ -211,10 +211,9 @@ class SequenceParallelCausalLM(nn.Module):
             self.dynamic.use(int(sequence_parallel_size.reshape(-1)[0]))
         elif self.dynamic is not None:  # a batch sharded over all P ranks (sp.shard, an evaluation)
             self.dynamic.use(self.dynamic.sp_size)
-        model_kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
-        rope_positions, ids = position_ids, input_ids
-        if media:
-            rope_positions, ids = self._vision_inputs(input_ids, mrope_position_ids, media_index, media, model_kwargs)
+        ids, rope_positions, model_kwargs = self.model_inputs(
+            input_ids, position_ids, document_starts=document_starts, chunk_assignment=chunk_assignment,
+            mrope_position_ids=mrope_position_ids, media_index=media_index, **media)
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None
@@ -233,10 +232,23 @@ class SequenceParallelCausalLM(nn.Module):
             return global_token_mean(loss_sum, count, group=self._group, comm=self._comm)
         return self._with_router_aux(loss_sum, count, captured or [], token_mask)
 
+    def model_inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, document_starts: torch.Tensor | None = None,
+        chunk_assignment: torch.Tensor | None = None, mrope_position_ids: torch.Tensor | None = None,
+        media_index: torch.Tensor | None = None, **media: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, Any]]:
+        """(input_ids, position_ids, model keywords) for the local loss from a loader batch: ``attention_kwargs``;
+        for a batch with images or videos, ``input_ids`` None, the M-RoPE positions and this rank's
+        ``inputs_embeds`` (``adapters/vision.py``)."""
+        kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
+        if not media:
+            return input_ids, position_ids, kwargs
+        return None, self._vision_inputs(input_ids, mrope_position_ids, media_index, media, kwargs), kwargs
+
     def _vision_inputs(self, input_ids: torch.Tensor, rope_positions: torch.Tensor | None,
                        media_index: torch.Tensor | None, media: dict[str, torch.Tensor],
-                       model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
-        """A batch with images or videos: this rank's embeddings into ``model_kwargs``; (M-RoPE positions, None)."""
+                       model_kwargs: dict[str, Any]) -> torch.Tensor:
+        """A batch with images or videos: this rank's embeddings into ``model_kwargs``; the M-RoPE positions."""
         unknown = sorted(set(media) - set(MEDIA_KEYS))
         if unknown:
             raise TypeError(f"unexpected batch keys {unknown} for the sequence-parallel loss module")
@@ -248,7 +260,7 @@ class SequenceParallelCausalLM(nn.Module):
                              "shard it with sp.dataloader / sp.shard")
         embeds, extra = self.vision.inputs(input_ids, media_index, media)
         model_kwargs.update(inputs_embeds=embeds, **extra)
-        return rope_positions, None
+        return rope_positions
 
     def _weighted_sum(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The group's summed token losses x ``weight`` (Note [Dynamic sequence parallelism])."""

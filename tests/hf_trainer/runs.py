@@ -35,6 +35,26 @@ def pad_right(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def image_conversations(model: Any, n: int, *, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` synthetic conversations of 30 text tokens and 4 image tokens each, in images of different shapes
+    (``examples.vlm``). Every micro-batch has the same token count: the plain Trainer does not pass the step's
+    token count to these models (``accepts_loss_kwargs = False``), so it averages micro-batch means, which equals
+    the step's token mean only then."""
+    from ds_wallfacer.examples.vlm import conversation
+
+    shapes = [[(2, 2)], [(1, 4)], [(4, 1)]]
+    return [conversation(model, text=30, images=shapes[i % 3], seed=seed * 1000 + i) for i in range(n)]
+
+
+def image_batch(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The user's VLM collator: right-padded rows, labels -100 on padding, the images concatenated."""
+    from ds_wallfacer.examples.vlm import conversation_batch
+
+    batch = conversation_batch(features)
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return batch
+
+
 def ds_config(section: dict | None, *, zero_stage: int = 2, top_level: dict | None = None) -> dict:
     """The Trainer's ds_config: batch sizes, clipping and lr from its arguments ("auto"), SGD, ``section`` as the
     ``"wallfacer"`` section (none when None), ``top_level`` keys added as they are (DeepSpeed's ALST keys)."""
@@ -95,6 +115,10 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         from tests.integration.test_short_conv_parity import tiny_lfm2
 
         model = tiny_lfm2("lfm2")
+    elif opts.get("family") in ("qwen2_5_vl", "qwen3_vl"):  # images in every sequence
+        from ds_wallfacer.examples.vlm import tiny_vlm
+
+        model = tiny_vlm(opts["family"])
     else:
         model = tiny_model("llama", seed=0)
     if opts.get("lora"):
@@ -106,6 +130,9 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     collator = DataCollatorWithFlattening() if opts.get("packed") else pad_right
     kwargs = dict(model=model, args=args, train_dataset=token_sequences(32, seed=1),
                   eval_dataset=token_sequences(8, seed=2), data_collator=collator)
+    if opts.get("family") in ("qwen2_5_vl", "qwen3_vl"):
+        kwargs.update(train_dataset=image_conversations(model, 16, seed=1), eval_dataset=image_conversations(
+            model, 4, seed=2), data_collator=image_batch)
     if section is None and not opts.get("alst"):
         trainer = Trainer(**kwargs)
     else:
