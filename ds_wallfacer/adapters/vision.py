@@ -57,9 +57,18 @@ _REFUSED = {
 
 
 def has_vision_tower(model: nn.Module) -> bool:
-    """Whether the model's config has a vision (or other non-text) tower next to its language model."""
+    """Whether the model takes images (or audio): a vision or audio config next to its language model, or a forward
+    that takes ``pixel_values``."""
+    import inspect
+
     cfg = getattr(model, "config", None)
-    return any(getattr(cfg, k, None) is not None for k in ("vision_config", "audio_config", "vision_tower_config"))
+    if any(getattr(cfg, k, None) is not None for k in ("vision_config", "audio_config", "vision_tower_config")):
+        return True
+    forward = getattr(model, "forward", None)
+    try:
+        return forward is not None and "pixel_values" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def media_refusal(model: nn.Module) -> str:
