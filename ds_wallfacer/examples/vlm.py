@@ -78,27 +78,34 @@ def tiny_vlm(family: str, *, seed: int = 0) -> Any:
     return model
 
 
-def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], seed: int) -> dict[str, torch.Tensor]:
-    """One row: ``text`` random text tokens with the ``images`` ((h, w) merged patches each) spread evenly among them;
-    ``input_ids`` [N], ``pixel_values``, ``image_grid_thw`` [images, 3]."""
+def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], seed: int,
+                 videos: Sequence[tuple[int, int, int]] = ()) -> dict[str, torch.Tensor]:
+    """One row: ``text`` random text tokens with the ``images`` ((h, w) merged patches each) and then the ``videos``
+    ((t, h, w): t temporal patches of h x w merged patches) spread evenly among them; ``input_ids`` [N],
+    ``pixel_values`` / ``image_grid_thw`` [images, 3], ``pixel_values_videos`` / ``video_grid_thw`` [videos, 3]."""
     g = torch.Generator().manual_seed(seed)
     vc = model.config.vision_config
     merge = int(getattr(vc, "spatial_merge_size", 1))
     words = torch.randint(4, IMAGE - 1, (text,), generator=g)
-    cuts = [round(text * (i + 1) / (len(images) + 1)) for i in range(len(images))]
-    pieces, grids, pixels, at = [], [], [], 0
+    media = [(IMAGE, 1, h, w) for h, w in images] + [(VIDEO, t, h, w) for t, h, w in videos]
+    cuts = [round(text * (i + 1) / (len(media) + 1)) for i in range(len(media))]
+    pieces, at = [], 0
+    grids: dict[int, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
+    pixels: dict[int, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
     channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
     row = channels * int(getattr(vc, "temporal_patch_size", 1)) * int(vc.patch_size) ** 2
-    for cut, (h, w) in zip(cuts, images):
-        pieces += [words[at:cut], torch.tensor([START]), torch.full((h * w,), IMAGE), torch.tensor([END])]
-        grid = torch.tensor([1, h * merge, w * merge])
-        grids.append(grid)
-        pixels.append(torch.randn(int(grid.prod()), row, generator=g))
+    for cut, (token, t, h, w) in zip(cuts, media):
+        pieces += [words[at:cut], torch.tensor([START]), torch.full((t * h * w,), token), torch.tensor([END])]
+        grid = torch.tensor([t, h * merge, w * merge])
+        grids[token].append(grid)
+        pixels[token].append(torch.randn(int(grid.prod()), row, generator=g))
         at = cut
     pieces.append(words[at:])
     out = {"input_ids": torch.cat(pieces)}
     if images:
-        out.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.stack(grids))
+        out.update(pixel_values=torch.cat(pixels[IMAGE]), image_grid_thw=torch.stack(grids[IMAGE]))
+    if videos:
+        out.update(pixel_values_videos=torch.cat(pixels[VIDEO]), video_grid_thw=torch.stack(grids[VIDEO]))
     return out
 
 
@@ -110,7 +117,7 @@ def conversation_batch(rows: Sequence[dict[str, torch.Tensor]], *, packed: bool 
     if packed:
         ids = torch.cat([r["input_ids"] for r in rows])
         batch: dict[str, Any] = {"input_ids": ids[None], "document_lengths": [[len(r["input_ids"]) for r in rows]]}
-        for key in ("pixel_values", "image_grid_thw"):
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
             parts = [r[key] for r in rows if key in r]
             if parts:
                 batch[key] = torch.cat(parts)

@@ -1,6 +1,6 @@
 """Vision-language models with images under sequence parallelism: tiny Qwen2.5-VL and Qwen3-VL (deepstack) through the
 real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one process, each
-conversation run alone with its images (the model's own M-RoPE positions and vision tower): the loss at every step
+conversation run alone with its images and video (the model's own M-RoPE positions and vision tower): the loss at every step
 and every parameter, the vision tower's included, after the SGD steps (fp32, clipping off). Rows of two
 conversations right-padded, or packed into one row of documents; images cut across shard boundaries.
 Gemma 3 with images is refused (its image tokens attend bidirectionally)."""
@@ -27,21 +27,24 @@ CASES = [
 
 
 def _rows(step: int, model) -> list[dict]:
+    """Two conversations: one image; two images and (Qwen2.5-VL) a video of 2 temporal patches."""
     from ds_wallfacer.examples.vlm import conversation
 
+    video = [(2, 1, 2)] if type(model).__name__.startswith("Qwen2_5") else []
     return [conversation(model, text=21 + 4 * step, images=[(2, 2)], seed=10 * step),
-            conversation(model, text=15, images=[(1, 3), (2, 1)], seed=10 * step + 1)]
+            conversation(model, text=15, images=[(1, 3), (2, 1)], videos=video, seed=10 * step + 1)]
 
 
 def _reference_loss(ref, rows: list[dict]) -> torch.Tensor:
     """The token mean over the conversations, each run alone (the model computes its own M-RoPE positions)."""
-    from ds_wallfacer.examples.vlm import IMAGE
+    from ds_wallfacer.examples.vlm import IMAGE, VIDEO
 
     total, count = 0.0, 0
     for r in rows:
         ids = r["input_ids"][None]
-        logits = ref(input_ids=ids, pixel_values=r["pixel_values"], image_grid_thw=r["image_grid_thw"],
-                     mm_token_type_ids=(ids == IMAGE).int()).logits[0, :-1]
+        media = {k: v for k, v in r.items() if k != "input_ids"}
+        logits = ref(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int() + 2 * (ids == VIDEO).int(),
+                     **media).logits[0, :-1]
         total = total + F.cross_entropy(logits.float(), ids[0, 1:], reduction="sum")
         count += ids.shape[1] - 1
     return total / count
