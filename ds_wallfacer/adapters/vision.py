@@ -204,6 +204,8 @@ class QwenVisionLanguage:
         with its vision tokens' feature rows in place (and Qwen3-VL's deepstack rows)."""
         inner = self.inner
         emb = inner.get_input_embeddings()(input_ids)
+        if not any(media.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
+            return self._touch_tower(emb), {}
         masks, deep = {}, {}
         for kind, token, key in (("image", self.image_token_id, "pixel_values"),
                                  ("video", self.video_token_id, "pixel_values_videos")):
@@ -233,6 +235,24 @@ class QwenVisionLanguage:
                 layers.append(joint)
             extra = {"visual_pos_masks": visual, "deepstack_visual_embeds": layers}
         return emb, extra
+
+    def _touch_tower(self, emb: torch.Tensor) -> torch.Tensor:
+        """A batch without images, in training: ``emb`` + 0 x the tower's output on one blank merged patch, so the
+        tower's parameters get a (zero) gradient on every rank. Data-parallel replicas may hold batches with and
+        without images in the same step, and ZeRO 1/2 fill their reduce buckets in gradient-hook order: a replica
+        whose tower got no gradient would reduce different buckets than one whose did (measured: the step fails)."""
+        if not (torch.is_grad_enabled() and self._model.training):
+            return emb
+        vc = self._model.config.vision_config
+        row = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3))) * int(vc.temporal_patch_size) * \
+            int(vc.patch_size) ** 2
+        grid = torch.tensor([[1, self.merge, self.merge]], device=emb.device)
+        blank = torch.zeros(self.merge**2, row, device=emb.device, dtype=emb.dtype)
+        out = self.inner.get_image_features(blank, grid, return_dict=True)
+        total = torch.cat(tuple(out.pooler_output)).sum()
+        for f in getattr(out, "deepstack_features", None) or ():
+            total = total + torch.cat(tuple(f)).sum()
+        return emb + 0.0 * total.to(emb.dtype)
 
     # ---- the self-check's sample ----
 

@@ -241,9 +241,12 @@ class SequenceParallelCausalLM(nn.Module):
         for a batch with images or videos, ``input_ids`` None, the M-RoPE positions and this rank's
         ``inputs_embeds`` (``adapters/vision.py``)."""
         kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
-        if not media:
-            return input_ids, position_ids, kwargs
-        return None, self._vision_inputs(input_ids, mrope_position_ids, media_index, media, kwargs), kwargs
+        if media:
+            return None, self._vision_inputs(input_ids, mrope_position_ids, media_index, media, kwargs), kwargs
+        if hasattr(self.vision, "inputs"):  # text only: the tower still gets a (zero) gradient (vision.py)
+            kwargs["inputs_embeds"] = self.vision.inputs(input_ids, None, {})[0]
+            return None, position_ids, kwargs
+        return input_ids, position_ids, kwargs
 
     def _vision_inputs(self, input_ids: torch.Tensor, rope_positions: torch.Tensor | None,
                        media_index: torch.Tensor | None, media: dict[str, torch.Tensor],

@@ -3,7 +3,8 @@ real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the 
 conversation run alone with its images and video (the model's own M-RoPE positions and vision tower): the loss at every step
 and every parameter, the vision tower's included, after the SGD steps (fp32, clipping off). Rows of two
 conversations right-padded, or packed into one row of documents; images cut across shard boundaries.
-Gemma 3 with images is refused (its image tokens attend bidirectionally)."""
+Data-parallel replicas with and without images in the same step. Gemma 3 with images is refused (its image tokens
+attend bidirectionally)."""
 from __future__ import annotations
 
 import pytest
@@ -77,6 +78,38 @@ def _train(family: str, wallfacer: dict, stage: int, packed: bool) -> list[str]:
     return [f"{family} {wallfacer} zero {stage} packed={packed}: {f}" for f in failures]
 
 
+def _train_mixed(rank: int) -> list[str]:
+    """P = 2 x D = 2, ZeRO-2: replica 0 trains rows with images, replica 1 text-only rows of the same model, in the
+    same steps (the tower must get a gradient on every rank, or ZeRO's reduce buckets differ between replicas).
+    Reference: the mean of the two replicas' losses on one process."""
+    from ds_wallfacer.examples.vlm import conversation, conversation_batch, tiny_vlm
+    from ds_wallfacer.integration import initialize
+
+    ours, ref = tiny_vlm("qwen2_5_vl"), tiny_vlm("qwen2_5_vl")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": zero_section(2),
+              "zero_allow_untested_optimizer": True,
+              "wallfacer": {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}}
+    engine, sp = initialize(model=ours, config=config, optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    replica = rank // 2
+    failures = []
+    for step in range(STEPS):
+        rows = [conversation(ref, text=30, images=[(2, 2)], seed=step), conversation(ref, text=30, images=[],
+                                                                                  seed=50 + step)]
+        want = [_reference_loss(ref, [rows[0]]), _reference_loss(ref, [rows[1]])]
+        loss = engine(**sp.shard(conversation_batch([rows[replica]])))
+        if abs(loss.item() - want[replica].item()) > 1e-5 * max(1.0, abs(want[replica].item())):
+            failures.append(f"step {step} loss {loss.item():.7f} != reference {want[replica].item():.7f}")
+        engine.backward(loss)
+        engine.step()
+        opt.zero_grad()
+        ((want[0] + want[1]) / 2).backward()
+        opt.step()
+    failures += param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)
+    engine.destroy()
+    return [f"replicas with and without images: {f}" for f in failures]
+
+
 def _gemma_refusal() -> str | None:
     from ds_wallfacer.examples.vlm import tiny_vlm
     from ds_wallfacer.integration import initialize
@@ -94,7 +127,7 @@ def _gemma_refusal() -> str | None:
 
 
 def _body(rank: int, world: int) -> dict:
-    failures = [f for case in CASES for f in _train(*case)]
+    failures = [f for case in CASES for f in _train(*case)] + _train_mixed(rank)
     return {"failures": failures, "gemma": _gemma_refusal()}
 
 

@@ -218,14 +218,17 @@ def write_table(rows: list[Row], path: Path) -> None:
 
 
 def read_table(path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
-    """(the transformers version it names, {class: (verdict, detail)}) of a table ``write_table`` wrote."""
+    """(the transformers version it names, {class: (verdict, detail)}) of a table ``write_table`` wrote; the rows
+    of its multimodal section (``multimodal.table_lines``) as "<class> (images)"."""
     text = Path(path).read_text()
     named = re.search(r"transformers (\S+)", text)
-    rows = {}
+    rows, suffix = {}, ""
     for line in text.splitlines():
+        if line.startswith("## With images"):
+            suffix = " (images)"
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         if line.startswith("| ") and len(cells) == 5 and cells[2] in (*PASSING, "WRONG", "FAILED", "HANG"):
-            rows[cells[0]] = (cells[2], cells[4])
+            rows[cells[0] + suffix] = (cells[2], cells[4])
     return (named.group(1) if named else "?"), rows
 
 
