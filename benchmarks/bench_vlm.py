@@ -6,9 +6,11 @@ side in one run on the same ranks.
 
 Each configuration trains a tiny Qwen2.5-VL (``examples.vlm``; WallFacer C = 2 over P = 4, ZeRO-2, SGD) on rows of
 ``--tokens`` tokens: text only, or with images of 8 x 8 merged patches (64 tokens each) making up that share of the
-row. Per configuration: sequence-parallel bytes per step (every rank, forward and backward, through the counted comm
-layer; ZeRO's traffic is the same in all and not counted), bytes of ``pixel_values`` each rank holds per step (the
-images are not sharded), the vision tower's share of the step (its forward, timed on rank 0), the step time
+row. Per configuration: sequence-parallel bytes per step of attention and loss (every rank, forward and backward,
+through the counted comm layer; ZeRO's traffic is the same in all and not counted), the bytes the images add (the
+all-gather of the features the ranks encoded, and its reduce-scatter in backward: phase "vision"), bytes of
+``pixel_values`` in the batch (every rank receives them; each encodes its share), rank 0's vision-tower share of the
+step (its forward, timed), the step time
 (median after a warm-up, slowest rank) and the mean loss. The last line is one JSON object, also written to
 ``runs/bench/vlm/result.json`` (``--out``) beside the plot.
 """
@@ -74,7 +76,8 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             engine.step()
             elapsed = time.perf_counter() - t0
             sent = sum(b for (phase, _), b in sp.comm.sent.items() if phase in ("forward", "backward"))
-            steps.append({"s": elapsed, "sp_bytes": sent, "tower_s": tower["s"],
+            vision = sum(b for (phase, _), b in sp.comm.sent.items() if phase == "vision")
+            steps.append({"s": elapsed, "sp_bytes": sent, "vision_bytes": vision, "tower_s": tower["s"],
                           "pixel_bytes": int(batch["pixel_values"].numel() * 4) if "pixel_values" in batch else 0})
             losses.append(loss.item())
         engine.destroy()
@@ -93,14 +96,18 @@ def main() -> None:
         step_s = statistics.median(max(r["steps"][k]["s"] for r in runs) for k in range(len(runs[0]["steps"])))
         sp_bytes = statistics.median(sum(r["steps"][k]["sp_bytes"] for r in runs) for k in range(len(runs[0]["steps"])))
         tower = statistics.median(s["tower_s"] for s in runs[0]["steps"])
-        rows.append({"image_share": share, "sp_bytes_per_step": int(sp_bytes),
+        vision = statistics.median(sum(r["steps"][k]["vision_bytes"] for r in runs)
+                                   for k in range(len(runs[0]["steps"])))
+        rows.append({"image_share": share, "sp_bytes_per_step": int(sp_bytes), "vision_bytes_per_step": int(vision),
                      "pixel_bytes_per_rank": runs[0]["steps"][0]["pixel_bytes"], "tower_share": tower / step_s,
                      "step_s": step_s, "loss": runs[0]["loss"]})
     base = rows[0]["sp_bytes_per_step"] or 1
-    print_table([("image tokens", ".0%"), ("SP bytes/step", ",d"), ("x text", ".3f"), ("pixel bytes/rank", ",d"),
+    print_table([("image tokens", ".0%"), ("attention+loss bytes/step", ",d"), ("x text", ".3f"),
+                 ("vision bytes/step", ",d"), ("+ share", ".1%"), ("pixel bytes/rank", ",d"),
                  ("tower share", ".1%"), ("step s", ".3f"), ("loss", ".5f")],
-                [(r["image_share"], r["sp_bytes_per_step"], r["sp_bytes_per_step"] / base, r["pixel_bytes_per_rank"],
-                  r["tower_share"], r["step_s"], r["loss"]) for r in rows],
+                [(r["image_share"], r["sp_bytes_per_step"], r["sp_bytes_per_step"] / base,
+                  r["vision_bytes_per_step"], r["vision_bytes_per_step"] / r["sp_bytes_per_step"],
+                  r["pixel_bytes_per_rank"], r["tower_share"], r["step_s"], r["loss"]) for r in rows],
                 title=f"tiny Qwen2.5-VL, {args.tokens} tokens per row, {args.ranks} ranks (WallFacer C = 2, ZeRO-2)")
 
     def draw(plt):
@@ -108,8 +115,8 @@ def main() -> None:
         shares = [100 * r["image_share"] for r in rows]
         ax[0].bar([str(int(s)) for s in shares], [r["sp_bytes_per_step"] / 2**20 for r in rows])
         ax[0].set(xlabel="image tokens (%)", ylabel="SP MiB / step", title="sequence-parallel traffic")
-        ax[1].bar([str(int(s)) for s in shares], [r["pixel_bytes_per_rank"] / 2**20 for r in rows])
-        ax[1].set(xlabel="image tokens (%)", ylabel="MiB per rank", title="pixel_values held per rank")
+        ax[1].bar([str(int(s)) for s in shares], [r["vision_bytes_per_step"] / 2**20 for r in rows])
+        ax[1].set(xlabel="image tokens (%)", ylabel="MiB / step", title="image features gathered")
         return fig
 
     save_plot(plot_path(args), draw)

@@ -8,15 +8,15 @@ and then cut with the tokens:
   when it is trained alone), then are sharded along the sequence like the token ids;
 * **which feature row each vision token takes** (``media_index``): the k-th image (video) token of the batch, in
   row-major order, takes row k of the batch's concatenated image (video) features; sharded like the tokens;
-* **embeddings** (loss side, ``inputs``): the vision tower runs on every image of the batch on every rank of the
-  group (the group sees the same batch), the rank embeds its own token ids and puts its vision tokens' feature rows
-  in place; Qwen3-VL's "deepstack" features (added to the hidden states after the first text layers) are selected
-  the same way.
+* **encoding** (loss side, ``encode``): the group (which sees the same batch) splits the vision tower's work by
+  frames, each rank encoding its frames in one tower call, and one all-gather hands every rank all the features
+  (with Qwen3-VL's "deepstack" features, added to the hidden states after the first text layers);
+* **embeddings** (``inputs``): each rank embeds its own token ids and puts its vision tokens' feature rows in place.
 
 The language model then runs on the shard with ``inputs_embeds`` and the sharded M-RoPE positions; the attention,
-MsT and the loss are the text path. Every rank backpropagates through the whole vision tower (rows it did not
-select get zero gradient), so DeepSpeed's gradient hooks fire alike on every rank, and the summed gradient is the
-one-process gradient exactly as for the token embeddings.
+MsT and the loss are the text path. The all-gather's backward is a reduce-scatter, so each rank's tower gets its
+frames' share of the one-process gradient; every rank calls the tower once per forward (a rank without frames on a
+blank patch, times 0), so ZeRO's parameter gathers and gradient hooks run alike on every rank.
 
 Only the families checked exact are adapted (``ADAPTED``); any other model with a vision tower gets a batch with
 pixels refused with the reason (``media_refusal``). Design: Note [Images in a sequence-parallel row] in
@@ -24,9 +24,11 @@ docs/design/documents.md.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..data.loader import MEDIA_KEYS, TOKEN_TYPES_KEY
@@ -108,6 +110,69 @@ def _take_grids(grids: torch.Tensor | None, start: int, tokens: int, merge: int,
     if got != tokens:
         raise ValueError(f"a {what} is cut across documents (or rows): its tokens must all lie in one document")
     return end
+
+
+@dataclass(frozen=True)
+class FrameUnit:
+    """One frame of one image or video: its rows of ``pixel_values`` (``key``) and its merged tokens."""
+
+    kind: str
+    key: str
+    pixel_start: int
+    height: int
+    width: int
+    merge: int
+
+    @property
+    def patches(self) -> int:
+        return self.height * self.width
+
+    @property
+    def tokens(self) -> int:
+        return self.patches // self.merge**2
+
+
+def frame_units(media: Mapping[str, Any], merge: int) -> list[FrameUnit]:
+    """Every frame of the batch's images, then of its videos, in order (pure). Frame k of an item of grid (t, h, w)
+    holds that item's pixel rows k·h·w ... (k+1)·h·w and feature rows in the same order."""
+    out = []
+    for kind, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        grids = media.get(f"{kind}_grid_thw")
+        if media.get(key) is None or grids is None:
+            continue
+        start = 0
+        for t, h, w in torch.as_tensor(grids).reshape(-1, 3).tolist():
+            for _ in range(int(t)):
+                out.append(FrameUnit(kind, key, start, int(h), int(w), merge))
+                start += int(h) * int(w)
+    return out
+
+
+def split_units(work: Sequence[int], ranks: int) -> list[int]:
+    """Each unit's rank: the heaviest unit first to the least-loaded rank (ties: the lower rank); pure, so every
+    rank computes the same split."""
+    load = [0] * ranks
+    owner = [0] * len(work)
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        r = min(range(ranks), key=lambda q: (load[q], q))
+        owner[i] = r
+        load[r] += work[i]
+    return owner
+
+
+class _GatherRows(torch.autograd.Function):
+    """[m, D] on each rank -> [P, m, D] (the group's rows, in rank order); backward: a reduce-scatter, each rank
+    getting the sum over ranks of the gradient of its own rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Any, group: Any) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        return comm.all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        with ctx.comm.phase("vision"):
+            return ctx.comm.reduce_scatter(g.contiguous(), ctx.group), None, None
 
 
 class QwenVisionLanguage:
@@ -198,51 +263,92 @@ class QwenVisionLanguage:
 
     # ---- loss side: this rank's embeddings ----
 
-    def inputs(self, input_ids: torch.Tensor, media_index: torch.Tensor, media: Mapping[str, Any]
-               ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def inputs(self, input_ids: torch.Tensor, media_index: torch.Tensor | None, media: Mapping[str, Any], *,
+               group: Any = None, comm: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """(inputs_embeds [B, S_l, H], extra language-model keywords) of this rank's tokens: its token embeddings
-        with its vision tokens' feature rows in place (and Qwen3-VL's deepstack rows)."""
-        inner = self.inner
-        emb = inner.get_input_embeddings()(input_ids)
+        with its vision tokens' feature rows in place (and Qwen3-VL's deepstack rows); the tower's work split over
+        the ``group`` (``encode``)."""
+        emb = self.inner.get_input_embeddings()(input_ids)
         if not any(media.get(k) is not None for k in ("pixel_values", "pixel_values_videos")):
             return self._touch_tower(emb), {}
+        feats = self.encode(media, group=group, comm=comm, dtype=emb.dtype, device=emb.device)
         masks, deep = {}, {}
-        for kind, token, key in (("image", self.image_token_id, "pixel_values"),
-                                 ("video", self.video_token_id, "pixel_values_videos")):
-            if media.get(key) is None:
+        for kind, token in (("image", self.image_token_id), ("video", self.video_token_id)):
+            if kind not in feats:
                 continue
-            encode = inner.get_image_features if kind == "image" else inner.get_video_features
-            out = encode(media[key], media[f"{kind}_grid_thw"], return_dict=True)
-            feats = torch.cat(tuple(out.pooler_output), dim=0).to(emb.device, emb.dtype)
             mask = input_ids == token
-            rows = media_index[mask].to(feats.device)
-            emb = emb.masked_scatter(mask[..., None], feats.index_select(0, rows))
+            rows = media_index[mask].to(emb.device)
+            main, *stack = feats[kind]
+            emb = emb.masked_scatter(mask[..., None], main.index_select(0, rows))
             masks[kind] = mask
-            if self.deepstack and getattr(out, "deepstack_features", None) is not None:
-                deep[kind] = [torch.cat(tuple(f), dim=0).to(emb.device, emb.dtype).index_select(0, rows)
-                              for f in out.deepstack_features]
+            deep[kind] = [f.index_select(0, rows) for f in stack]
         extra: dict[str, Any] = {}
-        if self.deepstack and masks:
+        layers = len(next(iter(deep.values())))
+        if self.deepstack and layers:
             visual = torch.zeros_like(input_ids, dtype=torch.bool)
             for m in masks.values():
                 visual = visual | m
-            layers = []
-            for i in range(len(next(iter(deep.values())))):
+            joint_layers = []
+            for i in range(layers):
                 joint = emb.new_zeros(int(visual.sum()), emb.shape[-1])
                 for kind, m in masks.items():
                     at = m[visual].nonzero().reshape(-1)
                     joint = joint.index_put((at,), deep[kind][i])
-                layers.append(joint)
-            extra = {"visual_pos_masks": visual, "deepstack_visual_embeds": layers}
+                joint_layers.append(joint)
+            extra = {"visual_pos_masks": visual, "deepstack_visual_embeds": joint_layers}
         return emb, extra
 
+    def encode(self, media: Mapping[str, Any], *, group: Any, comm: Any, dtype: torch.dtype,
+               device: torch.device) -> dict[str, list[torch.Tensor]]:
+        """{"image" / "video": [features [tokens, H], *deepstack features]} of every image (video) of the batch, the
+        tower's work split over the P ranks of ``group`` (None: this rank alone). Every frame of every image and
+        video is a unit (the Qwen towers attend within a frame only, so a unit's features do not depend on the
+        others); each rank encodes the units ``split_units`` gives it in one tower call, and one all-gather (whose
+        backward is a reduce-scatter: each rank gets the gradient of its own rows from every rank) hands every rank
+        all the features. A rank with no unit runs the tower on one blank patch (``_touch_tower``): every rank calls
+        the tower exactly once per forward, which ZeRO-3's parameter gathers and ZeRO 1/2's gradient hooks need."""
+        units = frame_units(media, self.merge)
+        p = dist.get_world_size(group) if group is not None and comm is not None else 1
+        me = dist.get_rank(group) if p > 1 else 0
+        owner = split_units([u.patches for u in units], p)
+        mine = [u for u, r in zip(units, owner) if r == me]
+        hidden = self.inner.get_input_embeddings().weight.shape[-1]
+        rows = max(sum(u.tokens for u, r in zip(units, owner) if r == q) for q in range(p))
+        if mine:
+            pixels = torch.cat([torch.as_tensor(media[u.key])[u.pixel_start:u.pixel_start + u.patches]
+                                for u in mine]).to(device)  # only this rank's frames move to its device
+            grid = torch.tensor([[1, u.height, u.width] for u in mine], device=device)
+            res = self.inner.get_image_features(pixels, grid, return_dict=True)
+            parts = [torch.cat(tuple(res.pooler_output), dim=0)]
+            if self.deepstack:
+                parts += [torch.cat(tuple(f), dim=0) for f in res.deepstack_features]
+            local = torch.cat(parts, dim=-1).to(device, dtype)
+        else:
+            zero = self._touch_tower(torch.zeros((), device=device, dtype=dtype))
+            local = torch.zeros(0, hidden * (1 + self._deepstack_layers()), device=device, dtype=dtype) + zero
+        flat = local
+        if p > 1:
+            local = torch.cat([local, local.new_zeros(rows - local.shape[0], local.shape[1])])
+            with comm.phase("vision"):
+                flat = _GatherRows.apply(local, comm, group).reshape(p * rows, -1)
+        at = [0] * p
+        order: dict[str, list[int]] = {"image": [], "video": []}
+        for u, r in zip(units, owner):
+            order[u.kind] += range(r * rows + at[r], r * rows + at[r] + u.tokens)
+            at[r] += u.tokens
+        return {kind: list(flat.index_select(0, torch.tensor(idx, device=flat.device)).split(hidden, dim=-1))
+                for kind, idx in order.items() if idx}
+
+    def _deepstack_layers(self) -> int:
+        return len(getattr(self._model.config.vision_config, "deepstack_visual_indexes", None) or ()) \
+            if self.deepstack else 0
+
     def _touch_tower(self, emb: torch.Tensor) -> torch.Tensor:
-        """A batch without images, in training: ``emb`` + 0 x the tower's output on one blank merged patch, so the
-        tower's parameters get a (zero) gradient on every rank. Data-parallel replicas may hold batches with and
-        without images in the same step, and ZeRO 1/2 fill their reduce buckets in gradient-hook order: a replica
-        whose tower got no gradient would reduce different buckets than one whose did (measured: the step fails)."""
-        if not (torch.is_grad_enabled() and self._model.training):
-            return emb
+        """A batch (or a rank's share) without images: ``emb`` + 0 x the tower's output on one blank merged patch, so
+        the tower runs once and its parameters get a (zero) gradient on every rank. Data-parallel replicas may hold
+        batches with and without images in the same step: ZeRO 1/2 fill their reduce buckets in gradient-hook order,
+        so a replica whose tower got no gradient would reduce different buckets than one whose did (measured: the
+        step fails), and ZeRO-3 gathers the tower's parameters collectively at each call."""
         vc = self._model.config.vision_config
         row = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3))) * int(vc.temporal_patch_size) * \
             int(vc.patch_size) ** 2

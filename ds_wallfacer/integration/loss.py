@@ -244,7 +244,7 @@ class SequenceParallelCausalLM(nn.Module):
         if media:
             return None, self._vision_inputs(input_ids, mrope_position_ids, media_index, media, kwargs), kwargs
         if hasattr(self.vision, "inputs"):  # text only: the tower still gets a (zero) gradient (vision.py)
-            kwargs["inputs_embeds"] = self.vision.inputs(input_ids, None, {})[0]
+            kwargs["inputs_embeds"] = self.vision.inputs(input_ids, None, {}, group=self._group, comm=self._comm)[0]
             return None, position_ids, kwargs
         return input_ids, position_ids, kwargs
 
@@ -261,7 +261,7 @@ class SequenceParallelCausalLM(nn.Module):
         if rope_positions is None or media_index is None:
             raise ValueError("a batch with images or videos needs the loader's mrope_position_ids and media_index: "
                              "shard it with sp.dataloader / sp.shard")
-        embeds, extra = self.vision.inputs(input_ids, media_index, media)
+        embeds, extra = self.vision.inputs(input_ids, media_index, media, group=self._group, comm=self._comm)
         model_kwargs.update(inputs_embeds=embeds, **extra)
         return rope_positions
 

@@ -62,8 +62,10 @@ def test_loader_errors() -> None:
         prepare_batch({"input_ids": torch.ones(1, 8), "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])}, spec)
     with pytest.raises(ValueError, match="labels shape"):
         prepare_batch({"input_ids": torch.ones(1, 8), "labels": torch.ones(1, 7)}, spec)
-    with pytest.raises(ValueError, match="not supported by the sequence-parallel loader"):
+    with pytest.raises(ValueError, match=r"\(images or videos\) are not supported here"):
         prepare_batch({"input_ids": torch.ones(1, 8), "pixel_values": torch.ones(1)}, spec)
+    with pytest.raises(ValueError, match="not supported by the sequence-parallel loader"):
+        prepare_batch({"input_ids": torch.ones(1, 8), "token_type_ids": torch.ones(1, 8)}, spec)
     with pytest.raises(ValueError, match="needs 'input_ids'"):
         prepare_batch({"labels": torch.ones(1, 8)}, spec)
 
