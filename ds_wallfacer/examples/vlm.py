@@ -42,23 +42,19 @@ def tiny_vlm(family: str, *, seed: int = 0) -> Any:
                           spatial_merge_size=2, temporal_patch_size=2)
             cfg = tf.Qwen2VLConfig(text_config=dict(text, rope_parameters=rope), vision_config=vision, **ids)
             cls = tf.Qwen2VLForConditionalGeneration
-    elif family == "qwen3_vl":
+    elif family in ("qwen3_vl", "qwen3_vl_moe"):
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                       spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                       deepstack_visual_indexes=[0, 1])
-        cfg = tf.Qwen3VLConfig(text_config=dict(text, head_dim=16, rope_parameters=rope), vision_config=vision, **ids)
-        cls = tf.Qwen3VLForConditionalGeneration
-    elif family == "qwen3_vl_moe":
-        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
-                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0, 1])
-        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                   mlp_only_layers=[])
-        cfg = tf.Qwen3VLMoeConfig(text_config=dict(text, head_dim=16, rope_parameters=rope, **moe),
-                                  vision_config=vision, **ids)
-        cls = tf.Qwen3VLMoeForConditionalGeneration
+        text = dict(text, head_dim=16, rope_parameters=rope)
+        if family == "qwen3_vl":
+            cfg, cls = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids), tf.Qwen3VLForConditionalGeneration
+        else:
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                        mlp_only_layers=[])
+            cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
+            cls = tf.Qwen3VLMoeForConditionalGeneration
     elif family == "gemma3":
         cfg = tf.Gemma3Config(
             text_config=dict(text, head_dim=16, sliding_window=16, query_pre_attn_scalar=16),

@@ -163,7 +163,7 @@ def run(only: list[str] | None = None, *, log: Any = sys.stdout) -> list[Row]:
 
 def table_lines(rows: list[Row]) -> list[str]:
     """The multimodal section of docs/models.md."""
-    from tests.sweep.run import PASSING
+    from tests.sweep.run import table_rows
 
     counts = {v: sum(r.verdict == v for r in rows) for v in dict.fromkeys(r.verdict for r in rows)}
     lines = [
@@ -177,12 +177,8 @@ def table_lines(rows: list[Row]) -> list[str]:
         "**refused**: a batch with `pixel_values` is refused by the loader, with the reason; such a class still trains",
         "on text as the table above says. " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",
         "",
-        "| class | model_type | verdict | mode | detail |",
-        "| --- | --- | --- | --- | --- |",
+        *table_rows(rows),
     ]
-    for r in sorted(rows, key=lambda r: (PASSING.index(r.verdict) if r.verdict in PASSING else -1, r.cls)):
-        detail = r.detail.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {r.cls} | {r.model_type} | {r.verdict} | {r.mode} | {detail} |")
     return lines
 
 

@@ -208,13 +208,18 @@ def write_table(rows: list[Row], path: Path) -> None:
         "`WALLFACER_SWEEP_TABLE=docs/models.md bash launch/sweep.sh` on "
         f"{datetime.date.today().isoformat()}: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",
         "",
-        "| class | model_type | verdict | mode | detail |",
-        "| --- | --- | --- | --- | --- |",
+        *table_rows(rows),
     ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def table_rows(rows: list[Row]) -> list[str]:
+    """The markdown table of ``rows``: the header, then the failures, exact, refused and not buildable."""
+    lines = ["| class | model_type | verdict | mode | detail |", "| --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (PASSING.index(r.verdict) if r.verdict in PASSING else -1, r.cls)):
         detail = r.detail.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {r.cls} | {r.model_type} | {r.verdict} | {r.mode} | {detail} |")
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def read_table(path: Path) -> tuple[str, dict[str, tuple[str, str]]]:
