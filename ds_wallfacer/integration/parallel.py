@@ -116,6 +116,10 @@ def check_same_batch(batch: Mapping[str, Any], *, group: dist.ProcessGroup, comm
     ids = torch.as_tensor(batch["input_ids"]).long().reshape(-1)
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device) % 1_000_003
     sig = torch.stack([ids.new_tensor(ids.numel()), (ids * weights).sum(), ids.sum()])  # [3] int64, on ids' device
+    for key in ("pixel_values", "pixel_values_videos"):  # images: every rank encodes some frames of its own copy
+        if batch.get(key) is not None:
+            pixels = torch.as_tensor(batch[key]).double().sum().mul(2**16).round().long().to(ids.device)
+            sig = torch.cat([sig, pixels.reshape(1)])
     with comm.phase("data"):
         # the batch is host data: the signature moves to the group's device (NCCL rejects CPU tensors)
         rows = comm.all_gather(comm.place(sig), group, kind="check")

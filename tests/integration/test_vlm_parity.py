@@ -106,6 +106,16 @@ def _train_mixed(rank: int) -> list[str]:
         ((want[0] + want[1]) / 2).backward()
         opt.step()
     failures += param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)
+    # the ranks of a group must hold the same images, not only the same token ids
+    from ds_wallfacer.integration import check_same_batch
+
+    row = conversation(ref, text=30, images=[(2, 2)], seed=0)
+    row["pixel_values"] = row["pixel_values"] + (rank % 2)
+    try:
+        check_same_batch(row, group=sp.groups.sp_group, comm=sp.comm)
+        failures.append("a group whose ranks hold different pixels passed check_same_batch")
+    except ValueError:
+        pass
     engine.destroy()
     return [f"replicas with and without images: {f}" for f in failures]
 
