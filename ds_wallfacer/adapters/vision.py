@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data.loader import MEDIA_KEYS, TOKEN_TYPES_KEY
+from ..hf_config import text_config
 
 __all__ = ["ADAPTED", "MEDIA_INDEX_KEY", "MEDIA_KEYS", "ROPE_KEY", "QwenVisionLanguage", "RefusedVision",
            "has_vision_tower", "media_refusal", "vision_language"]
@@ -312,7 +313,7 @@ class QwenVisionLanguage:
         me = dist.get_rank(group) if p > 1 else 0
         owner = split_units([u.patches for u in units], p)
         mine = [u for u, r in zip(units, owner) if r == me]
-        hidden = self.inner.get_input_embeddings().weight.shape[-1]
+        hidden = int(text_config(self._model).hidden_size)  # not the embedding's weight: ZeRO-3 would gather it
         rows = max(sum(u.tokens for u, r in zip(units, owner) if r == q) for q in range(p))
         if mine:
             pixels = torch.cat([torch.as_tensor(media[u.key])[u.pixel_start:u.pixel_start + u.patches]
