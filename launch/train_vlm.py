@@ -9,10 +9,11 @@ collator gives: ``input_ids`` with each image as ``<vision_start> <image> x k <v
 ``image_grid_thw`` and ``mm_token_type_ids``. The data is synthetic and generated (``ds_wallfacer.examples.vlm``: text
 tokens with ``--images`` random images of different shapes per conversation), the model a tiny one built from its
 config (``--family``), or ``--model`` a Qwen-VL folder for ``from_pretrained``. ``--packed`` packs each micro-batch's
-conversations into one row of documents. The vision tower runs on every rank on the batch's images; the language
-model on this rank's shard. Logs to wandb (offline unless ``WANDB_MODE`` says otherwise) with ``--wandb``. The last
-line printed (rank 0) is a JSON summary: first and final loss, steps, tokens and image tokens per step, tokens/s, the
-sequence-parallel bytes per step and the pixel bytes each rank holds per step.
+conversations into one row of documents. The group splits the vision tower's work by frames; the language model runs
+on this rank's shard. Logs to wandb (offline unless ``WANDB_MODE`` says otherwise) with ``--wandb``. The last
+line printed (rank 0) is a JSON summary: first and final loss, steps, tokens and image tokens per step, tokens/s, this
+rank's sequence-parallel bytes per step (attention and loss; the image features' all-gather apart, "vision") and the
+batch's pixel bytes (every rank receives them; each encodes its share of the frames).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run = wandb.init(project="ds_wallfacer", name=f"vlm-{args.family}", dir=args.output_dir,
                          config={**vars(args), **dims.__dict__})
-    losses, times, sp_bytes = [], [], []
+    losses, times, sp_bytes, vision_bytes = [], [], [], []
     for batch in sp.dataloader(batches):
         sp.comm.reset()
         t0 = time.perf_counter()
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         sp_bytes.append(sum(b for (phase, _), b in sp.comm.sent.items() if phase in ("forward", "backward")))
+        vision_bytes.append(sum(b for (phase, _), b in sp.comm.sent.items() if phase == "vision"))
         if run is not None:
             run.log({"loss": losses[-1], "step_s": times[-1]})
     tokens = sum(int(b["input_ids"].numel()) for b in batches) // len(batches)
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "data_parallel": dims.dp_size, "steps": len(losses), "first_loss": losses[0], "final_loss": losses[-1],
         "tokens_per_step": tokens * dims.dp_size, "image_tokens_per_step": image_tokens * dims.dp_size,
         "tokens_per_s": tokens * dims.dp_size / steady, "sp_bytes_per_step": int(sorted(sp_bytes)[len(sp_bytes) // 2]),
-        "pixel_bytes_per_rank_step": pixel_bytes,
+        "vision_bytes_per_step": int(sorted(vision_bytes)[len(vision_bytes) // 2]), "pixel_bytes_per_step": pixel_bytes,
     }
     if run is not None:
         run.summary.update(summary)
