@@ -31,16 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.loader import MEDIA_KEYS, TOKEN_TYPES_KEY
+from ..data.loader import TOKEN_TYPES_KEY
 from ..hf_config import text_config
 
-__all__ = ["ADAPTED", "MEDIA_INDEX_KEY", "MEDIA_KEYS", "ROPE_KEY", "QwenVisionLanguage", "RefusedVision",
-           "has_vision_tower", "media_refusal", "vision_language"]
-
-ROPE_KEY = "mrope_position_ids"
-"""The loader's output: this rank's M-RoPE positions [3, B, N / P]."""
-MEDIA_INDEX_KEY = "media_index"
-"""The loader's output: [B, N / P], the feature row of each vision token (-1 for text)."""
+__all__ = ["ADAPTED", "FrameUnit", "QwenVisionLanguage", "RefusedVision", "frame_units", "has_vision_tower",
+           "media_refusal", "split_units", "vision_language"]
 
 ADAPTED = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -189,7 +184,6 @@ class QwenVisionLanguage:
         self.video_token_id = int(cfg.video_token_id)
         self.merge = int(cfg.vision_config.spatial_merge_size)
         self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None))
-        self.name = type(model).__name__
 
     @property
     def inner(self) -> nn.Module:

@@ -188,10 +188,8 @@ def prepare_batch(
     (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
     zigzag); ``chunk_assignment`` [R, chunks per rank] int64 says which ring chunks each ring rank holds, ascending.
 
-    ``vision`` (``adapters.vision``, from the integration): the model's adapter for batches with images or videos
-    (``MEDIA_KEYS``, ``mm_token_type_ids``). Their M-RoPE positions are computed on the full row and sharded
-    (``mrope_position_ids`` [3, B, N / P]), with each vision token's feature row (``media_index``); the media pass
-    through unsharded. A model without an adapter carries ``vision.refusal``, raised for such a batch.
+    ``vision``: the model's adapter (``adapters/vision.py``) for images and videos (``MEDIA_KEYS``), whose
+    ``mrope_position_ids`` [3, B, N / P] and ``media_index`` ``_media_fields`` adds; ``vision.refusal`` refuses them.
     """
     ids = _checked_ids(batch, vision)
     mask = _right_padding_mask(batch)
@@ -235,18 +233,28 @@ def prepare_batch(
         "position_ids": shard_sequence(pos, **kw).contiguous(),
         "shift_labels": shard_sequence(shift, **kw).contiguous(),
     }
-    media = {k: torch.as_tensor(batch[k]) for k in MEDIA_KEYS if batch.get(k) is not None}
-    if media:
-        types = vision.token_types(ids, batch.get(TOKEN_TYPES_KEY))
-        out["mrope_position_ids"] = shard_sequence(vision.positions(ids, types, media, docs), **{**kw, "dim": 2})
-        out["media_index"] = shard_sequence(vision.media_index(types), **kw).contiguous()
-        out.update(media)
+    out.update(_media_fields(batch, ids, docs, vision, kw))
     if keep is not None and not bool(keep.all()):
         # only with padding: which local tokens are real, and the length the model would see without our padding
         out["token_mask"] = shard_sequence(keep, **kw).contiguous()
         out["sequence_length"] = torch.full_like(out["position_ids"], n_in)  # per token, sharded like the rest
     out.update(extra)
     return out
+
+
+def _media_fields(batch: Mapping[str, Any], ids: torch.Tensor, docs: list[list[int]] | None, vision: Any,
+                  shard: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A batch with images or videos: the M-RoPE positions of the full (padded) rows and each token's feature row,
+    sharded like the tokens (``shard``: ``shard_sequence``'s keywords), and the media as they are; {} without."""
+    media = {k: torch.as_tensor(batch[k]) for k in MEDIA_KEYS if batch.get(k) is not None}
+    if not media:
+        return {}
+    types = vision.token_types(ids, batch.get(TOKEN_TYPES_KEY))
+    return {
+        "mrope_position_ids": shard_sequence(vision.positions(ids, types, media, docs), **{**shard, "dim": 2}),
+        "media_index": shard_sequence(vision.media_index(types), **shard).contiguous(),
+        **media,
+    }
 
 
 def collate_right_padded(
