@@ -35,7 +35,7 @@ from ..data.loader import TOKEN_TYPES_KEY
 from ..hf_config import text_config
 
 __all__ = ["ADAPTED", "FrameUnit", "QwenVisionLanguage", "RefusedVision", "frame_units", "has_vision_tower",
-           "media_refusal", "split_units", "vision_language"]
+           "media_refusal", "pixel_row", "split_units", "vision_language"]
 
 ADAPTED = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -92,6 +92,13 @@ def vision_language(model: nn.Module) -> "QwenVisionLanguage | RefusedVision | N
     if has_vision_tower(model):
         return RefusedVision(media_refusal(model))
     return None
+
+
+def pixel_row(vision_config: Any) -> int:
+    """Values per patch row of ``pixel_values``: channels x temporal patch x patch side^2 (1,176 in Qwen2.5-VL)."""
+    vc = vision_config
+    channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
+    return channels * int(getattr(vc, "temporal_patch_size", 1)) * int(vc.patch_size) ** 2
 
 
 def _take_grids(grids: torch.Tensor | None, start: int, tokens: int, merge: int, what: str) -> int:
@@ -344,9 +351,7 @@ class QwenVisionLanguage:
         batches with and without images in the same step: ZeRO 1/2 fill their reduce buckets in gradient-hook order,
         so a replica whose tower got no gradient would reduce different buckets than one whose did (measured: the
         step fails), and ZeRO-3 gathers the tower's parameters collectively at each call."""
-        vc = self._model.config.vision_config
-        row = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3))) * int(vc.temporal_patch_size) * \
-            int(vc.patch_size) ** 2
+        row = pixel_row(self._model.config.vision_config)
         grid = torch.tensor([[1, self.merge, self.merge]], device=emb.device)
         blank = torch.zeros(self.merge**2, row, device=emb.device, dtype=emb.dtype)
         out = self.inner.get_image_features(blank, grid, return_dict=True)
@@ -379,8 +384,7 @@ class QwenVisionLanguage:
         if getattr(cfg, "vision_start_token_id", None) is not None:
             ids[0, at - 1] = int(cfg.vision_start_token_id)
             ids[0, at + tokens] = int(cfg.vision_end_token_id)
-        row = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3))) * int(vc.temporal_patch_size) * \
-            int(vc.patch_size) ** 2
+        row = pixel_row(vc)
         pixels = torch.randn(int(grid.prod()), row, generator=torch.Generator().manual_seed(0x1A6E))
         return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid,
                 TOKEN_TYPES_KEY: self.token_types(ids).int()}

@@ -79,6 +79,8 @@ def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], se
     """One row: ``text`` random text tokens with the ``images`` ((h, w) merged patches each) and then the ``videos``
     ((t, h, w): t temporal patches of h x w merged patches) spread evenly among them; ``input_ids`` [N],
     ``pixel_values`` / ``image_grid_thw`` [images, 3], ``pixel_values_videos`` / ``video_grid_thw`` [videos, 3]."""
+    from ..adapters.vision import pixel_row
+
     g = torch.Generator().manual_seed(seed)
     vc = model.config.vision_config
     merge = int(getattr(vc, "spatial_merge_size", 1))
@@ -88,8 +90,7 @@ def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], se
     pieces, at = [], 0
     grids: dict[int, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
     pixels: dict[int, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
-    channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
-    row = channels * int(getattr(vc, "temporal_patch_size", 1)) * int(vc.patch_size) ** 2
+    row = pixel_row(vc)
     for cut, (token, t, h, w) in zip(cuts, media):
         pieces += [words[at:cut], torch.tensor([START]), torch.full((t * h * w,), token), torch.tensor([END])]
         grid = torch.tensor([t, h * merge, w * merge])
