@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-
-from .parity import param_failures, zero_section
+from tests.integration.parity import param_failures, zero_section
 
 LR = 0.5
 STEPS = 2

@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.integration.test_packed import _train
 from tests.models import TINY_CONFIG
-
-from .test_packed import _train
 
 _SMALL = {k: TINY_CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
                                       "max_position_embeddings")}

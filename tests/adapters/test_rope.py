@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.adapters.variants import tiny_rope
 from tests.dist_utils import run_distributed
-
-from .models import full_batch, hf_loss
-from .parity import finish, first_step_failures, parity_config, run_cases, train
-from .variants import tiny_rope
+from tests.integration.models import full_batch, hf_loss
+from tests.integration.parity import finish, first_step_failures, parity_config, run_cases, train
 
 LR = 0.5
 STEPS = 2

@@ -9,12 +9,10 @@ import re
 import torch
 from torch import nn
 
+from tests.adapters.variants import tiny_head, tiny_moe, tiny_rope
 from tests.dist_utils import run_distributed
-
+from tests.integration.models import full_batch, hf_loss, tiny_model
 from tests.models import TINY_CONFIG
-
-from .models import full_batch, hf_loss, tiny_model
-from .variants import tiny_head, tiny_moe, tiny_rope
 
 LR = 0.5
 STEPS = 2

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.integration.test_packed import _train
 from tests.models import TINY_CONFIG
-
-from .test_packed import _train
 
 _LAYERS = ["linear_attention", "full_attention", "linear_attention"]
 

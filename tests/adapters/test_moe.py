@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from tests.adapters.variants import AUX_COEF, MOE_FAMILIES, tiny_moe
 from tests.dist_utils import run_distributed
-
-from .models import full_batch
-from .parity import Case, finish, first_step_failures, parity_config, run_cases, train
-from .variants import AUX_COEF, MOE_FAMILIES, tiny_moe
+from tests.integration.models import full_batch
+from tests.integration.parity import Case, finish, first_step_failures, parity_config, run_cases, train
 
 LR = 0.5
 STEPS = 3

@@ -93,7 +93,7 @@ def _startup_errors(rank: int, world: int) -> list[str]:
     """Bad configurations: the same clear error on every rank, before any collective could hang."""
     from ds_wallfacer.integration import initialize
 
-    from .models import tiny_model
+    from tests.integration.models import tiny_model
 
     out = []
     for wf in ({"mode": "wallfacer", "ring_count": 3},  # 9 does not divide 4

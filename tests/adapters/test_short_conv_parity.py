@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.integration.test_packed import _train
 from tests.models import TINY_CONFIG
-
-from .test_packed import _train
 
 _LAYERS = ["conv", "full_attention", "conv", "conv"]
 
