@@ -1,15 +1,15 @@
-"""Llama 4's text model (chunked attention on its RoPE layers, temperature-tuned queries on its NoPE layer, MoE)
-through the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one
-process with its own eager attention and masks: loss at every step and every parameter after the SGD steps, fp32,
-clipping off; packed documents against each document run alone. 64 tokens in chunks of 16 (so most query/key
-pairs are masked), ``floor_scale`` 4 (so the query scale changes every 4 positions: HF's default 8192 would leave
-it at 1 for any test length). The training loop and the packed reference are test_packed.py's."""
+"""Llama 4's text model (chunked attention on its RoPE layers, temperature-tuned queries on its NoPE layer, MoE) through
+the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one process with
+its own eager attention and masks: loss at every step and every parameter after the SGD steps, fp32, clipping off;
+packed documents against each document run alone. 64 tokens in chunks of 16 (so most query/key pairs are masked),
+``floor_scale`` 4 (so the query scale changes every 4 positions: HF's default 8192 would leave it at 1 for any test
+length). The training loop and the packed reference are tests/integration/reference_run.py's."""
 from __future__ import annotations
 
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.integration.test_packed import _train
+from tests.integration.reference_run import train_like_reference
 from tests.models import TINY_CONFIG
 
 
@@ -37,7 +37,7 @@ CASES = [  # (wallfacer section, ZeRO stage, packed documents)
 def _body(rank: int, world: int) -> list[str]:
     failures = []
     for wallfacer, stage, packed in CASES:
-        failures += _train(tiny_llama4, wallfacer, stage=stage, packed=packed)
+        failures += train_like_reference(tiny_llama4, wallfacer, stage=stage, packed=packed)
     return failures
 
 

@@ -1,18 +1,19 @@
 """Mamba-2 mixers (Granite 4 hybrid: Mamba-2 layers around an attention layer, MoE; Mamba-2 alone, no attention;
 Falcon-H1: attention and Mamba-2 side by side in every layer, muP multipliers, one group read by all 4 ranks, with
-and without the gated norm)
-through the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one
-process with its own torch convolution and chunked scan: loss at every step and every parameter (A, D, dt bias and
-the convolution included) after the SGD steps, fp32, clipping off. Scan chunks of 16 tokens, so a sequence of 64
-crosses several; 8 heads over 4 ranks, with 4 groups (one per rank) or 2 (each read by two ranks). Packed
-documents against each document run alone. Every mode, P = 1, MsT, balanced sharding, ZeRO 1/2/3. The training
-loop and the packed reference are test_packed.py's."""
+and without the gated norm) through the real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against
+the same HF model in one process with its own torch convolution and chunked scan: loss at every step and every
+parameter (A, D, dt bias and the convolution included) after the SGD steps, fp32, clipping off. Scan chunks of 16
+tokens, so a sequence of 64 crosses several; 8 heads over 4 ranks, with 4 groups (one per rank) or 2 (each read by
+two ranks). Packed documents against each document run alone. Every mode, P = 1, MsT, balanced sharding, ZeRO 1/2/3.
+The training loop and the packed reference are tests/integration/reference_run.py's."""
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.integration.test_packed import _train
+from tests.integration.reference_run import train_like_reference
 from tests.models import TINY_CONFIG
 
 
@@ -66,8 +67,8 @@ CASES = [  # (family, wallfacer section, ZeRO stage, packed documents)
 def _body(rank: int, world: int) -> list[str]:
     failures = []
     for family, wallfacer, stage, packed in CASES:
-        failures += [f"{family}: {f}" for f in _train(lambda f=family: tiny_mamba(f), wallfacer, stage=stage,
-                                                     packed=packed)]
+        run = train_like_reference(partial(tiny_mamba, family), wallfacer, stage=stage, packed=packed)
+        failures += [f"{family}: {f}" for f in run]
     return failures
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.adapters.variants import AUX_COEF, MOE_FAMILIES, tiny_moe
+from tests.adapters.models import AUX_COEF, MOE_FAMILIES, tiny_moe
 from tests.dist_utils import run_distributed
 from tests.integration.models import full_batch
 from tests.integration.parity import Case, finish, first_step_failures, parity_config, run_cases, train

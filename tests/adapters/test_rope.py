@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.adapters.variants import tiny_rope
+from tests.adapters.models import tiny_rope
 from tests.dist_utils import run_distributed
 from tests.integration.models import full_batch, hf_loss
 from tests.integration.parity import finish, first_step_failures, parity_config, run_cases, train

@@ -1,14 +1,16 @@
-"""gpt-oss (per-head attention sinks, alternating sliding-window layers) and DeepSeek-V3 (multi-head latent
-attention: value heads narrower than query/key heads) through the real integration (``initialize``, a DeepSpeed
-engine, 4 gloo ranks) against the same HF model in one process with its own eager attention: loss at every step and
-every parameter (the sinks included) after the SGD steps, fp32, clipping off; packed documents against each document
-run alone. The training loop and the packed reference are test_packed.py's."""
+"""gpt-oss (per-head attention sinks, alternating sliding-window layers) and DeepSeek-V3 (multi-head latent attention:
+value heads narrower than query/key heads) through the real integration (``initialize``, a DeepSpeed engine, 4 gloo
+ranks) against the same HF model in one process with its own eager attention: loss at every step and every parameter
+(the sinks included) after the SGD steps, fp32, clipping off; packed documents against each document run alone. The
+training loop and the packed reference are tests/integration/reference_run.py's."""
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.integration.test_packed import _train
+from tests.integration.reference_run import train_like_reference
 from tests.models import TINY_CONFIG
 
 _SMALL = {k: TINY_CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
@@ -50,8 +52,8 @@ CASES = [  # multi-ring (C = 2) and Ulysses alone: tests/attention/test_sinks_va
 def _body(rank: int, world: int) -> list[str]:
     failures = []
     for family, wallfacer, stage, packed in CASES:
-        failures += [f"{family}: {f}" for f in _train(lambda f=family: tiny_attention_model(f), wallfacer,
-                                                     stage=stage, packed=packed)]
+        run = train_like_reference(partial(tiny_attention_model, family), wallfacer, stage=stage, packed=packed)
+        failures += [f"{family}: {f}" for f in run]
     return failures
 
 

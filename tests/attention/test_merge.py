@@ -8,25 +8,9 @@ import pytest
 import torch
 
 from ds_wallfacer.attention.merge import merge_, merge_torch_, triton_merge_available
+from tests.attention.merge_cases import INF, assert_same_merge, merge_case
 
 ROOT = Path(__file__).resolve().parents[2]
-INF = float("-inf")
-
-
-def _case(seed: int = 0, out_dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """A team-wide accumulator (the merge writes a strided slice of it) and one block, with rows that have seen
-    nothing yet (acc lse -inf), block rows that see nothing (lse -inf, out 0), and rows with both."""
-    g = torch.Generator().manual_seed(seed)
-    b, h, s, d = 2, 3, 40, 72
-    acc = torch.randn(b, h, s + 24, d, generator=g, dtype=torch.float64)
-    acc_lse = torch.randn(b, h, s + 24, generator=g, dtype=torch.float64) * 4
-    out = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
-    lse = torch.randn(b, h, s, generator=g, dtype=torch.float64) * 4
-    acc[0, 1, 8:16], acc_lse[0, 1, 8:16] = 0.0, INF  # slice rows 0..7: nothing seen yet
-    out[0, 1, 4:10], lse[0, 1, 4:10] = 0.0, INF  # block rows 4..9 see nothing (4..7: neither)
-    lse[1, 2, 7] = 80.0  # one dominant block row
-    to = lambda x, dt: x.to(device=device, dtype=dt)  # noqa: E731
-    return to(acc, torch.float32), to(acc_lse, torch.float32), to(out, out_dtype), to(lse, torch.float32)
 
 
 def _float64_merge(acc, acc_lse, out, lse):
@@ -37,22 +21,15 @@ def _float64_merge(acc, acc_lse, out, lse):
     return acc * w_a.unsqueeze(-1) + out * w_b.unsqueeze(-1), new
 
 
-def _assert_same(a, b, la, lb, tol):
-    torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
-    assert torch.equal(torch.isinf(la), torch.isinf(lb))
-    fin = torch.isfinite(lb)
-    torch.testing.assert_close(la[fin].double(), lb[fin].double(), atol=tol, rtol=tol)
-
-
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_torch_merge_matches_float64_on_a_strided_view(out_dtype):
-    acc, acc_lse, out, lse = _case(out_dtype=out_dtype)
+    acc, acc_lse, out, lse = merge_case(out_dtype=out_dtype)
     want_out, want_lse = _float64_merge(acc[:, :, 8:48], acc_lse[:, :, 8:48], out, lse)
     untouched = acc[:, :, :8].clone(), acc[:, :, 48:].clone()
     view_out, view_lse = acc[:, :, 8:48], acc_lse[:, :, 8:48]
     assert not view_out.is_contiguous()
     merge_(view_out, view_lse, out, lse)  # on CPU: the PyTorch path
-    _assert_same(view_out, want_out, view_lse, want_lse, 1e-5)
+    assert_same_merge(view_out, want_out, view_lse, want_lse, 1e-5)
     assert torch.equal(acc[:, :, :8], untouched[0]) and torch.equal(acc[:, :, 48:], untouched[1])
     assert (view_out[0, 1, 4:8] == 0).all() and torch.isinf(view_lse[0, 1, 4:8]).all()  # neither: stays (0, -inf)
     torch.testing.assert_close(view_out[0, 1, :4], out[0, 1, :4].float())  # first block seen: taken as it is
@@ -78,12 +55,12 @@ def test_merging_blocks_one_by_one_equals_attention_over_their_union():
 def test_cuda_triton_merge_equals_torch_merge(out_dtype):
     from ds_wallfacer.attention.merge import _qualifies
 
-    acc, acc_lse, out, lse = _case(out_dtype=out_dtype, device="cuda")
+    acc, acc_lse, out, lse = merge_case(out_dtype=out_dtype, device="cuda")
     a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()
     assert _qualifies(a1[:, :, 8:48], l1[:, :, 8:48], out, lse)
     merge_(a1[:, :, 8:48], l1[:, :, 8:48], out, lse)  # Triton
     merge_torch_(a2[:, :, 8:48], l2[:, :, 8:48], out, lse)
-    _assert_same(a1, a2, l1, l2, 1e-5)
+    assert_same_merge(a1, a2, l1, l2, 1e-5)
 
 
 def test_triton_merge_kernel_in_the_triton_interpreter():
@@ -92,13 +69,13 @@ def test_triton_merge_kernel_in_the_triton_interpreter():
     code = (
         "import torch\n"
         "from ds_wallfacer.attention.merge import merge_triton_, merge_torch_\n"
-        "from tests.attention.test_merge import _case, _assert_same\n"
+        "from tests.attention.merge_cases import assert_same_merge, merge_case\n"
         "for dt in (torch.float32, torch.bfloat16):\n"
-        "    acc, acc_lse, out, lse = _case(out_dtype=dt)\n"
+        "    acc, acc_lse, out, lse = merge_case(out_dtype=dt)\n"
         "    a1, l1, a2, l2 = acc.clone(), acc_lse.clone(), acc.clone(), acc_lse.clone()\n"
         "    merge_triton_(a1[:, :, 8:48], l1[:, :, 8:48], out, lse)\n"
         "    merge_torch_(a2[:, :, 8:48], l2[:, :, 8:48], out, lse)\n"
-        "    _assert_same(a1, a2, l1, l2, 1e-5)\n"
+        "    assert_same_merge(a1, a2, l1, l2, 1e-5)\n"
         "print('ok')\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]))

@@ -9,7 +9,7 @@ import re
 import torch
 from torch import nn
 
-from tests.adapters.variants import tiny_head, tiny_moe, tiny_rope
+from tests.adapters.models import tiny_head, tiny_moe, tiny_rope
 from tests.dist_utils import run_distributed
 from tests.integration.models import full_batch, hf_loss, tiny_model
 from tests.models import TINY_CONFIG

@@ -108,11 +108,11 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         deepspeed.init_distributed(dist_backend="gloo")
         model = AutoModelForCausalLM.from_pretrained(opts["pretrained"]).train()
     elif opts.get("family") == "qwen3_5":  # gated delta-nets (head-parallel)
-        from tests.adapters.test_delta_net_parity import tiny_delta_net
+        from tests.adapters.models import tiny_delta_net
 
         model = tiny_delta_net("qwen3_5")
     elif opts.get("family") == "lfm2":  # short convolutions (halo)
-        from tests.adapters.test_short_conv_parity import tiny_lfm2
+        from tests.adapters.models import tiny_lfm2
 
         model = tiny_lfm2("lfm2")
     elif opts.get("family") in ("qwen2_5_vl", "qwen3_vl"):  # images in every sequence

@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["Case", "first_step_failures", "finish", "parity_config", "param_failures", "run_cases", "train",
-           "zero_section"]
+__all__ = ["Case", "LOSS_RTOL", "first_step_failures", "finish", "parity_config", "param_failures", "run_cases",
+           "train", "zero_section"]
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,11 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.integration.parity import parity_config
+from tests.integration.reference_run import LR, SEQ, train_like_reference
 from tests.models import TINY_CONFIG
 
-from .parity import param_failures, zero_section
-
-LR = 0.5
-STEPS = 2
-SEQ = 64
 _TORCH_CKPT = {"activation_checkpointing": "torch"}
-
-
-def _config(wallfacer: dict, stage: int = 1) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": zero_section(stage),
-            "zero_allow_untested_optimizer": True, "wallfacer": wallfacer}
 
 
 def _windowed(family: str) -> torch.nn.Module:
@@ -58,30 +50,6 @@ WINDOWED = [
 ]
 
 
-def _doc_lengths(seed: int) -> list[int]:
-    """Documents of 2..40 tokens summing to SEQ: several straddle rank boundaries, one is longer than a shard."""
-    g = torch.Generator().manual_seed(seed)
-    out, left = [], SEQ
-    while left:
-        n = min(left, int(torch.randint(2, 41, (1,), generator=g)))
-        if left - n == 1:
-            n += 1
-        out.append(n)
-        left -= n
-    return out
-
-
-def _per_document_loss(model: torch.nn.Module, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """The reference: each document alone through the model; sum of token losses / number of targets."""
-    total, count, start = 0.0, 0, 0
-    for n in lengths:
-        doc = ids[:, start : start + n]
-        total = total + model(input_ids=doc, labels=doc).loss * (n - 1)
-        count += n - 1
-        start += n
-    return total / count
-
-
 PACKED = [
     ({"mode": "wallfacer", "ring_count": 1}, 1),
     ({"mode": "wallfacer", "ring_count": 2}, 3),
@@ -91,44 +59,12 @@ PACKED = [
 ]
 
 
-def _train(make, wallfacer: dict, *, stage: int = 1, packed: bool) -> list[str]:
-    from ds_wallfacer.integration import initialize
-
-    ours, ref = make(), make()
-    engine, sp = initialize(model=ours, config=_config(wallfacer, stage),
-                            optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
-    opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    failures = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 + step)
-        ids = torch.randint(1, 256, (1, SEQ), generator=g)
-        if packed:
-            lengths = _doc_lengths(step)
-            batch = {"input_ids": ids, "document_lengths": [lengths]}
-            want = _per_document_loss(ref, ids, lengths)
-        else:
-            batch = {"input_ids": ids}
-            want = ref(input_ids=ids, labels=ids).loss
-        loss = engine(**sp.shard(batch))
-        if abs(loss.item() - want.item()) > 1e-5 * max(1.0, abs(want.item())):
-            failures.append(f"{wallfacer} stage {stage}: step {step} loss {loss.item():.7f} != reference {want.item():.7f}")
-        engine.backward(loss)
-        engine.step()
-        opt.zero_grad()
-        want.backward()
-        opt.step()
-    failures += [f"{wallfacer} stage {stage}: {f}" for f in
-                 param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)]
-    engine.destroy()
-    return failures
-
-
 def _bad_positions(rank: int) -> str | None:
     from ds_wallfacer.integration import initialize
     from tests.integration.models import tiny_model
 
     model = tiny_model("llama")
-    engine, sp = initialize(model=model, config=_config({"mode": "wallfacer"}),
+    engine, sp = initialize(model=model, config=parity_config(stage=1, wallfacer={"mode": "wallfacer"}),
                             optimizer=torch.optim.SGD(model.parameters(), lr=LR))
     batch = sp.shard({"input_ids": torch.randint(1, 256, (1, SEQ)), "document_lengths": [[20, 44]]})
     if rank == 2:
@@ -145,11 +81,12 @@ def _bad_positions(rank: int) -> str | None:
 def _body(rank: int, world: int) -> dict:
     failures = []
     for family, wallfacer in WINDOWED:
-        failures += [f"{family}: {f}" for f in _train(lambda f=family: _windowed(f), wallfacer, packed=False)]
+        failures += [f"{family}: {f}" for f in train_like_reference(lambda f=family: _windowed(f), wallfacer,
+                                                                    packed=False)]
     from tests.integration.models import tiny_model
 
     for wallfacer, stage in PACKED:
-        failures += _train(lambda: tiny_model("llama"), wallfacer, stage=stage, packed=True)
+        failures += train_like_reference(lambda: tiny_model("llama"), wallfacer, stage=stage, packed=True)
     return {"failures": failures, "bad": _bad_positions(rank)}
 
 

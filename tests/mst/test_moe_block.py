@@ -8,7 +8,7 @@ import torch
 
 from ds_wallfacer.mst import apply_mini_sequence
 from ds_wallfacer.mst.mlp import check_position_wise
-from tests.adapters.variants import MOE_FAMILIES, tiny_moe
+from tests.adapters.models import MOE_FAMILIES, tiny_moe
 
 
 def test_probe_rejects_a_block_that_needs_batch_and_sequence_dims() -> None:

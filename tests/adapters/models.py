@@ -1,10 +1,13 @@
 """Tiny HF models that train differently from a dense Llama: mixture-of-experts with the router aux loss, every
-RoPE type transformers ships, LM heads with logit scaling or soft-capping. Built from config (no downloads)."""
+RoPE type transformers ships, LM heads with logit scaling or soft-capping, gated delta-nets and LFM2's short
+convolutions. Built from config (no downloads); the adapter tests here, tests/audit/ and tests/hf_trainer/ use them."""
 from __future__ import annotations
 
 import torch
 
 from tests.models import TINY_CONFIG
+
+__all__ = ["AUX_COEF", "HEAD_DIM", "MOE_FAMILIES", "tiny_delta_net", "tiny_head", "tiny_lfm2", "tiny_moe", "tiny_rope"]
 
 # a large coefficient so that a missing or wrong aux loss moves the router far beyond the tolerances
 AUX_COEF = 0.5
@@ -81,7 +84,7 @@ def tiny_rope(rope_type: str, *, family: str = "llama", seed: int = 0) -> torch.
 
 def tiny_head(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     """Granite (``logits_scaling``), Cohere (``logit_scale``) or Gemma-2 (``final_logit_softcapping``; attention
-    soft-capping and sliding windows off: those have their own tests in test_packed.py)."""
+    soft-capping and sliding windows off: those have their own tests in tests/integration/test_packed.py)."""
     torch.manual_seed(seed)
     if family == "granite":
         from transformers import GraniteConfig, GraniteForCausalLM
@@ -101,3 +104,55 @@ def tiny_head(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     else:
         raise ValueError(family)
     return model.train()
+
+
+_DELTA_NET_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
+
+
+def tiny_delta_net(family: str = "qwen3_next") -> torch.nn.Module:
+    """3 layers (linear, full, linear attention), hidden 64; linear attention: 4 key and 8 value heads of 8,
+    convolution kernel 4; full attention: 4 / 2 heads of 16."""
+    torch.manual_seed(0)
+    kw = {k: TINY_CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                      "num_key_value_heads", "vocab_size", "max_position_embeddings")}
+    kw.update(num_hidden_layers=len(_DELTA_NET_LAYERS), layer_types=_DELTA_NET_LAYERS, head_dim=16,
+              linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=4,
+              linear_num_value_heads=8, attn_implementation="eager")
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM(Qwen3NextConfig(**kw, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=32)).train()
+    if family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kw)).train()
+    if family == "olmo_hybrid":  # separate projections, beta doubled (negative eigenvalues allowed)
+        from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+        return OlmoHybridForCausalLM(OlmoHybridConfig(**kw, linear_allow_neg_eigval=True, pad_token_id=0,
+                                                      eos_token_id=2)).train()
+    raise ValueError(family)
+
+
+_LFM2_LAYERS = ["conv", "full_attention", "conv", "conv"]
+
+
+def tiny_lfm2(family: str = "lfm2") -> torch.nn.Module:
+    """4 layers (conv, attention, conv, conv), hidden 64, 4 / 2 heads, convolution kernel 3 with bias."""
+    torch.manual_seed(0)
+    kw = {k: TINY_CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                      "num_key_value_heads", "vocab_size", "max_position_embeddings")}
+    kw.update(num_hidden_layers=len(_LFM2_LAYERS), layer_types=_LFM2_LAYERS, conv_L_cache=3, conv_bias=True,
+              attn_implementation="eager")
+    if family == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        return Lfm2ForCausalLM(Lfm2Config(**kw)).train()
+    if family == "lfm2_moe":
+        from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+        return Lfm2MoeForCausalLM(Lfm2MoeConfig(**kw, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+                                                moe_intermediate_size=32)).train()
+    raise ValueError(family)
