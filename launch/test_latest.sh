@@ -35,9 +35,9 @@ fi
 export PATH="$VENV/bin:$PATH" OMP_NUM_THREADS=1 WANDB_MODE=offline
 cd "$ROOT"
 status=0
-echo "== model tests (tests/integration, tests/mixers) on the newest releases"
-python -m pytest tests/integration tests/mixers -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/model_tests.txt" | tail -25 \
-  || status=1
+echo "== model tests (tests/adapters, tests/audit, tests/integration, tests/mixers) on the newest releases"
+python -m pytest tests/adapters tests/audit tests/integration tests/mixers -q -p no:cacheprovider "$@" 2>&1 \
+  | tee "$OUT/model_tests.txt" | tail -25 || status=1
 echo "== the sweep on the newest releases (table: runs/latest/models.md)"
 WALLFACER_SWEEP=1 WALLFACER_SWEEP_TABLE="$OUT/models.md" python -m pytest tests/sweep -q -ra -s -p no:cacheprovider \
   > "$OUT/sweep.txt" 2>&1 || status=1
