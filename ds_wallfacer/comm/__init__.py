@@ -11,8 +11,8 @@ _EXPORTS = {
     "exposed_share": ".ops",
     "WallFacerGroups": ".groups", "build_groups": ".groups",
     "RankLayout": ".layout", "RankPlace": ".layout", "check_ring_count": ".layout", "valid_ring_counts": ".layout",
-    "MODES": ".dims", "PLACEMENTS": ".dims", "ParallelDims": ".dims", "divisors": ".dims", "ring_offset": ".dims",
-    "valid_ulysses_degrees": ".dims",
+    "MODES": ".dims", "Mode": ".dims", "PLACEMENTS": ".dims", "ParallelDims": ".dims", "STRATEGIES": ".dims",
+    "Strategy": ".dims", "divisors": ".dims", "ring_offset": ".dims", "valid_ulysses_degrees": ".dims",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,23 +2,121 @@
 Note [World layout]). Pure Python.
 
 ``ParallelDims`` holds W, D, P, U, R, C, the placement, the mode and the model's heads; each rule below has one
-function and one error text, which the config parser, the planner's candidates and ``RankLayout`` share.
+function and one error text, which the config parser, the planner's candidates and ``RankLayout`` share. ``Mode``
+and ``Strategy`` are the one vocabulary for the attention across ranks: every question about a mode (does it have
+a ring? which Ulysses degree does it imply? which strategies does it run?) is a method here, not a string
+comparison at the caller.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cached_property
 
 from .layout import RankLayout, check_ring_count
 
-__all__ = ["MODES", "PLACEMENTS", "ParallelDims", "check_heads", "check_mode", "check_placement", "check_sp_size",
+__all__ = ["MODES", "Mode", "PLACEMENTS", "ParallelDims", "STRATEGIES", "Strategy", "check_heads", "check_mode", "check_placement", "check_sp_size",
            "check_ulysses_degree", "divisors", "dynamic_sizes", "ring_offset", "splits_heads", "sub_dims",
            "valid_ulysses_degrees"]
 
-MODES: tuple[str, ...] = ("wallfacer", "ulysses", "hybrid")
-"""Attention across ranks once resolved: WallFacer (U = 1), Ulysses (U = P) or both (the config also accepts
-"auto")."""
+
+class _Word(StrEnum):
+    # repr as the bare word: lists of modes in error messages and notes read as they did when they were strings
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Mode(_Word):
+    """Attention across ranks once resolved (``wallfacer.mode``; the config also accepts "auto", which start-up
+    resolves to one of these). A ``str``: configs, logs, JSON and comparisons with the word read its value."""
+
+    WALLFACER = "wallfacer"
+    """WallFacer over all P ranks (U = 1); ring attention when C = 1."""
+    ULYSSES = "ulysses"
+    """Ulysses all-to-all over all P ranks (U = P, C = 1)."""
+    HYBRID = "hybrid"
+    """Ulysses over U consecutive ranks inside WallFacer over the R = P / U others (1 < U < P)."""
+
+    @classmethod
+    def parse(cls, value: str) -> Mode:
+        """``value`` as a mode; ``ValueError`` naming the allowed words (with "auto", which only the config takes)."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(map(repr, (*MODES, "auto")))
+            raise ValueError(f"wallfacer.mode = {value!r} is invalid: allowed are {allowed}") from None
+
+    @classmethod
+    def from_sizes(cls, sp_size: int, ulysses_degree: int) -> Mode:
+        """The mode of Ulysses degree U over P ranks: wallfacer (U = 1), ulysses (U = P > 1), else hybrid."""
+        if ulysses_degree == 1:
+            return cls.WALLFACER
+        return cls.ULYSSES if ulysses_degree == sp_size else cls.HYBRID
+
+    @property
+    def has_ring(self) -> bool:
+        """WallFacer runs over ring ranks (R = P / U, any C): wallfacer and hybrid; ulysses has R = 1, C = 1."""
+        return self is not Mode.ULYSSES
+
+    @property
+    def has_ulysses(self) -> bool:
+        """Heads cross ranks by all-to-all (U > 1): ulysses and hybrid."""
+        return self is not Mode.WALLFACER
+
+    def ulysses_degree(self, sp_size: int) -> int | None:
+        """The U this mode implies for P = ``sp_size`` ranks: 1 (wallfacer), P (ulysses); None for hybrid, whose
+        degree is a choice."""
+        if not self.has_ulysses:
+            return 1
+        return None if self.has_ring else sp_size
+
+    def admits(self, strategy: str) -> bool:
+        """Whether a run fixed to this mode may use the planner's ``strategy`` (``Strategy.mode``)."""
+        return Strategy(strategy).mode is self
+
+
+class Strategy(_Word):
+    """What a planner candidate runs across ranks: finer than ``Mode``, it tells plain ring (mode wallfacer with
+    C = 1) and a single rank (P = 1, no sequence parallelism) apart."""
+
+    NONE = "none"
+    RING = "ring"
+    WALLFACER = "wallfacer"
+    ULYSSES = "ulysses"
+    HYBRID = "hybrid"
+
+    @classmethod
+    def of(cls, *, sp_size: int, ulysses_degree: int, ring_count: int) -> Strategy:
+        """none (P = 1), ring (U = 1, C = 1), wallfacer (U = 1, C > 1), ulysses (U = P), hybrid (1 < U < P)."""
+        if sp_size == 1:
+            return cls.NONE
+        mode = Mode.from_sizes(sp_size, ulysses_degree)
+        if mode.has_ulysses:
+            return cls(mode.value)
+        return cls.WALLFACER if ring_count > 1 else cls.RING
+
+    @property
+    def mode(self) -> Mode:
+        """The config's mode that runs it: ring and none are wallfacer with C = 1 (none on one rank)."""
+        return Mode.WALLFACER if self in (Strategy.NONE, Strategy.RING) else Mode(self.value)
+
+    @property
+    def splits_sequence(self) -> bool:
+        """More than one rank shares the sequence (every strategy but none)."""
+        return self is not Strategy.NONE
+
+    def allowed_by(self, fixed: str) -> bool:
+        """Whether the planner's fixed ``mode`` allows this strategy: a mode word allows every strategy it runs
+        (``Mode.admits``: "wallfacer" includes ring and one rank), "ring" and "none" only themselves."""
+        return Mode(fixed).admits(self) if fixed in MODES else self is Strategy(fixed)
+
+
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+"""The words of ``Mode`` (the config also accepts "auto")."""
+
+STRATEGIES: tuple[str, ...] = tuple(s.value for s in Strategy)
+"""The words of ``Strategy``."""
 
 PLACEMENTS: tuple[str, ...] = ("team-inner", "ring-inner")
 """How a WallFacer group's indices map to consecutive ranks, fastest-varying first (after the Ulysses index):
@@ -77,21 +175,20 @@ def check_mode(mode: str, *, ulysses_degree: int | str, ring_count: int | str = 
     """The mode agrees with the sizes: wallfacer has U = 1, ulysses has U = P and C = 1. Sizes may be "auto" (or P
     unknown), which this rule leaves to the planner."""
     u, c, p = ulysses_degree, ring_count, sp_size
-    if mode not in MODES:
-        raise ValueError(f"wallfacer.mode = {mode!r} is invalid: allowed are {', '.join(map(repr, (*MODES, 'auto')))}")
-    if mode == "wallfacer" and u not in ("auto", 1):
+    m = Mode.parse(mode)
+    if not m.has_ulysses and u not in ("auto", 1):
         raise ValueError(
-            f'wallfacer.ulysses_degree = {u} needs mode "hybrid" (or "ulysses"); mode "wallfacer" has no Ulysses '
+            f'wallfacer.ulysses_degree = {u} needs mode "hybrid" (or "ulysses"); mode "{m}" has no Ulysses '
             f'dimension (use 1 or "auto")'
         )
-    if mode == "ulysses" and c not in ("auto", 1):
+    if not m.has_ring and c not in ("auto", 1):
         raise ValueError(
-            f'wallfacer.ring_count = {c} needs mode "wallfacer" or "hybrid"; mode "ulysses" has no ring dimension '
+            f'wallfacer.ring_count = {c} needs mode "wallfacer" or "hybrid"; mode "{m}" has no ring dimension '
             f'(use 1 or "auto")'
         )
-    if mode == "ulysses" and isinstance(p, int) and u not in ("auto", p):
+    if not m.has_ring and isinstance(p, int) and u not in ("auto", p):
         raise ValueError(
-            f'mode "ulysses" needs ulysses_degree = sequence_parallel_size = {p}, got {u}; use mode "hybrid" for a '
+            f'mode "{m}" needs ulysses_degree = sequence_parallel_size = {p}, got {u}; use mode "hybrid" for a '
             f"smaller Ulysses degree"
         )
 
@@ -142,8 +239,9 @@ class ParallelDims:
     placement: str = "team-inner"
     """``PLACEMENTS``."""
 
-    mode: str | None = None
-    """``MODES``; None: derived from the sizes (U = 1 wallfacer, U = P ulysses, else hybrid)."""
+    mode: Mode | None = None
+    """The attention across ranks (a ``Mode``; its word is parsed); None: derived from the sizes
+    (``Mode.from_sizes``)."""
     num_heads: int | None = None
     """Query heads of the model (None: no head rule, e.g. in the planner's pure rank arithmetic)."""
     num_kv_heads: int | None = None
@@ -154,9 +252,9 @@ class ParallelDims:
         check_placement(self.placement)
         check_sp_size(w, p)
         check_ulysses_degree(p, u)
-        if self.mode is None:
-            object.__setattr__(self, "mode", "wallfacer" if u == 1 else "ulysses" if u == p else "hybrid")
-        check_mode(self.mode, ulysses_degree=u, ring_count=c, sp_size=p)
+        mode = Mode.from_sizes(p, u) if self.mode is None else Mode.parse(self.mode)
+        object.__setattr__(self, "mode", mode)
+        check_mode(mode, ulysses_degree=u, ring_count=c, sp_size=p)
         check_ring_count(p // u, c)
         if self.num_heads is not None:
             check_heads(self.num_heads, self.num_kv_heads or self.num_heads, ulysses_degree=u, sp_size=p)
@@ -171,6 +269,22 @@ class ParallelDims:
     def ring_size(self) -> int:
         """R = P / U: ranks of one WallFacer group."""
         return self.sp_size // self.ulysses_degree
+
+    @property
+    def group_size(self) -> int:
+        """G = R / C^2: teams per team group, the length of each sub-ring (``RankLayout.group_size``)."""
+        return self.ring_size // (self.ring_count**2)
+
+    @property
+    def strategy(self) -> Strategy:
+        """The planner's finer word for these sizes (``Strategy.of``)."""
+        return Strategy.of(sp_size=self.sp_size, ulysses_degree=self.ulysses_degree, ring_count=self.ring_count)
+
+    @property
+    def placement_matters(self) -> bool:
+        """Whether the placement changes which ranks talk: only with C > 1 teams in G > 1 team groups (otherwise
+        "ring-inner" gives the identity order, as "team-inner" does)."""
+        return self.ring_count > 1 and self.group_size > 1
 
     # -- one rank ----------------------------------------------------------------------------------------
     def dp_index(self, rank: int) -> int:

@@ -30,7 +30,7 @@ from typing import Any, Literal, Mapping, Union
 
 from .._sections import section_kwargs
 from ..attention.kernel_names import KERNEL_NAMES
-from ..comm.dims import MODES, PLACEMENTS, check_mode
+from ..comm.dims import MODES, PLACEMENTS, Mode, check_mode
 from ..data.chunks import SHARDINGS
 from .alst import apply_alst_keys
 
@@ -61,9 +61,10 @@ class WallFacerConfig:
 
     sequence_parallel_size: AutoInt = "auto"
     """P: ranks that share one sequence; "auto" = the whole world (no data parallelism beside it)."""
-    mode: Literal["wallfacer", "ulysses", "hybrid", "auto"] = "wallfacer"
-    """Attention across ranks: WallFacer multi-ring, DeepSpeed-style Ulysses all-to-all, Ulysses inside
-    WallFacer (hybrid), or "auto" (the planner picks; "wallfacer" when it cannot plan)."""
+    mode: Mode | Literal["auto"] = Mode.WALLFACER
+    """Attention across ranks (``comm.dims.Mode``; the word is parsed to it): WallFacer multi-ring, DeepSpeed-style
+    Ulysses all-to-all, Ulysses inside WallFacer (hybrid), or "auto" (the planner picks; "wallfacer" when it cannot
+    plan; ``fixed_mode`` is None)."""
     ring_count: AutoInt = "auto"
     """C: WallFacer ring count (team size); C*C must divide the ring dimension P/U. "auto" = chosen at start-up."""
     ulysses_degree: AutoInt = "auto"
@@ -151,8 +152,14 @@ class WallFacerConfig:
             raise ValueError("wallfacer.dynamic_sequence_parallel schedules every step's rows by their work itself: "
                              "drop wallfacer.balance_steps")
         if self.mode != "auto":
+            object.__setattr__(self, "mode", Mode.parse(self.mode))
             check_mode(self.mode, ulysses_degree=self.ulysses_degree, ring_count=self.ring_count,
                        sp_size=self.sequence_parallel_size)
+
+    @property
+    def fixed_mode(self) -> Mode | None:
+        """The mode the user set; None for "auto" (the one place that reads the config's extra word)."""
+        return None if self.mode == "auto" else self.mode
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "WallFacerConfig":

@@ -19,6 +19,7 @@ _EXPORTS = {
     "PlanInputs": ".auto",
     "resolve_auto": ".auto",
     "STRATEGIES": ".candidate",
+    "Strategy": ".candidate",
     "PLACEMENTS": ".candidate",
     "Candidate": ".candidate",
     "Workload": ".candidate",

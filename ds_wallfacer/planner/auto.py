@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..comm.dims import ParallelDims, check_sp_size, divisors, splits_heads, valid_ulysses_degrees
+from ..comm.dims import Mode, ParallelDims, check_sp_size, divisors, splits_heads, valid_ulysses_degrees
 from ..comm.layout import valid_ring_counts
 from ..config.schema import RunConfig, WallFacerConfig
 from ..data.chunks import check_divisible, padded_length
@@ -111,24 +111,32 @@ def _ranks_per_node(cfg: WallFacerConfig, given: int | None, environ: Mapping[st
 
 def _open_keys(cfg: WallFacerConfig) -> list[str]:
     """The planner's choices that ``cfg`` leaves open ("auto" that is not already implied by the mode)."""
+    mode = cfg.fixed_mode
     keys = []
-    if cfg.mode == "auto":
+    if mode is None:
         keys.append("mode")
     if cfg.sequence_parallel_size == "auto":
         keys.append("sequence_parallel_size")
-    if cfg.ulysses_degree == "auto" and cfg.mode in ("hybrid", "auto"):
+    if cfg.ulysses_degree == "auto" and (mode is None or mode.has_ring and mode.has_ulysses):
         keys.append("ulysses_degree")
-    if cfg.ring_count == "auto" and cfg.mode != "ulysses":
+    if cfg.ring_count == "auto" and (mode is None or mode.has_ring):
         keys.append("ring_count")
-    if cfg.placement == "auto" and cfg.mode != "ulysses":
+    if cfg.placement == "auto" and (mode is None or mode.has_ring):
         keys.append("placement")
-    if keys == ["placement"]:  # sizes all fixed: placement only matters with C > 1 teams in G > 1 team groups
-        p = int(cfg.sequence_parallel_size)
-        u = 1 if cfg.mode == "wallfacer" else int(cfg.ulysses_degree)
-        r, c = (p // u if p % u == 0 else 0), int(cfg.ring_count)
-        if not (c > 1 and r % (c * c) == 0 and r > c * c):
-            keys = []
+    if keys == ["placement"] and not _placement_matters(cfg):
+        keys = []
     return keys
+
+
+def _placement_matters(cfg: WallFacerConfig) -> bool:
+    """With every size fixed (``cfg.fixed_mode`` set): whether the placement changes which ranks talk
+    (``ParallelDims.placement_matters``); sizes that do not fit are the safe rule's to report."""
+    p = int(cfg.sequence_parallel_size)
+    u = cfg.fixed_mode.ulysses_degree(p) or int(cfg.ulysses_degree)
+    try:
+        return ParallelDims(world_size=p, sp_size=p, ulysses_degree=u, ring_count=int(cfg.ring_count)).placement_matters
+    except ValueError:
+        return False
 
 
 def _check_sp_size(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_heads: int,
@@ -232,7 +240,7 @@ def _planned(cfg: WallFacerConfig, inputs: PlanInputs, seq_len: int, open_keys: 
     cluster = pl.calibrated(cluster)
     ms = cfg.mini_sequence
     fixed = {
-        "mode": None if cfg.mode == "auto" else cfg.mode,
+        "mode": cfg.fixed_mode,
         "sp_size": cfg.sequence_parallel_size,
         "ulysses_degree": cfg.ulysses_degree,
         "ring_count": cfg.ring_count,
@@ -289,18 +297,17 @@ def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_
             f"the largest divisor of the world size over which the linear-attention / state-space heads "
             f"{list(mixer_heads[0])} (groups {list(mixer_heads[1])}) split")
         notes.append(f"sequence_parallel_size = {p} ({why})")
-    mode = cfg.mode
-    if mode == "auto":
-        mode = "wallfacer"
-        notes.append("mode = wallfacer (the default when nothing was planned)")
+    mode = cfg.fixed_mode
+    if mode is None:
+        mode = Mode.WALLFACER
+        notes.append(f"mode = {mode} (the default when nothing was planned)")
 
     if cfg.ulysses_degree != "auto":
         u = int(cfg.ulysses_degree)
-    elif mode == "wallfacer":
-        u = 1
-    elif mode == "ulysses":
-        u = p
-        notes.append(f"ulysses_degree = {u} (mode ulysses: the whole sequence-parallel group)")
+    elif (implied := mode.ulysses_degree(p)) is not None:
+        u = implied
+        if mode.has_ulysses:
+            notes.append(f"ulysses_degree = {u} (mode {mode}: the whole sequence-parallel group)")
     else:
         fits = [d for d in valid_ulysses_degrees(p, num_heads, num_kv_heads) if d < p and node % d == 0] if p > 0 else []
         no_copy = [d for d in fits if num_kv_heads % d == 0]
@@ -310,16 +317,17 @@ def _safe_rule(cfg: WallFacerConfig, *, world_size: int, num_heads: int, num_kv_
             f" and the {node} ranks of a node)"
         )
 
+    # the sizes with one ring first: R is read from them, then C is chosen over it
+    dims = ParallelDims(world_size=world_size, sp_size=p, ulysses_degree=u, mode=mode,
+                        placement="team-inner" if cfg.placement == "auto" else cfg.placement, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads)
     if cfg.ring_count != "auto":
         c = int(cfg.ring_count)
     else:
-        r = p // u if u and p % u == 0 else 1
+        r = dims.ring_size
         c = max(x for x in valid_ring_counts(r) if node % x == 0 or x == 1)
         if r > 1:
             notes.append(f"ring_count = {c} (largest C with C*C | {r} ring ranks whose team stays in a node)")
-
-    dims = ParallelDims(world_size=world_size, sp_size=p, ulysses_degree=u, ring_count=c, mode=mode,
-                        placement="team-inner" if cfg.placement == "auto" else cfg.placement, num_heads=num_heads,
-                        num_kv_heads=num_kv_heads)
+    dims = replace(dims, ring_count=c)
     return ParallelSetup(dims, sharding=cfg.sharding, kernel=cfg.kernel, ulysses_head_groups=cfg.ulysses_head_groups,
                          ranks_per_node=rpn, notes=tuple(notes))

@@ -1,28 +1,12 @@
 """One configuration the planner considers: mode, sizes, placement and mini-sequence settings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..comm.dims import PLACEMENTS, check_placement, check_ulysses_degree, splits_heads
-from ..comm.layout import check_ring_count
+from ..comm.dims import PLACEMENTS, STRATEGIES, ParallelDims, Strategy, splits_heads
 from ..mst.config import DEFAULT_LOGITS_BUDGET_MIB
 
-__all__ = ["Candidate", "PLACEMENTS", "STRATEGIES", "Workload", "strategy_of"]
-
-STRATEGIES = ("none", "ring", "wallfacer", "ulysses", "hybrid")
-"""What a candidate runs across ranks (finer than the config's ``mode``: "ring" is mode "wallfacer" with C = 1,
-"none" is P = 1)."""
-
-
-def strategy_of(sp_size: int, ring_count: int, ulysses_degree: int) -> str:
-    """none (P = 1), ring (U = 1, C = 1), wallfacer (U = 1, C > 1), ulysses (U = P), hybrid (1 < U < P)."""
-    if sp_size == 1:
-        return "none"
-    if ulysses_degree == sp_size and sp_size > 1:
-        return "ulysses"
-    if ulysses_degree > 1:
-        return "hybrid"
-    return "wallfacer" if ring_count > 1 else "ring"
+__all__ = ["Candidate", "PLACEMENTS", "STRATEGIES", "Strategy", "Workload"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,35 +27,37 @@ class Candidate:
     lm_head_chunk_tokens: int = 0
     """Tokens per LM-head mini-sequence (0 when MsT is off)."""
     checkpointing: bool = True
+    """Decoder-layer activation checkpointing (only each layer's input kept)."""
     keep_attention: bool = True
     """With checkpointing: attention's results are kept for the backward (not recomputed)."""
     reentrant: bool = True
     """With checkpointing: DeepSpeed's reentrant checkpointing, which holds the recomputed layer output through the
     layer's backward; False: torch's non-reentrant one, which does not (config ``activation_checkpointing``)."""
-    """Decoder-layer activation checkpointing (only each layer's input kept)."""
+    dims: ParallelDims = field(init=False, repr=False, compare=False)
+    """The sizes over one SP group (W = P), validated by ``ParallelDims``: R, G, the strategy and the rank order
+    are read from it, not re-derived here."""
 
     def __post_init__(self) -> None:
-        p, c, u = self.sp_size, self.ring_count, self.ulysses_degree
-        if p < 1:
-            raise ValueError(f"sp_size={p} must be >= 1")
-        check_ulysses_degree(p, u)
-        check_ring_count(p // u, c)
-        check_placement(self.placement)
+        if self.sp_size < 1:
+            raise ValueError(f"sp_size={self.sp_size} must be >= 1")
+        object.__setattr__(self, "dims", ParallelDims(
+            world_size=self.sp_size, sp_size=self.sp_size, ulysses_degree=self.ulysses_degree,
+            ring_count=self.ring_count, placement=self.placement))
 
     @property
-    def strategy(self) -> str:
-        """``STRATEGIES``: none, ring, wallfacer, ulysses or hybrid."""
-        return strategy_of(self.sp_size, self.ring_count, self.ulysses_degree)
+    def strategy(self) -> Strategy:
+        """none, ring, wallfacer, ulysses or hybrid (``ParallelDims.strategy``)."""
+        return self.dims.strategy
 
     @property
     def ring_size(self) -> int:
         """R = P / U: ranks of one WallFacer ring layout."""
-        return self.sp_size // self.ulysses_degree
+        return self.dims.ring_size
 
     @property
     def group_size(self) -> int:
         """G = R / C^2: sub-ring length."""
-        return self.ring_size // (self.ring_count**2)
+        return self.dims.group_size
 
     @property
     def label(self) -> str:
@@ -81,7 +67,7 @@ class Candidate:
             parts.append(f"C={self.ring_count}")
         if 1 < self.ulysses_degree:
             parts.append(f"U={self.ulysses_degree}")
-        if self.placement != "team-inner" and self.ring_count > 1 and self.group_size > 1:
+        if self.placement != "team-inner" and self.dims.placement_matters:
             parts.append(f"[{self.placement}]")
         parts.append("mst" if self.mini_sequence else "no-mst")
         if self.checkpointing:

@@ -13,7 +13,7 @@ from ..attention.volume import AttnShape, paper_ring_bytes, paper_wallfacer_byte
 from .candidate import Candidate, Workload
 from .cluster import ClusterSpec
 from .model import ModelSpec
-from .placement import Links, LinkStats, analyse_links, ring_offset
+from .placement import Links, LinkStats, analyse_links
 
 __all__ = [
     "CostBreakdown", "attention_shapes", "collective_calls", "estimate", "kernel_calls", "kv_heads_on_wire",
@@ -65,9 +65,7 @@ def layer_bytes(
         if sp_index is None:
             local = 1 if cand.ring_count > 1 else 0
         else:  # sp index = ring offset * U + u; the ring offset is the placement's image of the WallFacer index
-            offs = [ring_offset(i, ring_size=cand.ring_size, ring_count=cand.ring_count, placement=cand.placement)
-                    for i in range(cand.ring_size)]
-            local = offs.index(sp_index // cand.ulysses_degree) % cand.ring_count
+            local = cand.dims.ring_order.index(sp_index // cand.ulysses_degree) % cand.ring_count
         wf = wallfacer_bytes(ring, sp_size=cand.ring_size, ring_count=cand.ring_count, local=local)
         for phase, kinds in wf.items():
             out[phase].update(kinds)

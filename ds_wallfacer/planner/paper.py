@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention.volume import AttnShape
-from .candidate import Workload
+from .candidate import Strategy, Workload
 from .cost import paper_figures
 from .model import MODELS
 from .search import PlanError, plan
@@ -78,12 +78,9 @@ def worked_example() -> dict[str, float]:
 
 
 def _family(row: Any) -> str:
+    # multi-ring WallFacer is one family per ring count (the paper compares C = 2, 4, ... with ring); hybrid is one
     c = row.candidate
-    if c.strategy in ("ring", "ulysses", "none"):
-        return c.strategy
-    if c.strategy == "wallfacer":
-        return f"wallfacer C={c.ring_count}"
-    return "hybrid"
+    return f"{c.strategy} C={c.ring_count}" if c.strategy is Strategy.WALLFACER else str(c.strategy)
 
 
 def comparisons(*, overlap: bool = True, settings=PAPER_SETTINGS) -> list[dict[str, Any]]:

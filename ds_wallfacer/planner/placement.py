@@ -17,11 +17,11 @@ import numpy as np
 from dataclasses import dataclass
 
 from ..comm.layout import RankLayout
-from ..comm.dims import ParallelDims, ring_offset
+from ..comm.dims import ParallelDims
 from .candidate import Candidate
 from .cluster import ClusterSpec
 
-__all__ = ["LinkStats", "Links", "analyse_links", "layouts", "peer_indices", "ring_offset", "sp_groups",
+__all__ = ["LinkStats", "Links", "analyse_links", "layouts", "peer_indices", "sp_groups",
            "ulysses_groups", "dims_of"]
 
 
@@ -126,7 +126,7 @@ def analyse_links(cand: Candidate, cluster: ClusterSpec) -> Links:
     p, u, r, c = cand.sp_size, cand.ulysses_degree, cand.ring_size, cand.ring_count
     stats: dict[str, LinkStats | None] = {}
     if r > 1:
-        offs = np.array([ring_offset(i, ring_size=r, ring_count=c, placement=cand.placement) for i in range(r)])
+        offs = np.array(cand.dims.ring_order)
         rank = (np.arange(u)[:, None] + u * offs[None, :])  # [U, R]: global rank of (u, WallFacer index)
         src = rank.reshape(-1)
         for kind, peers in zip(("team", "ring", "skew", "home"), _peer_arrays(r, c)):

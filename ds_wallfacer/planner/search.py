@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..comm.layout import valid_ring_counts
-from ..comm.dims import divisors
+from ..comm.dims import Mode, ParallelDims, Strategy, divisors
 from ..data.chunks import padded_length, seq_len_divisor
 from ..mst.config import auto_lm_head_chunk_tokens, auto_mlp_chunk_tokens
 from .candidate import PLACEMENTS, STRATEGIES, Candidate, Workload
@@ -77,8 +77,8 @@ class Row:
 class PlanChoice:
     """The chosen configuration, in the ``"wallfacer"`` config vocabulary, with the reasons."""
 
-    strategy: str
-    """``candidate.STRATEGIES``; ``mode`` is the config's word for it."""
+    strategy: Strategy
+    """What runs across ranks; ``mode`` is the config's word for it."""
     sp_size: int
     dp_size: int
     ring_count: int
@@ -97,9 +97,9 @@ class PlanChoice:
     candidate: Candidate = field(repr=False)
 
     @property
-    def mode(self) -> str:
-        """The ``"wallfacer"`` config section's mode: ring and single-rank plans are "wallfacer" with C = 1."""
-        return self.strategy if self.strategy in ("ulysses", "hybrid") else "wallfacer"
+    def mode(self) -> Mode:
+        """The ``"wallfacer"`` config section's mode (``Strategy.mode``)."""
+        return self.strategy.mode
 
     def as_dict(self) -> dict[str, Any]:
         """Flat values for logs and wandb (``planner/...`` keys are the caller's business)."""
@@ -138,11 +138,6 @@ def _check_fixed(fixed: Mapping[str, Any]) -> None:
         raise ValueError(f"planner: mode={mode!r}; expected one of {STRATEGIES} or 'auto'")
     if not _free(fixed, "placement") and fixed["placement"] not in PLACEMENTS:
         raise ValueError(f"planner: placement={fixed['placement']!r}; expected one of {PLACEMENTS} or 'auto'")
-
-
-def _mode_ok(fixed_mode: Any, strategy: str) -> bool:
-    # "wallfacer" includes C = 1 (plain ring is WallFacer with one ring) and P = 1 (one rank: no ring at all)
-    return fixed_mode in (None, "auto", strategy) or (fixed_mode == "wallfacer" and strategy in ("ring", "none"))
 
 
 def _mini_sequence_options(
@@ -189,15 +184,18 @@ def _sequence_splits(
             yield p, u
 
 
-def _ring_splits(ring_size: int, fixed: Mapping[str, Any]) -> Iterable[tuple[int, str]]:
-    """(C, placement) pairs for R ring ranks; placements that give the same ranks as team-inner are left out."""
-    for c in valid_ring_counts(ring_size):
+def _ring_splits(sp_size: int, ulysses_degree: int, fixed: Mapping[str, Any]) -> Iterable[tuple[int, str]]:
+    """(C, placement) pairs for P ranks with Ulysses degree U; placements that give the same ranks as team-inner
+    are left out."""
+    base = ParallelDims(world_size=sp_size, sp_size=sp_size, ulysses_degree=ulysses_degree)
+    for c in valid_ring_counts(base.ring_size):
         if not _free(fixed, "ring_count") and c != fixed["ring_count"]:
             continue
+        same_ranks = not replace(base, ring_count=c).placement_matters
         for pl in PLACEMENTS:
             if not _free(fixed, "placement") and pl != fixed["placement"]:
                 continue
-            if pl != "team-inner" and (c == 1 or ring_size // (c * c) == 1) and _free(fixed, "placement"):
+            if pl != "team-inner" and same_ranks and _free(fixed, "placement"):
                 continue  # the same ranks as team-inner
             yield c, pl
 
@@ -215,7 +213,7 @@ def enumerate_candidates(
     reentrant_opts = [True, False] if _free(fixed, "reentrant") else [bool(fixed["reentrant"])]
     ckpt_opts = [(k, r) for k in keep_opts for r in reentrant_opts]
     for p, u in _sequence_splits(model, cluster.world_size, workload, fixed, skipped):
-        for c, pl in _ring_splits(p // u, fixed):
+        for c, pl in _ring_splits(p, u, fixed):
             for mst in mst_opts:
                 for ac in ac_opts:
                     for keep, reentrant in (ckpt_opts if ac else [(True, True)]):
@@ -223,7 +221,7 @@ def enumerate_candidates(
                                          mlp_chunk_tokens=mlp_chunk if mst else 0,
                                          lm_head_chunk_tokens=head_chunk if mst else 0, checkpointing=ac,
                                          keep_attention=keep, reentrant=reentrant)
-                        if _mode_ok(fixed.get("mode"), cand.strategy):
+                        if _free(fixed, "mode") or cand.strategy.allowed_by(fixed["mode"]):
                             out.append(cand)
     return out, skipped
 
@@ -357,7 +355,7 @@ def _choose(fitting: list[Row], rejected: list[Row], fixed: Mapping[str, Any], c
     if close:
         reasons.append(f"{len(close)} other configurations within 1% (below the model's accuracy), e.g. "
                        + "; ".join(r.candidate.label for r in close[:3]))
-    for strategy in ("ring", "wallfacer", "ulysses", "hybrid"):
+    for strategy in (s for s in Strategy if s.splits_sequence):
         other = next((r for r in fitting if r.candidate.strategy == strategy), None)
         if other is not None and other is not best and strategy != c.strategy:
             reasons.append(f"{k.tokens_per_s / other.cost.tokens_per_s:.2f}x the best {strategy} ({other.candidate.label})")
