@@ -40,6 +40,7 @@ PURE = [
     "ds_wallfacer.planner.cluster",
     "ds_wallfacer.planner.search",
     "ds_wallfacer.planner.auto",
+    "ds_wallfacer.train.options",
 ]
 
 

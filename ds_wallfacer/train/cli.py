@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import examples
+from .options import DEFAULTS
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_DATA", "StartupError", "offline_defaults", "parse_args", "read_ds_config"]
 
@@ -67,13 +68,25 @@ def _model_and_data(g: argparse._ArgumentGroup) -> None:
 
 
 def _optimisation(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--steps", type=int, default=20, help="optimizer steps in total (the schedule spans them)")
-    g.add_argument("--lr", type=float, default=3e-3,
-                   help="peak learning rate of the AdamW built when the ds_config has no optimizer")
-    g.add_argument("--warmup_steps", type=int, default=0, help="linear warm-up steps (no ds_config scheduler)")
-    g.add_argument("--lr_decay", choices=("cosine", "linear", "constant"), default="cosine",
-                   help="decay after warm-up, to --min_lr_ratio x peak at --steps (no ds_config scheduler)")
-    g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate / peak")
+    # default None = "not given": the ds_config may set these too, and options.py decides the one value (given
+    # and equal: fine; given and different: refused; not given: the ds_config's, else the default shown here)
+    d = DEFAULTS
+    both = " A value the ds_config also sets must agree with it (docs/trainer.md, Options)."
+    g.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps in total; the schedule spans them (default: the ds_config scheduler's "
+                        f"total_num_steps, else {d['steps']}).{both}")
+    g.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: the ds_config's optimizer.params.lr or scheduler "
+                        f"warmup_max_lr, else {d['lr']:g}).{both}")
+    g.add_argument("--warmup_steps", type=int, default=None,
+                   help=f"linear warm-up steps (default: the ds_config scheduler's warmup_num_steps, else "
+                        f"{d['warmup_steps']}).{both}")
+    g.add_argument("--lr_decay", choices=("cosine", "linear", "constant"), default=None,
+                   help=f"decay after warm-up, to --min_lr_ratio x peak at --steps (default: {d['lr_decay']}); with "
+                        "a ds_config scheduler it must name the same decay (WarmupCosineLR, WarmupDecayLR, WarmupLR)")
+    g.add_argument("--min_lr_ratio", type=float, default=None,
+                   help=f"final learning rate / peak (default: the ds_config scheduler's, else "
+                        f"{d['min_lr_ratio']}).{both}")
     g.add_argument("--seed", type=int, default=0, help="initial weights, data order and every RNG")
     g.add_argument("--nonfinite_limit", type=int, default=3,
                    help="a step whose loss or gradient norm is NaN/inf on any rank is skipped (no update) and logged; "
@@ -123,15 +136,15 @@ def _logging(g: argparse._ArgumentGroup) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Option values that are wrong whatever the model and data."""
     for name in ("seq_len", "steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise StartupError(f"--{name} = {getattr(args, name)} must be at least 1")
     for name in ("eval_every", "save_every", "save_total_limit", "warmup_steps", "watchdog_timeout", "preempt_grace_s",
                  "nonfinite_limit"):
-        if getattr(args, name) < 0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             raise StartupError(f"--{name} = {getattr(args, name)} must be >= 0")
     if not 0.0 <= args.eval_fraction < 1.0:
         raise StartupError(f"--eval_fraction = {args.eval_fraction} must be in [0, 1)")
-    if not 0.0 <= args.min_lr_ratio <= 1.0:
+    if args.min_lr_ratio is not None and not 0.0 <= args.min_lr_ratio <= 1.0:
         raise StartupError(f"--min_lr_ratio = {args.min_lr_ratio} must be in [0, 1]")
     if args.balance_steps and not args.document_masking:
         raise StartupError("--balance_steps evens the documents' attention work, but without --document_masking "

@@ -26,6 +26,7 @@ from .metrics import (comm_bytes, gather_rows, init_wandb, log_step, model_flops
                       peak_tflops, replica_mean, run_summary, split_wandb_section)
 from .model import dtype_of, load_model
 from .nonfinite import NonFiniteRun, UpdateGate, check_step
+from .options import given_options, resolve_options
 from .order import DataOrder
 from .schedule import scheduler_of
 from .preempt import PREEMPTED_EXIT_CODE, Preemption, stop_reason
@@ -43,6 +44,8 @@ class Trainer:
     this is the token mean over the whole global batch)."""
 
     # set by build(): the config, model, data and engine, and the sizes that follow from them
+    option_notes: tuple[str, ...]
+    """Where each option the ds_config can also set took its value from (``options.resolve_options``)."""
     wandb_section: dict[str, Any]
     run_cfg: Any
     resume_candidates: list[Path]
@@ -108,11 +111,17 @@ class Trainer:
         """ds_config, checkpoint to resume, model, data, then the DeepSpeed engine and the sizes it decides."""
         args = self.args
         offline_defaults()
+        try:  # before the heavy imports: an option the ds_config contradicts is refused at once
+            resolved = resolve_options(given=given_options(args), ds_config=read_ds_config(args.deepspeed_config))
+        except ValueError as e:
+            raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
+        vars(args).update(resolved.values)  # every later reader (the loop, the schedule, wandb) sees the one value
+        self.option_notes = resolved.notes
         import ds_wallfacer.integration as wfi  # registers attn_implementation="wallfacer"
 
         from ..config import parse_ds_config
 
-        ds_config, self.wandb_section = split_wandb_section(read_ds_config(args.deepspeed_config))
+        ds_config, self.wandb_section = split_wandb_section(resolved.ds_config)
         try:
             self.run_cfg = parse_ds_config(ds_config)
         except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
@@ -139,6 +148,8 @@ class Trainer:
         self.setup = self.sp.setup
         dims = self.setup.dims
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.rank == 0:  # beside the layout line: where each value given twice (option, ds_config) came from
+            print(f"ds_wallfacer.train: options: {'; '.join(self.option_notes)}", flush=True)
         self.micro, self.dp = self.run_cfg.micro_batch(dp_size=dims.dp_size), dims.dp_size
         self.gas = self.engine.gradient_accumulation_steps()
         self.seq_per_step = self.micro * self.dp * self.gas
@@ -239,6 +250,7 @@ class Trainer:
                 config={**vars(args), "model_source": self.loaded.source, "params": self.n_params,
                         "dtype": str(self.dtype), "world_size": self.world, "layout": setup.describe(),
                         "resumed_from": str(self.resume_tag), "train_sequences": len(data.train),
+                        "option_sources": list(self.option_notes),
                         "eval_sequences": len(data.eval), **setup.log_dict()},
             )
         cfg = self.text_cfg
