@@ -114,6 +114,37 @@ def test_start_up_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "wallfacer.balance_steps = true evens the documents' attention work, but without --document_masking" in err
 
 
+def test_an_option_the_ds_config_sets_otherwise_is_refused_before_anything_runs(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    # every shipped config with an optimizer sets lr 3e-3 (or 1e-5): --lr used to be dropped there without a word
+    err = _refusal(capsys, "--deepspeed_config", "wallfacer", "--lr", "1e4", "--steps", "8", "--output_dir",
+                   str(tmp_path / "out"))
+    assert len(err.splitlines()) == 1 and err.startswith("ds_wallfacer.train: error: --deepspeed_config ")
+    assert ("--lr 10000 and the ds_config's optimizer.params.lr = 0.003 disagree: drop --lr, or in the ds_config "
+            'change optimizer.params.lr to 10000, remove it or set it to "auto"') in err
+    assert not (tmp_path / "out").exists()  # no model, token cache or checkpoint yet
+
+
+def test_an_option_fills_a_ds_config_key_left_auto(tmp_path: Path) -> None:
+    from tests.train.helpers import losses, summary, train_on_ranks
+
+    cfg = tmp_path / "auto.json"
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+        "wallfacer": {"sequence_parallel_size": 1, "self_check": False},
+    }))
+    out = tmp_path / "out"
+    res = train_on_ranks(1, tmp_path, "--deepspeed_config", str(cfg), "--lr", "1e-4", "--lr_decay", "constant",
+                         "--steps", "2", "--seq_len", "64", "--eval_fraction", "0", "--no_wandb", "--no_export",
+                         "--no_save", "--watchdog_timeout", "0", "--output_dir", str(out))
+    summary(res)
+    assert "ds_wallfacer.train: options: lr = 0.0001 <- --lr (written to optimizer.params.lr); steps = 2 <- --steps" \
+        in res.stdout, res.stdout[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == [1e-4, 1e-4] and len(losses(out)) == 2
+
+
 def test_shipped_examples_are_the_defaults_and_found_by_name(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from ds_wallfacer import examples
     from ds_wallfacer.train.cli import DEFAULT_CONFIG, DEFAULT_DATA, parse_args
