@@ -16,9 +16,9 @@ from functools import cached_property
 
 from .layout import RankLayout, check_ring_count
 
-__all__ = ["MODES", "Mode", "PLACEMENTS", "ParallelDims", "STRATEGIES", "Strategy", "check_heads", "check_mode", "check_placement", "check_sp_size",
-           "check_ulysses_degree", "divisors", "dynamic_sizes", "ring_offset", "splits_heads", "sub_dims",
-           "valid_ulysses_degrees"]
+__all__ = ["MODES", "Mode", "PLACEMENTS", "ParallelDims", "STRATEGIES", "Strategy", "check_heads", "check_mode",
+           "check_placement", "check_sp_size", "check_ulysses_degree", "divisors", "dynamic_sizes", "ring_offset",
+           "splits_heads", "sub_dims", "valid_ulysses_degrees"]
 
 
 class _Word(StrEnum):

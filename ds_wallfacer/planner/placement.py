@@ -10,7 +10,6 @@ equal to ``RankLayout`` in the tests.
 """
 from __future__ import annotations
 
-from collections import Counter
 from functools import lru_cache
 
 import numpy as np

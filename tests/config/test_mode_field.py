@@ -22,7 +22,8 @@ def test_auto_is_the_configs_word_until_resolved() -> None:
     cfg = WallFacerConfig.from_dict({"mode": "auto", "sequence_parallel_size": 4})
     assert cfg.mode == "auto" and cfg.fixed_mode is None
     setup = resolve_auto(cfg, world_size=4, num_heads=8, num_kv_heads=8)
-    assert setup.dims.mode is Mode.WALLFACER and "mode = wallfacer (the default when nothing was planned)" in setup.notes
+    assert setup.dims.mode is Mode.WALLFACER
+    assert "mode = wallfacer (the default when nothing was planned)" in setup.notes
     assert WallFacerConfig().mode is Mode.WALLFACER
 
 
