@@ -117,7 +117,7 @@ def _keys(cfg: dict[str, Any], *paths: str) -> list[str]:
     out = []
     for path in paths:
         section = path.split(".")[0]
-        if isinstance(cfg.get(section), dict):
+        if isinstance(cfg.get(section), dict) and cfg[section]:  # {} names no optimizer: the trainer builds one
             if path.count(".") == 2 and cfg[section].get("params") is None:
                 cfg[section]["params"] = {}
             out.append(path)
@@ -196,7 +196,10 @@ def _lr(cfg: dict[str, Any], kind: str | None, given: float | None, notes: list[
     if kind in _OWN_RATE:
         _refuse_beside(kind, "lr", given, f"sets the rate itself (its {_OWN_RATE[kind]})")
     paths = _keys(cfg, *(["scheduler.params.warmup_max_lr"] if kind in _PEAK_KEY else []), "optimizer.params.lr")
-    return float(_settle(cfg, "lr", given, paths, notes))
+    value = float(_settle(cfg, "lr", given, paths, notes))
+    if "optimizer.params.lr" not in paths:
+        notes[-1] += " (the trainer's AdamW: the ds_config has no optimizer)"
+    return value
 
 
 def _steps(cfg: dict[str, Any], kind: str | None, given: int | None, notes: list[str]) -> int:

@@ -132,8 +132,9 @@ def test_no_ds_config_sections_takes_the_options_or_their_defaults() -> None:
     assert r.values == dict(DEFAULTS) and r.ds_config == {"train_micro_batch_size_per_gpu": 1}
     assert all("<- default of --" in n for n in r.notes), r.notes
     given = {"lr": 1e-2, "steps": 7, "warmup_steps": 2, "lr_decay": "linear", "min_lr_ratio": 0.0}
-    r = resolve_options(given=given, ds_config={"scheduler": None})
-    assert r.values == given and "scheduler" not in r.ds_config
+    r = resolve_options(given=given, ds_config={"scheduler": None, "optimizer": {}})
+    assert r.values == given and "scheduler" not in r.ds_config and r.ds_config["optimizer"] == {}
+    assert "lr = 0.01 <- --lr (the trainer's AdamW: the ds_config has no optimizer)" in r.notes
 
 
 def test_invalid_ds_config_values_are_refused() -> None:

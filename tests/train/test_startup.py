@@ -143,6 +143,20 @@ def test_an_option_fills_a_ds_config_key_left_auto(tmp_path: Path) -> None:
         in res.stdout, res.stdout[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows] == [1e-4, 1e-4] and len(losses(out)) == 2
+    # a DeepSpeed scheduler left "auto" gets the options' values (DeepSpeed would refuse "auto" itself)
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "total_num_steps": "auto",
+                                                           "warmup_num_steps": "auto", "warmup_type": "linear"}},
+        "wallfacer": {"sequence_parallel_size": 1, "self_check": False},
+    }))
+    res = train_on_ranks(1, tmp_path, "--deepspeed_config", str(cfg), "--lr", "1e-3", "--warmup_steps", "2",
+                         "--steps", "5", "--seq_len", "64", "--eval_fraction", "0", "--no_wandb", "--no_export",
+                         "--no_save", "--watchdog_timeout", "0", "--output_dir", str(tmp_path / "sched"))
+    summary(res)
+    assert "steps = 5 <- --steps (written to scheduler.params.total_num_steps)" in res.stdout, res.stdout[-3000:]
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "sched" / "metrics.jsonl").read_text().splitlines()]
+    assert max(lrs) == pytest.approx(1e-3) and lrs[-1] < 1e-3, lrs
 
 
 def test_shipped_examples_are_the_defaults_and_found_by_name(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
