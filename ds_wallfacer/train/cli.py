@@ -2,7 +2,8 @@
 
 Every option has a default, so ``deepspeed --num_gpus 4 --module ds_wallfacer.train`` trains the tiny built-in
 Llama on the demo corpus with the example config ``wallfacer`` (both shipped in ``ds_wallfacer.examples``), from
-any folder. Errors found in the options themselves (paths, sizes) are ``StartupError``: the trainer prints one
+any folder. The options the ds_config can also set (``options.DEFAULTS``) are None here unless given:
+``options.resolve_options`` decides their one value against the ds_config at start-up. Errors found in the options themselves (paths, sizes) are ``StartupError``: the trainer prints one
 line and exits with status 2 on every rank, before any process group exists.
 """
 from __future__ import annotations
@@ -37,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + ", ".join(examples.config_names()))
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (LOCAL_RANK is used)")
     _model_and_data(p.add_argument_group("model and data"))
-    _optimisation(p.add_argument_group("optimisation"))
+    _optimisation(p.add_argument_group("optimisation", description=(
+        'an option the ds_config also sets fills a key it leaves open (absent or "auto"), agrees with a key it sets '
+        'to the same value, and is refused where they differ (docs/trainer.md, "Values given twice")')))
     _checkpoints(p.add_argument_group("checkpoints and export"))
     _logging(p.add_argument_group("logging"))
     args = p.parse_args(argv)
@@ -71,22 +74,21 @@ def _optimisation(g: argparse._ArgumentGroup) -> None:
     # default None = "not given": the ds_config may set these too, and options.py decides the one value (given
     # and equal: fine; given and different: refused; not given: the ds_config's, else the default shown here)
     d = DEFAULTS
-    both = " A value the ds_config also sets must agree with it (docs/trainer.md, Options)."
     g.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps in total; the schedule spans them (default: the ds_config scheduler's "
-                        f"total_num_steps, else {d['steps']}).{both}")
+                        f"total_num_steps, else {d['steps']})")
     g.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: the ds_config's optimizer.params.lr or scheduler "
-                        f"warmup_max_lr, else {d['lr']:g}).{both}")
+                        f"warmup_max_lr, else {d['lr']:g})")
     g.add_argument("--warmup_steps", type=int, default=None,
                    help=f"linear warm-up steps (default: the ds_config scheduler's warmup_num_steps, else "
-                        f"{d['warmup_steps']}).{both}")
+                        f"{d['warmup_steps']})")
     g.add_argument("--lr_decay", choices=("cosine", "linear", "constant"), default=None,
                    help=f"decay after warm-up, to --min_lr_ratio x peak at --steps (default: {d['lr_decay']}); with "
                         "a ds_config scheduler it must name the same decay (WarmupCosineLR, WarmupDecayLR, WarmupLR)")
     g.add_argument("--min_lr_ratio", type=float, default=None,
                    help=f"final learning rate / peak (default: the ds_config scheduler's, else "
-                        f"{d['min_lr_ratio']}).{both}")
+                        f"{d['min_lr_ratio']})")
     g.add_argument("--seed", type=int, default=0, help="initial weights, data order and every RNG")
     g.add_argument("--nonfinite_limit", type=int, default=3,
                    help="a step whose loss or gradient norm is NaN/inf on any rank is skipped (no update) and logged; "
