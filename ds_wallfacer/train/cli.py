@@ -3,8 +3,9 @@
 Every option has a default, so ``deepspeed --num_gpus 4 --module ds_wallfacer.train`` trains the tiny built-in
 Llama on the demo corpus with the example config ``wallfacer`` (both shipped in ``ds_wallfacer.examples``), from
 any folder. The options the ds_config can also set (``options.DEFAULTS``) are None here unless given:
-``options.resolve_options`` decides their one value against the ds_config at start-up. Errors found in the options themselves (paths, sizes) are ``StartupError``: the trainer prints one
-line and exits with status 2 on every rank, before any process group exists.
+``options.resolve_options`` decides their one value against the ds_config at start-up. Errors found in the options
+themselves (paths, sizes) are ``StartupError``: the trainer prints one line and exits with status 2 on every rank,
+before any process group exists.
 """
 from __future__ import annotations
 
