@@ -120,6 +120,8 @@ def _keys(cfg: dict[str, Any], *paths: str) -> list[str]:
         if isinstance(cfg.get(section), dict) and cfg[section]:  # {} names no optimizer: the trainer builds one
             if path.count(".") == 2 and cfg[section].get("params") is None:
                 cfg[section]["params"] = {}
+            if not isinstance(cfg[section].get("params", {}), dict):
+                raise ValueError(f"{section}.params = {cfg[section]['params']!r} must be an object")
             out.append(path)
     return out
 
@@ -268,7 +270,7 @@ def _min_ratio(cfg: dict[str, Any], kind: str | None, given: float | None, *, lr
                              "keeps it at the peak after the warm-up: drop --min_lr_ratio, or in the ds_config change "
                              "scheduler.type to WarmupCosineLR or WarmupDecayLR, or set it to \"auto\" (or remove the "
                              "scheduler) for the trainer's schedule")
-        notes.append(f"min_lr_ratio = 1 <- ds_config scheduler.type WarmupLR (no decay)"
+        notes.append("min_lr_ratio = 1 <- ds_config scheduler.type WarmupLR (no decay)"
                      + (" = --min_lr_ratio" if given is not None else ""))
         return 1.0
     _refuse_beside(kind, "min_lr_ratio", given, "decays the rate its own way")

@@ -138,7 +138,7 @@ def test_no_ds_config_sections_takes_the_options_or_their_defaults() -> None:
 
 
 def test_invalid_ds_config_values_are_refused() -> None:
-    with pytest.raises(ValueError, match=r'scheduler.params.total_num_steps = 0 is invalid: allowed is an integer >= 1'):
+    with pytest.raises(ValueError, match="scheduler.params.total_num_steps = 0 is invalid: allowed is an integer >= 1"):
         resolve_options(given={}, ds_config=_sched("WarmupCosineLR", total_num_steps=0))
     with pytest.raises(ValueError, match=r"optimizer.params.lr = 'fast' is invalid"):
         resolve_options(given={"lr": 1e-3}, ds_config={"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}})
