@@ -25,13 +25,13 @@ docs/design/documents.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.loader import TOKEN_TYPES_KEY
+from ..data.media import TOKEN_TYPES_KEY, VisionAdapter
 from ..hf_config import text_config
 
 __all__ = ["ADAPTED", "FrameUnit", "QwenVisionLanguage", "RefusedVision", "frame_units", "has_vision_tower",
@@ -78,15 +78,24 @@ def media_refusal(model: nn.Module) -> str:
 
 
 class RefusedVision:
-    """A model with a vision tower but no adapter: the loader raises ``refusal`` for a batch with pixels."""
+    """A model with a vision tower but no adapter (a ``VisionAdapter`` that refuses): a batch with pixels raises
+    ``refusal``; text batches train as a text model's, and the self-check runs text."""
 
     def __init__(self, refusal: str) -> None:
         self.refusal = refusal
 
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(self.refusal)
 
-def vision_language(model: nn.Module) -> "QwenVisionLanguage | RefusedVision | None":
-    """The adapter of an HF vision-language model; ``RefusedVision`` for one with a vision tower and no adapter;
-    None for a text model."""
+    token_types = positions = media_index = inputs = _refuse  # any batch with pixels: the reason, not a crash
+
+    def sample(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_ids": ids}
+
+
+def vision_language(model: nn.Module) -> VisionAdapter | None:
+    """The adapter of an HF vision-language model (``QwenVisionLanguage``); ``RefusedVision`` for one with a vision
+    tower and no adapter; None for a text model."""
     if type(model).__name__ in ADAPTED:
         return QwenVisionLanguage(model)
     if has_vision_tower(model):
@@ -180,9 +189,9 @@ class _GatherRows(torch.autograd.Function):
 
 class QwenVisionLanguage:
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE): the model's ``get_rope_index``, ``get_image_features``,
-    ``get_video_features`` and its language model, used on shards."""
+    ``get_video_features`` and its language model, used on shards (a ``VisionAdapter``)."""
 
-    refusal = None
+    refusal: str | None = None
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model

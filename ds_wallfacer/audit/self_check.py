@@ -22,12 +22,14 @@ from torch import nn
 
 from ..comm import CommLayer
 from ..data.chunks import padded_length
+from ..data.loader import ShardSpec, prepare_batch
+from ..hf_config import text_config
 from ..adapters import hf
 from ..adapters.mixer_layers import model_forwards
 from ..adapters.rope import is_rotary
 from .model_audit import RefusedModel, refusal
 
-__all__ = ["SelfCheckReport", "check_length", "run_self_check", "tolerances"]
+__all__ = ["SelfCheckReport", "check_length", "run_self_check", "start_up_check", "tolerances"]
 
 log = logging.getLogger("ds_wallfacer")
 
@@ -223,11 +225,41 @@ def run_self_check(
     return report
 
 
+def start_up_check(module: nn.Module, *, spec: ShardSpec, group: dist.ProcessGroup, comm: CommLayer,
+                   device: torch.device, zero_stage: int, tokens: int | str, pad_token_id: int,
+                   ignore_index: int) -> SelfCheckReport:
+    """The start-up step: ``run_self_check`` on the device training will use (DeepSpeed would move a ZeRO-0/1/2 model
+    there anyway; ZeRO-3 models stay where they are), shards cut as the loader cuts them (``spec``), then its
+    traffic forgotten. ``tokens``: ``wallfacer.self_check_tokens``. Rank 0 logs what it measured."""
+    lm = module.lm
+    if device.type != "cpu" and zero_stage < 3 and any(p.device.type == "cpu" for p in lm.parameters()):
+        lm.to(device)
+
+    def shard(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return prepare_batch(batch, spec, pad_token_id=pad_token_id, ignore_index=ignore_index, vision=module.vision)
+
+    length = check_length(text_config(lm), sp_size=spec.sp_size, requested=tokens)
+    # parameters ZeRO-3 partitioned at construction (zero.Init) are gathered for the check, as a forward would
+    partitioned = [p for p in lm.parameters() if hasattr(p, "ds_id")]
+    gathered = contextlib.nullcontext()
+    if partitioned:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+    with gathered:
+        report = run_self_check(module, shard=shard, group=group, comm=comm, tokens=length)
+    comm.reset()
+    module.last_aux_loss = None
+    if dist.get_rank() == 0:
+        log.warning("ds_wallfacer: %s", report.describe())
+    return report
+
+
 def _sample(module: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The checked batch: the random tokens; for a vision-language model (``module.vision``), with an image inside
-    (the tower, the M-RoPE positions and the feature placement are checked too)."""
+    """The checked batch: the random tokens; for a vision-language model (``module.vision``, a ``VisionAdapter``),
+    with an image inside (the tower, the M-RoPE positions and the feature placement are checked too)."""
     vision = getattr(module, "vision", None)
-    return vision.sample(ids) if hasattr(vision, "sample") else {"input_ids": ids}
+    return vision.sample(ids) if vision is not None else {"input_ids": ids}
 
 
 def _reference(lm: nn.Module, batch: Mapping[str, torch.Tensor], device: torch.device,

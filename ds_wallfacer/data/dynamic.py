@@ -4,8 +4,9 @@ rank's batches of the step's rounds, each row sharded over the group of the size
 A step holds exactly the rows the fixed-P run (``SequenceParallelLoader`` over the same dataset, seed and batch
 sizes) trains in that optimizer step: the epoch's order split over the D = W / P replicas as
 ``DistributedSampler`` splits it, ``micro`` rows per micro-batch, ``gradient_accumulation_steps`` micro-batches per
-step. ``choose(lengths, works)`` gives each row its group size, ``steps.dynamic_rounds`` lays the rows out in rounds
-that tile the world's ranks, and each rank takes its slot of every round. Every batch carries
+step. ``choose(lengths, works)`` (a ``planner.dynamic.SizeChooser``) gives each row its group size,
+``steps.dynamic_rounds`` lays the rows out in rounds that tile the world's ranks, and each rank takes its slot of
+every round. Every batch carries
 ``sequence_parallel_size`` (p, its group's size) and ``loss_weight`` = W / (p x D x c), c the labelled tokens of the
 fixed run's micro-batch that holds the row: the loss module multiplies the group's summed token losses by it, and
 the step's gradient is the fixed run's (Note [Dynamic sequence parallelism]). Everything is a function of the
@@ -18,13 +19,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from ..planner.dynamic import SizeChooser
 from .loader import ShardSpec, collate_right_padded, item_work, prepare_batch
 from .steps import FILLER, Slot, dynamic_rounds, rank_slots
 
 __all__ = ["DynamicStep", "DynamicStepLoader", "labelled_tokens"]
 
-Choose = Callable[[Sequence[int], Sequence[int]], list[int]]
-"""(row lengths, row attention works) -> each row's group size."""
 Seconds = Callable[[int, int, int], float]
 """(length, work, group size) -> predicted seconds of the row's forward + backward."""
 
@@ -68,7 +68,7 @@ class DynamicStepLoader:
     for every row when the loader is built (None: the choice raises when the row's step comes)."""
 
     def __init__(self, source: Any, *, specs: Mapping[int, ShardSpec], rank: int, world_size: int, sp_size: int,
-                 micro_batch: int, gradient_accumulation_steps: int, choose: Choose, seconds: Seconds,
+                 micro_batch: int, gradient_accumulation_steps: int, choose: SizeChooser, seconds: Seconds,
                  shuffle: bool = True, seed: int = 0, pad_token_id: int = 0, ignore_index: int = -100,
                  verify: Callable[[int, Mapping[str, Any]], None] | None = None,
                  check_row: Callable[[str, int], None] | None = None) -> None:

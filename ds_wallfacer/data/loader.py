@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .balance import balanced_assignment, zigzag_assignment
 from .chunks import DEFAULT_CHUNKS_PER_RANK, padded_length
+from .media import MEDIA_KEYS, TOKEN_TYPES_KEY, VisionAdapter
 from .packing import (
     document_ids,
     document_lengths_from_position_ids,
@@ -118,12 +119,7 @@ def _documents(batch: Mapping[str, Any], mask: torch.Tensor | None, shape: torch
     return docs
 
 
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-"""Images and videos as the processor gives them: passed to every rank of the group unsharded (with ``vision``)."""
-TOKEN_TYPES_KEY = "mm_token_type_ids"
-
-
-def _checked_ids(batch: Mapping[str, Any], vision: Any = None) -> torch.Tensor:
+def _checked_ids(batch: Mapping[str, Any], vision: VisionAdapter | None = None) -> torch.Tensor:
     """``input_ids`` [B, N] as int64, after checking the batch's keys and the shapes beside it."""
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
@@ -168,7 +164,7 @@ def prepare_batch(
     pad_token_id: int = 0,
     ignore_index: int = -100,
     pad: bool = True,
-    vision: Any = None,
+    vision: VisionAdapter | None = None,
 ) -> dict[str, torch.Tensor]:
     """A batch of full sequences -> this rank's ``input_ids``, ``position_ids``, ``shift_labels`` [B, N / P].
 
@@ -242,7 +238,7 @@ def prepare_batch(
     return out
 
 
-def _media_fields(batch: Mapping[str, Any], ids: torch.Tensor, docs: list[list[int]] | None, vision: Any,
+def _media_fields(batch: Mapping[str, Any], ids: torch.Tensor, docs: list[list[int]] | None, vision: VisionAdapter,
                   shard: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A batch with images or videos: the M-RoPE positions of the full (padded) rows and each token's feature row,
     sharded like the tokens (``shard``: ``shard_sequence``'s keywords), and the media as they are; {} without."""
@@ -367,7 +363,7 @@ class SequenceParallelLoader:
         pad: bool = True,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
         balance_steps: bool = False,
-        vision: Any = None,
+        vision: VisionAdapter | None = None,
     ) -> None:
         self.spec, self.pad_token_id, self.ignore_index, self.pad, self.verify = (
             spec, pad_token_id, ignore_index, pad, verify

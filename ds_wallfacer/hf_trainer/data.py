@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..data.loader import ShardSpec, prepare_batch
+from ..data.media import VisionAdapter
 
 __all__ = ["ShardingCollator", "replica_dataloader", "replica_prepare"]
 
@@ -28,10 +29,10 @@ class ShardingCollator:
     ``shift_labels``, and ``token_mask`` / ``document_starts`` / ``chunk_assignment`` where they apply)."""
 
     def __init__(self, inner: Callable[[Sequence[Any]], Mapping[str, Any]], spec: ShardSpec, *,
-                 pad_token_id: int, ignore_index: int, vision: Any = None) -> None:
+                 pad_token_id: int, ignore_index: int, vision: VisionAdapter | None = None) -> None:
         self.inner, self.spec, self.pad_token_id, self.ignore_index = inner, spec, pad_token_id, ignore_index
         self.vision = vision
-        """The model's vision-language adapter (images and videos in the batch), ``RefusedVision`` or None."""
+        """The model's vision-language adapter (images and videos in the batch); None for a text model."""
 
     def __call__(self, features: Sequence[Any]) -> dict[str, torch.Tensor]:
         batch = dict(self.inner(features))

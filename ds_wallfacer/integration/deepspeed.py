@@ -11,46 +11,30 @@ Note [Gradient normalisation across ZeRO stages] (docs/design/layouts.md).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
-import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..adapters import hf
-from ..adapters.mixer_layers import attach_mixers, mixer_head_counts, mixer_layers
-from ..adapters.positional import scales_by_position
-from ..adapters.rope import RopeLength, wrap_rotary
-from ..adapters.vision import vision_language
-from ..attention.residuals import keep_attention_in_layers
-from ..audit.model_audit import RefusedModel, audit_model, audit_sequence, reentrant_checkpointing
-from ..audit.self_check import check_length, run_self_check
+from ..adapters.hf import apply_sequence_parallel
+from ..audit.model_audit import audit_model, audit_sequence
+from ..audit.self_check import start_up_check
 from ..comm import CommLayer
 from ..config import RunConfig, parse_ds_config
 from ..data.dynamic import DynamicStepLoader
 from ..data.loader import SequenceParallelLoader, prepare_batch
-from ..hf_config import text_config
-from ..comm.dims import sub_dims
-from ..planner.auto import ParallelSetup, PlanInputs, resolve_auto, run_facts
-from ..planner.candidate import Workload
-from ..planner.cluster import cluster_preset, get_cluster
-from ..planner.dynamic import RowModel, choose_sizes, row_candidates
-from ..planner.model import get_model
+from ..mst.apply import MiniSequenceHandle, apply_activation_memory
+from ..planner.auto import ParallelSetup
 from .ds_runtime import init_distributed, rank_device
-from .loss import LocalLoss, SequenceParallelCausalLM, logits_loss, mini_sequence_loss
+from .dynamic import DynamicGroups, GroupOfSize, dynamic_groups, dynamic_loader
+from .loss import LocalLoss, SequenceParallelCausalLM, local_loss_for
 from .packing import PackedBatches
-from .dynamic import build_dynamic_groups, check_dynamic_run
-from .parallel import (SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch,
-                       mixer_shards)
+from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch, mixer_shards
+from .setup import check_setup_agrees, resolve_setup
 
-__all__ = ["SequenceParallel", "initialize", "model_heads", "prepare_sequence_parallel", "row_model"]
-
-log = logging.getLogger("ds_wallfacer")
+__all__ = ["SequenceParallel", "initialize", "prepare_sequence_parallel"]
 
 
 @dataclass(eq=False)
@@ -72,8 +56,8 @@ class SequenceParallel:
     ds_config: dict = field(default_factory=dict)
     """The dict handed to ``deepspeed.initialize``: the ds_config without the ``"wallfacer"`` section, with the
     batch sizes for this world and sequence-parallel size (built once, in ``prepare_sequence_parallel``)."""
-    mini_sequence: Any = None
-    """``ds_wallfacer.mst.MiniSequenceHandle`` when mini-sequence chunking is on, else None."""
+    mini_sequence: MiniSequenceHandle | None = None
+    """The MsT handle when mini-sequence chunking is on, else None."""
     pad_token_id: int = 0
     ignore_index: int = -100
 
@@ -136,8 +120,8 @@ class SequenceParallel:
         )
 
     @property
-    def dynamic(self) -> Any:
-        """``integration.dynamic.DynamicGroups`` with ``wallfacer.dynamic_sequence_parallel``, else None."""
+    def dynamic(self) -> DynamicGroups | None:
+        """The groups of every size with ``wallfacer.dynamic_sequence_parallel``, else None."""
         return self.module.dynamic
 
     def _dynamic_loader(self, source: Any, *, batch_size: int | None, shuffle: bool, seed: int, verify: bool,
@@ -145,71 +129,11 @@ class SequenceParallel:
         if balance_steps:
             raise ValueError("balance_steps=True with wallfacer.dynamic_sequence_parallel: the dynamic schedule "
                              "already lays each step's rows out by their work; drop balance_steps")
-        dims, dyn, comm = self.setup.dims, self.dynamic, self.comm
-        micro = batch_size or self.config.micro_batch(dp_size=dims.dp_size)
-        gas = self.config.gradient_accumulation_steps
-        rows = row_model(self.model, self.config, dyn.sizes, dims)
-        check = None
-        if verify:
-            def check(size: int, batch: Mapping[str, Any]) -> None:
-                check_same_batch(batch, group=dyn.by_size[size].groups.sp_group, comm=comm)
-
-        return DynamicStepLoader(
-            source, specs={p: g.spec for p, g in dyn.by_size.items()}, rank=dist.get_rank(),
-            world_size=dims.world_size, sp_size=dims.sp_size, micro_batch=micro, gradient_accumulation_steps=gas,
-            choose=lambda lengths, works: choose_sizes(lengths, works, model=rows, world_size=dims.world_size,
-                                                        sp_size=dims.sp_size),
-            seconds=rows.seconds, shuffle=shuffle, seed=seed, pad_token_id=self.pad_token_id,
-            ignore_index=self.ignore_index, verify=check, check_row=rows.check_row,
+        return dynamic_loader(
+            source, self.dynamic, run=self.config, model=self.model, comm=self.comm,
+            micro_batch=batch_size or self.config.micro_batch(dp_size=self.setup.dims.dp_size), shuffle=shuffle,
+            seed=seed, verify=verify, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index,
         )
-
-
-def row_model(model: nn.Module, run: RunConfig, sizes: tuple[int, ...], dims: Any) -> RowModel:
-    """The planner's model of one row on each group size, for dynamic sequence parallelism's choice: the
-    ``wallfacer.cluster`` preset's figures (uncalibrated, so every host chooses alike)."""
-    cfg = run.wallfacer
-    ms = cfg.mini_sequence
-    cluster = get_cluster(cluster_preset() if cfg.cluster == "auto" else cfg.cluster).with_world_size(dims.world_size)
-    facts = run_facts(run)
-    facts["offload_checkpoints"] |= ms is not None and ms.offload_checkpoints
-    checkpointing = bool(getattr(model, "is_activation_checkpointing", False)) or (
-        ms is not None and ms.activation_checkpointing != "none")
-    cands = row_candidates({p: sub_dims(dims, p) for p in sizes}, mini_sequence=ms is not None,
-                           checkpointing=checkpointing, keep_attention=ms.keep_attention if ms is not None else True)
-    cap = cfg.dynamic_sequence_parallel.max_tokens_per_rank
-    return RowModel(model=get_model(text_config(model)), cluster=cluster,
-                    workload=Workload(seq_len=2 * dims.sp_size, **facts), candidates=cands,
-                    max_tokens_per_rank=None if cap == "auto" else int(cap))
-
-
-def model_heads(model: nn.Module) -> tuple[int, int]:
-    """(query heads, kv heads) from an HF model's (text) config; for a model without attention (a pure state-space
-    model), the heads its mixer layers split over the ranks."""
-    text = text_config(model)
-    if not isinstance(getattr(text, "num_attention_heads", None), int):
-        heads = {int(getattr(m, "num_heads", 0)) for _, m in mixer_layers(model)}
-        if heads and all(heads):
-            h = math.gcd(*heads)
-            return h, h
-        raise RefusedModel(f"{type(model).__name__}: its (text) config has no num_attention_heads, so its attention "
-                           "cannot be split across ranks: not supported yet")
-    hq = int(text.num_attention_heads)
-    hk = int(getattr(text, "num_key_value_heads", None) or hq)
-    return hq, hk
-
-
-def _plan_inputs(model: nn.Module, run: RunConfig, seq_len: int | None) -> PlanInputs:
-    heads, groups = mixer_head_counts(model)
-    return PlanInputs(
-        model=text_config(model),
-        seq_len=seq_len,
-        run=run,
-        activation_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)),
-        reentrant_checkpointing=reentrant_checkpointing(model),
-        default_cluster=cluster_preset(),
-        whole_heads=heads,
-        head_groups=groups,
-    )
 
 
 def initialize(
@@ -241,7 +165,7 @@ def initialize(
     run = parse_ds_config(config)
     sp = prepare_sequence_parallel(model, run, local_loss=local_loss, pad_token_id=pad_token_id,
                                    ignore_index=ignore_index, ranks_per_node=ranks_per_node, seq_len=seq_len)
-    # 4. DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
+    # then DeepSpeed, with no sequence-parallel mpu (loss.py: every ZeRO stage then normalises correctly)
     module = sp.module
     if optimizer is None and model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
@@ -262,136 +186,41 @@ def prepare_sequence_parallel(
     ranks_per_node: int | None = None,
     seq_len: int | None = None,
 ) -> SequenceParallel:
-    """Everything ``initialize`` does before ``deepspeed.initialize`` (Note [What initialize does, in order]):
-    resolve the setup, audit the model, build the groups, attach attention, MsT, the self-check. The model is
-    changed in place; the caller hands DeepSpeed ``sp.module`` (our loop) or the model itself (``hf_trainer``)."""
-    # 1. parse and resolve: pure and identical on every rank, so a bad config or model fails everywhere at once
+    """Everything ``initialize`` does before ``deepspeed.initialize``, one named step per line in the order of
+    Note [What initialize does, in order]; each step lives in the package it belongs to. The model is changed in
+    place; the caller hands DeepSpeed ``sp.module`` (our loop) or the model itself (``hf_trainer``)."""
     timeout = datetime.timedelta(seconds=run.wallfacer.collective_timeout_s)
     init_distributed(timeout)
+    # pure and identical on every rank, so a bad config or model fails everywhere at once, before any collective
     length = seq_len if seq_len is not None else run.wallfacer.seq_len
     audit_sequence(model, seq_len=length, allow_modules=run.wallfacer.allow_modules)  # before sizes are read
-    setup = _resolve_setup(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
+    setup = resolve_setup(model, run, ranks_per_node=ranks_per_node, seq_len=seq_len)
     dims = setup.dims
     ds_dict = run.deepspeed_dict(world_size=dims.world_size, sp_size=dims.sp_size)
     found = audit_model(model, mini_sequence=run.wallfacer.mini_sequence, seq_len=length, kernel=setup.kernel,
                         sequence=False)
-    # 2. groups, this rank's attention on every attention layer, global-length RoPE
     device = rank_device()  # current before any group is built (NCCL communicators use it)
-    _check_setup_agrees(setup, device)
+    check_setup_agrees(setup, device)
     groups = build_sequence_parallel(setup, timeout=timeout)
     comm = CommLayer(device=device)  # every collective tensor is checked against it (comm/ops.py)
     attention = attention_for(groups, comm=comm)
-    if hf.attention_modules(model):  # a pure state-space model has none: its mixers are all it needs
-        hf.attach(model, attention, sp_size=dims.sp_size)
-    mixing = mixer_shards(groups, comm=comm)
-    mixers = attach_mixers(model, mixing)  # convolutions, delta-nets, Mamba-2 (mixer_layers.py)
-    rope = RopeLength()
-    wrap_rotary(model, found.rotary, rope)  # length-reading RoPE sees the global length (rope.py)
-    # 3. Mini-Sequence chunking and the loss module
-    mst_handle, local_loss = _apply_mini_sequence(model, run, ds_dict, local_loss)
-    ms = run.wallfacer.mini_sequence
-    if ms is None or ms.keep_attention:  # also layer checkpointing the caller turned on (attention/residuals.py)
-        keep_attention_in_layers(model)
+    adapted = apply_sequence_parallel(model, attention=attention, mixing=mixer_shards(groups, comm=comm),
+                                      rotary=found.rotary, sp_size=dims.sp_size)
+    mst_handle = apply_activation_memory(model, run.wallfacer.mini_sequence, ds_config=ds_dict)
     packing = PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec)
-    dynamic = None
-    if run.wallfacer.dynamic_sequence_parallel is not None:
-        check_dynamic_run(run, router_aux=found.router_aux is not None)
-        heads, head_groups = mixer_head_counts(model)
-        dynamic = build_dynamic_groups(setup, groups, model=model, comm=comm, full_attention=attention,
-                                       full_mixing=mixing if mixers else None, full_packing=packing,
-                                       whole_heads=heads, head_groups=head_groups, timeout=timeout)
-    module = SequenceParallelCausalLM(model, group=groups.sp_group, comm=comm, local_loss=local_loss,
-                                      ignore_index=ignore_index, router_aux=found.router_aux,
-                                      rope=rope if found.rotary else None, sp_size=dims.sp_size,
-                                      packing=packing,
-                                      positions=any(scales_by_position(m) for _, m in hf.attention_modules(model)),
-                                      mixer_inputs=mixing.inputs if mixers else None, dynamic=dynamic,
-                                      vision=vision_language(model))
-    if pad_token_id is None:
-        pad_token_id = getattr(model.config, "pad_token_id", None) or 0
-    # the model as configured, with and without sequence parallelism (self_check.py); on P ranks only: dynamic
-    # sequence parallelism's smaller groups run the same layers
+    dynamic = dynamic_groups(run, GroupOfSize(dims.sp_size, groups, attention, adapted.mixing, packing), model=model,
+                             router_aux=found.router_aux is not None, comm=comm, timeout=timeout)
+    module = SequenceParallelCausalLM(
+        model, group=groups.sp_group, comm=comm, ignore_index=ignore_index, sp_size=dims.sp_size, packing=packing,
+        local_loss=local_loss_for(run.wallfacer.mini_sequence, given=local_loss), router_aux=found.router_aux,
+        rope=adapted.rope, positions=adapted.positions, vision=adapted.vision, dynamic=dynamic,
+        mixer_inputs=adapted.mixing.inputs if adapted.mixing is not None else None)
+    pad = int(pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None) or 0)
+    # the model as configured, with and without sequence parallelism; on P ranks only: dynamic sequence
+    # parallelism's smaller groups run the same layers
     if run.wallfacer.self_check:
-        _self_check(module, run, groups, comm, device, pad_token_id=int(pad_token_id),
-                    ignore_index=ignore_index)
-    return SequenceParallel(
-        config=run, setup=setup, groups=groups, comm=comm, attention=attention, module=module, ds_config=ds_dict,
-        mini_sequence=mst_handle, pad_token_id=int(pad_token_id), ignore_index=ignore_index,
-    )
-
-
-def _self_check(module: SequenceParallelCausalLM, run: RunConfig, groups: SequenceParallelGroups, comm: CommLayer,
-                device: torch.device, *, pad_token_id: int, ignore_index: int) -> None:
-    """Run the start-up self-check on the device training will use (DeepSpeed would move a ZeRO-0/1/2 model there
-    anyway; ZeRO-3 models stay where they are), then forget its traffic. Rank 0 logs what it measured."""
-    lm = module.lm
-    if device.type != "cpu" and run.zero_stage < 3 and any(p.device.type == "cpu" for p in lm.parameters()):
-        lm.to(device)
-    spec = groups.shard_spec
-
-    def shard(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        return prepare_batch(batch, spec, pad_token_id=pad_token_id, ignore_index=ignore_index, vision=module.vision)
-
-    tokens = check_length(text_config(lm), sp_size=groups.setup.dims.sp_size, requested=run.wallfacer.self_check_tokens)
-    # parameters ZeRO-3 partitioned at construction (zero.Init) are gathered for the check, as a forward would
-    partitioned = [p for p in lm.parameters() if hasattr(p, "ds_id")]
-    gathered = contextlib.nullcontext()
-    if partitioned:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
-    with gathered:
-        report = run_self_check(module, shard=shard, group=groups.sp_group, comm=comm, tokens=tokens)
-    comm.reset()
-    module.last_aux_loss = None
-    if dist.get_rank() == 0:
-        log.warning("ds_wallfacer: %s", report.describe())
-
-
-def _check_setup_agrees(setup: ParallelSetup, device: torch.device) -> None:
-    """Every rank chose the same sizes, placement and mode. "auto" plans from this host's measured speeds
-    (``planner/calibrate.py``, cached per host), so hosts that measured differently could choose differently:
-    refused here, with the fix, before any group is built."""
-    if dist.get_world_size() == 1:
-        return
-    from ..comm.dims import MODES, PLACEMENTS
-
-    d = setup.dims
-    sig = torch.tensor([d.sp_size, d.ulysses_degree, d.ring_count, PLACEMENTS.index(d.placement), MODES.index(d.mode)],
-                       dtype=torch.int64, device=device)
-    every = CommLayer(device=device).all_gather(sig, dist.group.WORLD, kind="check").tolist()
-    differ = [r for r, s in enumerate(every) if s != every[0]]
-    if differ:
-        raise ValueError(
-            f"ds_wallfacer: ranks {differ} chose another parallel layout than rank 0 (sequence_parallel_size, "
-            f"ulysses_degree, ring_count, placement, mode by rank: {every}). \"auto\" plans from each host's measured "
-            f"speeds; set those keys in the \"wallfacer\" section, or give every host the same calibration "
-            f"(DS_WALLFACER_CACHE_DIR on shared storage, or DS_WALLFACER_CALIBRATION=off)"
-        )
-
-
-def _resolve_setup(
-    model: nn.Module, run: RunConfig, *, ranks_per_node: int | None, seq_len: int | None
-) -> ParallelSetup:
-    """The validated setup ("auto" by the planner when a length is known); rank 0 logs it and the reasons."""
-    hq, hk = model_heads(model)
-    setup = resolve_auto(run.wallfacer, world_size=dist.get_world_size(), num_heads=hq, num_kv_heads=hk,
-                          ranks_per_node=ranks_per_node, planner_inputs=_plan_inputs(model, run, seq_len))
-    if dist.get_rank() == 0:
-        log.warning("%s", setup.describe())
-    return setup
-
-
-def _apply_mini_sequence(
-    model: nn.Module, run: RunConfig, ds_dict: dict, local_loss: LocalLoss | None
-) -> tuple[Any, LocalLoss]:
-    """(MsT handle or None, the local loss): the chunked LM head when ``mini_sequence.lm_head`` is on."""
-    ms = run.wallfacer.mini_sequence
-    handle = None
-    if ms is not None:
-        from ..mst import apply_mini_sequence
-
-        handle = apply_mini_sequence(model, ms, ds_config=ds_dict)
-    if local_loss is None:
-        local_loss = mini_sequence_loss if (ms is not None and ms.lm_head) else logits_loss
-    return handle, local_loss
+        start_up_check(module, spec=groups.shard_spec, group=groups.sp_group, comm=comm, device=device,
+                       zero_stage=run.zero_stage, tokens=run.wallfacer.self_check_tokens, pad_token_id=pad,
+                       ignore_index=ignore_index)
+    return SequenceParallel(config=run, setup=setup, groups=groups, comm=comm, attention=attention, module=module,
+                            ds_config=ds_dict, mini_sequence=mst_handle, pad_token_id=pad, ignore_index=ignore_index)

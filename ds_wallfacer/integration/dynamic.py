@@ -12,20 +12,25 @@ import datetime
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
+import torch.distributed as dist
 from torch import nn
 
 from ..adapters import hf
-from ..adapters.mixer_layers import mixer_layers
+from ..adapters.mixer_layers import mixer_head_counts, mixer_layers
 from ..adapters.mixer_shards import ATTR as MIXER_ATTR
 from ..adapters.mixer_shards import MixerShards
 from ..comm import CommLayer
 from ..comm.dims import dynamic_sizes, sub_dims
+from ..config import RunConfig
+from ..data.dynamic import DynamicStepLoader
 from ..data.loader import ShardSpec
-from ..planner.auto import ParallelSetup
+from ..hf_config import text_config
+from ..planner.dynamic import RowSizeChooser, row_model
 from .packing import PackedBatches
-from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, mixer_shards
+from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch, mixer_shards
 
-__all__ = ["DynamicGroups", "GroupOfSize", "build_dynamic_groups", "check_dynamic_run"]
+__all__ = ["DynamicGroups", "GroupOfSize", "build_dynamic_groups", "check_dynamic_run", "dynamic_groups",
+           "dynamic_loader"]
 
 
 @dataclass(eq=False)
@@ -76,13 +81,13 @@ class DynamicGroups:
         return g
 
 
-def build_dynamic_groups(setup: ParallelSetup, full: SequenceParallelGroups, *, model: nn.Module, comm: CommLayer,
-                         full_attention: Any, full_mixing: MixerShards | None, full_packing: PackedBatches,
-                         whole_heads: tuple[int, ...], head_groups: tuple[int, ...],
-                         timeout: datetime.timedelta) -> DynamicGroups:
-    """Build the groups of every size below P (collective: every rank, the same order) beside the run's own."""
+def build_dynamic_groups(full: GroupOfSize, *, model: nn.Module, comm: CommLayer, whole_heads: tuple[int, ...],
+                         head_groups: tuple[int, ...], timeout: datetime.timedelta) -> DynamicGroups:
+    """Build the groups of every size below P (collective: every rank, the same order) beside ``full``, the run's
+    own."""
+    setup = full.groups.setup
     dims = setup.dims
-    by_size = {dims.sp_size: GroupOfSize(dims.sp_size, full, full_attention, full_mixing, full_packing)}
+    by_size = {dims.sp_size: full}
     for size in dynamic_sizes(dims, whole_heads=whole_heads, head_groups=head_groups):
         if size == dims.sp_size:
             continue
@@ -90,13 +95,48 @@ def build_dynamic_groups(setup: ParallelSetup, full: SequenceParallelGroups, *, 
         groups = build_sequence_parallel(sub, timeout=timeout)
         by_size[size] = GroupOfSize(
             size, groups, attention_for(groups, comm=comm),
-            mixer_shards(groups, comm=comm) if full_mixing is not None else None,
+            mixer_shards(groups, comm=comm) if full.mixing is not None else None,
             PackedBatches(group=groups.sp_group, comm=comm, spec=groups.shard_spec),
         )
     return DynamicGroups(by_size, model=model, sp_size=dims.sp_size)
 
 
-def check_dynamic_run(run: Any, *, router_aux: bool) -> None:
+def dynamic_groups(run: RunConfig, full: GroupOfSize, *, model: nn.Module, router_aux: bool, comm: CommLayer,
+                   timeout: datetime.timedelta) -> DynamicGroups | None:
+    """The start-up step of ``wallfacer.dynamic_sequence_parallel`` (None without it): refuse what it cannot run
+    (``check_dynamic_run``), then build the groups of every smaller size beside ``full``, the run's own."""
+    if run.wallfacer.dynamic_sequence_parallel is None:
+        return None
+    check_dynamic_run(run, router_aux=router_aux)
+    heads, head_groups = mixer_head_counts(model)
+    return build_dynamic_groups(full, model=model, comm=comm, whole_heads=heads, head_groups=head_groups,
+                                timeout=timeout)
+
+
+def dynamic_loader(source: Any, dynamic: DynamicGroups, *, run: RunConfig, model: nn.Module, comm: CommLayer,
+                   micro_batch: int, shuffle: bool, seed: int, verify: bool, pad_token_id: int,
+                   ignore_index: int) -> DynamicStepLoader:
+    """``sp.dataloader`` under dynamic sequence parallelism: each step's rows, their group sizes chosen from the
+    planner's row model (``RowSizeChooser``); ``verify``: each batch checked the same on the group that trains it."""
+    dims = dynamic.by_size[dynamic.sp_size].groups.setup.dims  # the run's own layout
+    rows = row_model(text_config(model), run, sizes=dynamic.sizes, dims=dims,
+                     layer_checkpointing=bool(getattr(model, "is_activation_checkpointing", False)))
+    check = None
+    if verify:
+        def check(size: int, batch: Mapping[str, Any]) -> None:
+            check_same_batch(batch, group=dynamic.by_size[size].groups.sp_group, comm=comm)
+
+    return DynamicStepLoader(
+        source, specs={p: g.spec for p, g in dynamic.by_size.items()}, rank=dist.get_rank(),
+        world_size=dims.world_size, sp_size=dims.sp_size, micro_batch=micro_batch,
+        gradient_accumulation_steps=run.gradient_accumulation_steps,
+        choose=RowSizeChooser(rows, world_size=dims.world_size, sp_size=dims.sp_size), seconds=rows.seconds,
+        shuffle=shuffle, seed=seed, pad_token_id=pad_token_id, ignore_index=ignore_index, verify=check,
+        check_row=rows.check_row,
+    )
+
+
+def check_dynamic_run(run: RunConfig, *, router_aux: bool) -> None:
     """Refuse at start-up what dynamic sequence parallelism cannot run exactly or without a hang."""
     ms = run.wallfacer.mini_sequence
     if run.zero_stage == 3 and ms is not None and (ms.mlp or ms.lm_head):

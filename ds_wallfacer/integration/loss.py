@@ -19,14 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import CommLayer
-from ..data.loader import MEDIA_KEYS
+from ..data.media import MEDIA_KEYS, VisionAdapter
 from ..adapters.mixer_shards import MixerInputs
 from ..adapters.moe import RouterAuxLoss
 from ..adapters.positional import POSITIONS_KWARG
 from ..adapters.rope import RopeLength
+from ..mst.config import MiniSequenceConfig
+from .dynamic import DynamicGroups, GroupOfSize
 from .packing import BATCH_KWARG, PackedBatches
 
-__all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "logits_loss", "mini_sequence_loss"]
+__all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "local_loss_for", "logits_loss",
+           "mini_sequence_loss"]
 
 LocalLoss = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``fn(lm, *, input_ids, position_ids, shift_labels, ignore_index, **model_kwargs) -> (loss_sum fp32, token_count)``;
@@ -89,6 +92,14 @@ def mini_sequence_loss(
     return mini_sequence_causal_lm_loss(lm, hidden, shift_labels.to(hidden.device), ignore_index=ignore_index)
 
 
+def local_loss_for(mini_sequence: MiniSequenceConfig | None, *, given: LocalLoss | None = None) -> LocalLoss:
+    """``given`` (the caller's), else the Mini-Sequence LM head when ``mini_sequence.lm_head`` is on, else the
+    model's logits."""
+    if given is not None:
+        return given
+    return mini_sequence_loss if (mini_sequence is not None and mini_sequence.lm_head) else logits_loss
+
+
 def _decoder_hidden(lm: nn.Module, position_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> torch.Tensor:
     """The backbone's last hidden states [B, S_l, H] (``lm.get_decoder()``)."""
     out = lm.get_decoder()(position_ids=position_ids, use_cache=False, **model_kwargs)
@@ -118,12 +129,12 @@ class SequenceParallelCausalLM(nn.Module):
         packing: PackedBatches | None = None,
         positions: bool = False,
         mixer_inputs: MixerInputs | None = None,
-        dynamic: Any = None,
-        vision: Any = None,
+        dynamic: DynamicGroups | None = None,
+        vision: VisionAdapter | None = None,
     ) -> None:
         super().__init__()
         self.vision = vision
-        """The model's vision-language adapter (``adapters/vision.py``), ``RefusedVision`` or None."""
+        """The model's vision-language adapter (``adapters/vision.py``); None for a text model."""
         self._packing = packing
         self._positions = positions
         """Whether attention layers need the tokens' positions (``positional.POSITIONS_KWARG``)."""
@@ -170,7 +181,7 @@ class SequenceParallelCausalLM(nn.Module):
             self._mixer_inputs.batch, self._mixer_inputs.positions = kwargs.get(BATCH_KWARG), position_ids
         return kwargs
 
-    def _use_group(self, g: Any) -> None:
+    def _use_group(self, g: GroupOfSize) -> None:
         """Dynamic sequence parallelism: this forward's group of ``g.size`` ranks (``DynamicGroups.use``)."""
         self._group, self._packing, self._sp_size = g.groups.sp_group, g.packing, g.size
         if self._mixer_inputs is not None and g.mixing is not None:
@@ -243,7 +254,7 @@ class SequenceParallelCausalLM(nn.Module):
         kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
         if media:
             return None, self._vision_inputs(input_ids, mrope_position_ids, media_index, media, kwargs), kwargs
-        if hasattr(self.vision, "inputs"):  # text only: the tower still gets a (zero) gradient (vision.py)
+        if self.vision is not None and self.vision.refusal is None:  # text only: the tower still gets a zero gradient
             kwargs["inputs_embeds"] = self.vision.inputs(input_ids, None, {}, group=self._group, comm=self._comm)[0]
             return None, position_ids, kwargs
         return input_ids, position_ids, kwargs

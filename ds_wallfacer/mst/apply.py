@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..attention.residuals import keep_attention_in_layers
 from ..hf_config import text_config
 from .checkpointing import MlpRecomputeFlag, RecomputeState, disable_layer_checkpointing, enable_layer_checkpointing
 from .config import MiniSequenceConfig, ResolvedSizes, resolve_sizes
@@ -19,7 +20,7 @@ from .lm_head import _MST_ATTR, chunked_linear_cross_entropy
 from .mlp import check_position_wise, mini_sequence_mlp
 from .norm import LeanNormForward, norm_form
 
-__all__ = ["MiniSequenceHandle", "apply_mini_sequence", "find_decoder_layers"]
+__all__ = ["MiniSequenceHandle", "apply_activation_memory", "apply_mini_sequence", "find_decoder_layers"]
 
 _AUTO_MLP_NAMES = ("mlp", "feed_forward", "ffn")
 
@@ -190,6 +191,19 @@ def apply_mini_sequence(
         handle.norm_modules = _wrap_norms(model)
     enable_layer_checkpointing(model, config.activation_checkpointing, ds_config=ds_config, state=state,
                                keep_attention=config.keep_attention, offload=config.offload_checkpoints)
+    return handle
+
+
+def apply_activation_memory(
+    model: nn.Module, config: MiniSequenceConfig | None, *, ds_config: dict[str, Any]
+) -> MiniSequenceHandle | None:
+    """The start-up step for activation memory: Mini-Sequence chunking when ``config`` (``wallfacer.mini_sequence``)
+    is set, then, unless its ``keep_attention`` is off, attention's results kept for the recompute of every
+    checkpointed layer, also those the caller checkpointed itself (Note [Attention once under layer checkpointing]).
+    Returns the MsT handle, None without MsT."""
+    handle = apply_mini_sequence(model, config, ds_config=ds_config) if config is not None else None
+    if config is None or config.keep_attention:
+        keep_attention_in_layers(model)
     return handle
 
 

@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from ..comm.dims import ParallelDims
+from ..comm.dims import ParallelDims, sub_dims
+from ..config.schema import RunConfig
+from .auto import run_facts
 from .candidate import Candidate, Workload
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, cluster_preset, get_cluster
 from .cost import estimate
 from .memory import memory_breakdown
-from .model import ModelSpec
+from .model import ModelSpec, get_model
 
-__all__ = ["RowModel", "choose_sizes", "row_candidates"]
+__all__ = ["RowModel", "RowSizeChooser", "SizeChooser", "choose_sizes", "row_candidates", "row_model"]
+
+
+class SizeChooser(Protocol):
+    """Dynamic sequence parallelism's choice as the loader calls it once per step (``data/dynamic.py``): each row's
+    group size from the rows' lengths and attention works. ``RowSizeChooser`` is the run's; tests pass functions."""
+
+    def __call__(self, lengths: Sequence[int], works: Sequence[int]) -> list[int]: ...
 
 
 def row_candidates(shapes: Mapping[int, ParallelDims], *, mini_sequence: bool, checkpointing: bool,
@@ -123,3 +132,36 @@ def choose_sizes(lengths: Sequence[int], works: Sequence[int], *, model: RowMode
         if best is None or key < best:
             best, chosen = key, trial
     return chosen
+
+
+@dataclass(frozen=True)
+class RowSizeChooser:
+    """``choose_sizes`` over one run's ``RowModel`` and world: the run's ``SizeChooser``."""
+
+    model: RowModel
+    world_size: int
+    """W."""
+    sp_size: int
+    """P, the largest group size."""
+
+    def __call__(self, lengths: Sequence[int], works: Sequence[int]) -> list[int]:
+        return choose_sizes(lengths, works, model=self.model, world_size=self.world_size, sp_size=self.sp_size)
+
+
+def row_model(text: Any, run: RunConfig, *, sizes: Sequence[int], dims: ParallelDims,
+              layer_checkpointing: bool) -> RowModel:
+    """The planner's model of one row on each group size, for dynamic sequence parallelism's choice: the
+    ``wallfacer.cluster`` preset's figures (uncalibrated, so every host chooses alike). ``text``: the model's (text)
+    config; ``layer_checkpointing``: whether the model's layers are checkpointed already (the caller's
+    ``gradient_checkpointing_enable``)."""
+    cfg = run.wallfacer
+    ms = cfg.mini_sequence
+    cluster = get_cluster(cluster_preset() if cfg.cluster == "auto" else cfg.cluster).with_world_size(dims.world_size)
+    facts = run_facts(run)
+    facts["offload_checkpoints"] |= ms is not None and ms.offload_checkpoints
+    checkpointing = layer_checkpointing or (ms is not None and ms.activation_checkpointing != "none")
+    cands = row_candidates({p: sub_dims(dims, p) for p in sizes}, mini_sequence=ms is not None,
+                           checkpointing=checkpointing, keep_attention=ms.keep_attention if ms is not None else True)
+    cap = cfg.dynamic_sequence_parallel.max_tokens_per_rank
+    return RowModel(model=get_model(text), cluster=cluster, workload=Workload(seq_len=2 * dims.sp_size, **facts),
+                    candidates=cands, max_tokens_per_rank=None if cap == "auto" else int(cap))

@@ -106,7 +106,7 @@ def _train_mixed(rank: int) -> list[str]:
         opt.step()
     failures += param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)
     # the ranks of a group must hold the same images, not only the same token ids
-    from ds_wallfacer.integration import check_same_batch
+    from ds_wallfacer.integration.parallel import check_same_batch
 
     row = conversation(ref, text=30, images=[(2, 2)], seed=0)
     row["pixel_values"] = row["pixel_values"] + (rank % 2)

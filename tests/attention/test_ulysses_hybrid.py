@@ -40,7 +40,7 @@ def _attention_cases(rank: int, world: int, cases: list) -> list[str]:
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.data import shard_sequence
-    from ds_wallfacer.integration import build_sequence_parallel
+    from ds_wallfacer.integration.parallel import build_sequence_parallel
     from ds_wallfacer.integration.parallel import attention_for
 
     failures = []
@@ -114,7 +114,7 @@ def _data_errors(rank: int, world: int) -> list[str]:
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.data import ShardSpec, prepare_batch
-    from ds_wallfacer.integration import build_sequence_parallel, check_same_batch
+    from ds_wallfacer.integration.parallel import build_sequence_parallel, check_same_batch
 
     lay = ParallelSetup(ParallelDims(world_size=world, sp_size=world, num_heads=4, num_kv_heads=2))
     groups = build_sequence_parallel(lay)

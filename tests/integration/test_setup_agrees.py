@@ -9,7 +9,7 @@ def _check(rank: int, world: int) -> list:
     import torch
 
     from ds_wallfacer.comm.dims import ParallelDims
-    from ds_wallfacer.integration.deepspeed import _check_setup_agrees
+    from ds_wallfacer.integration.setup import check_setup_agrees
     from ds_wallfacer.planner.auto import ParallelSetup
 
     same = ParallelSetup(ParallelDims(world_size=world, sp_size=world, mode="wallfacer", ring_count=1, num_heads=4,
@@ -20,7 +20,7 @@ def _check(rank: int, world: int) -> list:
     out = []
     for setup in (same, other):
         try:
-            _check_setup_agrees(setup, torch.device("cpu"))
+            check_setup_agrees(setup, torch.device("cpu"))
             out.append(None)
         except ValueError as e:
             out.append(str(e))
