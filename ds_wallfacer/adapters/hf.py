@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..attention.ulysses import InnerAttention
 from ..data.media import VisionAdapter
 from . import positional
 from .mixer_layers import attach_mixers
@@ -233,7 +234,7 @@ class AdaptedModel:
     """A vision-language model's images on shards (``vision.py``); None for a text model."""
 
 
-def apply_sequence_parallel(model: nn.Module, *, attention: Any, mixing: MixerShards, rotary: list[str],
+def apply_sequence_parallel(model: nn.Module, *, attention: InnerAttention, mixing: MixerShards, rotary: list[str],
                             sp_size: int) -> AdaptedModel:
     """The adapters' start-up step: this rank's ``attention`` on every attention layer (``attach``; a pure
     state-space model has none, its mixers are all it needs), the mixer layers' sharded forwards on ``mixing``, and

@@ -6,8 +6,9 @@ The pieces below the entry point live where they belong: the attention interface
 ``ds_wallfacer.adapters`` (``adapters.hf.attach``), the start-up audit in ``ds_wallfacer.audit``, the process
 groups in ``integration.parallel`` (``build_sequence_parallel``, ``check_same_batch``)."""
 from ..adapters.hf import ATTN_IMPLEMENTATION, register
-from .deepspeed import SequenceParallel, initialize, prepare_sequence_parallel
+from .deepspeed import initialize, prepare_sequence_parallel
 from .loss import LocalLoss, SequenceParallelCausalLM, global_token_mean, logits_loss, mini_sequence_loss
+from .sequence_parallel import SequenceParallel
 
 register()
 

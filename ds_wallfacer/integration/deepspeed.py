@@ -12,10 +12,8 @@ Note [Gradient normalisation across ZeRO stages] (docs/design/layouts.md).
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 
 from ..adapters.hf import apply_sequence_parallel
@@ -23,117 +21,16 @@ from ..audit.model_audit import audit_model, audit_sequence
 from ..audit.self_check import start_up_check
 from ..comm import CommLayer
 from ..config import RunConfig, parse_ds_config
-from ..data.dynamic import DynamicStepLoader
-from ..data.loader import SequenceParallelLoader, prepare_batch
-from ..mst.apply import MiniSequenceHandle, apply_activation_memory
-from ..planner.auto import ParallelSetup
+from ..mst.apply import apply_activation_memory
 from .ds_runtime import init_distributed, rank_device
-from .dynamic import DynamicGroups, GroupOfSize, dynamic_groups, dynamic_loader
+from .dynamic import GroupOfSize, dynamic_groups
 from .loss import LocalLoss, SequenceParallelCausalLM, local_loss_for
 from .packing import PackedBatches
-from .parallel import SequenceParallelGroups, attention_for, build_sequence_parallel, check_same_batch, mixer_shards
+from .parallel import attention_for, build_sequence_parallel, mixer_shards
+from .sequence_parallel import SequenceParallel
 from .setup import check_setup_agrees, resolve_setup
 
-__all__ = ["SequenceParallel", "initialize", "prepare_sequence_parallel"]
-
-
-@dataclass(eq=False)
-class SequenceParallel:
-    """What the training loop needs beside the engine: the setup, groups, the data loader and the loss wrapper."""
-
-    config: RunConfig
-    """The parsed ds_config."""
-    setup: ParallelSetup
-    """The resolved setup: ``setup.dims`` holds the sizes; what "auto" chose is in ``setup.notes``."""
-    groups: SequenceParallelGroups
-    """This rank's process groups."""
-    comm: CommLayer
-    """The counted comm layer used by attention and loss (``comm.by_kind("forward")`` etc.)."""
-    attention: Any
-    """This rank's sequence-parallel attention object (attached to every attention layer)."""
-    module: SequenceParallelCausalLM
-    """The module DeepSpeed wraps: ``module.lm`` is the HF model."""
-    ds_config: dict = field(default_factory=dict)
-    """The dict handed to ``deepspeed.initialize``: the ds_config without the ``"wallfacer"`` section, with the
-    batch sizes for this world and sequence-parallel size (built once, in ``prepare_sequence_parallel``)."""
-    mini_sequence: MiniSequenceHandle | None = None
-    """The MsT handle when mini-sequence chunking is on, else None."""
-    pad_token_id: int = 0
-    ignore_index: int = -100
-
-    @property
-    def model(self) -> nn.Module:
-        """The HF model (parameters as DeepSpeed holds them)."""
-        return self.module.lm
-
-    @property
-    def aux_loss(self) -> torch.Tensor | None:
-        """The last forward's MoE router aux loss over the whole sequence (detached, before
-        ``router_aux_loss_coef``; the engine's loss includes ``coef * aux_loss``), for logging; None without one."""
-        return self.module.last_aux_loss
-
-    def shard(self, batch: Mapping[str, Any], *, pad: bool = True) -> dict[str, torch.Tensor]:
-        """One full batch -> this rank's ``input_ids``, ``position_ids``, ``shift_labels``."""
-        return prepare_batch(
-            batch, self.groups.shard_spec, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad,
-            vision=self.module.vision,
-        )
-
-    def dataloader(
-        self,
-        source: Any,
-        *,
-        batch_size: int | None = None,
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = True,
-        pad: bool = True,
-        verify: bool = True,
-        balance_steps: bool | None = None,
-        dynamic: bool = True,
-    ) -> Any:
-        """Wrap a map-style dataset or an iterable of full batches (see ``SequenceParallelLoader``); with
-        ``wallfacer.dynamic_sequence_parallel``, a map-style dataset's optimizer steps (``DynamicStepLoader``: iterate
-        each step's batches, then call ``engine.step()`` once).
-        ``batch_size`` defaults to ``train_micro_batch_size_per_gpu``; ``verify`` checks each batch is the same
-        on all ranks of the sequence-parallel group (one tiny all-gather per batch); ``balance_steps`` (default:
-        the section's ``balance_steps``) evens the replicas' attention work in each round (a map-style dataset;
-        ``data/steps.py``); ``dynamic=False``: batches over all P ranks even with dynamic sequence parallelism (an
-        evaluation)."""
-        if self.dynamic is not None and dynamic:
-            return self._dynamic_loader(source, batch_size=batch_size, shuffle=shuffle, seed=seed, verify=verify,
-                                        balance_steps=balance_steps)
-        spec = self.groups.shard_spec
-        bs = batch_size or self.config.micro_batch(dp_size=self.setup.dims.dp_size)
-        check = None
-        if verify and self.setup.dims.sp_size > 1:
-            group, comm = self.groups.sp_group, self.comm
-
-            def check(batch: Mapping[str, Any]) -> None:
-                check_same_batch(batch, group=group, comm=comm)
-
-        return SequenceParallelLoader(
-            source, spec, batch_size=bs, shuffle=shuffle, seed=seed, drop_last=drop_last,
-            pad_token_id=self.pad_token_id, ignore_index=self.ignore_index, pad=pad, verify=check,
-            balance_steps=self.config.wallfacer.balance_steps if balance_steps is None else balance_steps,
-            vision=self.module.vision,
-        )
-
-    @property
-    def dynamic(self) -> DynamicGroups | None:
-        """The groups of every size with ``wallfacer.dynamic_sequence_parallel``, else None."""
-        return self.module.dynamic
-
-    def _dynamic_loader(self, source: Any, *, batch_size: int | None, shuffle: bool, seed: int, verify: bool,
-                        balance_steps: bool | None) -> DynamicStepLoader:
-        if balance_steps:
-            raise ValueError("balance_steps=True with wallfacer.dynamic_sequence_parallel: the dynamic schedule "
-                             "already lays each step's rows out by their work; drop balance_steps")
-        return dynamic_loader(
-            source, self.dynamic, run=self.config, model=self.model, comm=self.comm,
-            micro_batch=batch_size or self.config.micro_batch(dp_size=self.setup.dims.dp_size), shuffle=shuffle,
-            seed=seed, verify=verify, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index,
-        )
+__all__ = ["initialize", "prepare_sequence_parallel"]
 
 
 def initialize(

@@ -19,6 +19,7 @@ from ..adapters import hf
 from ..adapters.mixer_layers import mixer_head_counts, mixer_layers
 from ..adapters.mixer_shards import ATTR as MIXER_ATTR
 from ..adapters.mixer_shards import MixerShards
+from ..attention.ulysses import InnerAttention
 from ..comm import CommLayer
 from ..comm.dims import dynamic_sizes, sub_dims
 from ..config import RunConfig
@@ -39,7 +40,7 @@ class GroupOfSize:
 
     size: int
     groups: SequenceParallelGroups
-    attention: Any
+    attention: InnerAttention
     mixing: MixerShards | None
     packing: PackedBatches
 

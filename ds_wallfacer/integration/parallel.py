@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.hybrid import sequence_parallel_attention
+from ..attention.ulysses import InnerAttention
 from ..comm import CommLayer, WallFacerGroups, build_groups
 from ..comm.groups import DEFAULT_TIMEOUT
 from ..planner.auto import ParallelSetup
@@ -92,7 +93,7 @@ def build_sequence_parallel(
     )
 
 
-def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> Any:
+def attention_for(groups: SequenceParallelGroups, *, comm: CommLayer) -> InnerAttention:
     """This rank's sequence-parallel attention object (``attn(q, k, v, causal=, scale=)``)."""
     return sequence_parallel_attention(
         ulysses_group=groups.ulysses_group, wallfacer_groups=groups.wallfacer, comm=comm, kernel=groups.setup.kernel,
