@@ -123,8 +123,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.data.balance import balanced_assignment
     from ds_wallfacer.data.loader import shard_sequence
-    from ds_wallfacer.integration.parallel import build_sequence_parallel
-    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.integration.parallel import attention_for, build_sequence_parallel
     from ds_wallfacer.planner.auto import ParallelSetup
 
     attns = {}

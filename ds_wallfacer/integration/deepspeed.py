@@ -83,9 +83,10 @@ def prepare_sequence_parallel(
     ranks_per_node: int | None = None,
     seq_len: int | None = None,
 ) -> SequenceParallel:
-    """Everything ``initialize`` does before ``deepspeed.initialize``, one named step per line in the order of
-    Note [What initialize does, in order]; each step lives in the package it belongs to. The model is changed in
-    place; the caller hands DeepSpeed ``sp.module`` (our loop) or the model itself (``hf_trainer``)."""
+    """Everything ``initialize`` does before ``deepspeed.initialize``: the steps of Note [What initialize does, in
+    order], in its order, each a function of the package it belongs to (the order is the same on every rank, and so
+    is the order of the collectives). The model is changed in place; the caller hands DeepSpeed ``sp.module`` (our
+    loop) or the model itself (``hf_trainer``)."""
     timeout = datetime.timedelta(seconds=run.wallfacer.collective_timeout_s)
     init_distributed(timeout)
     # pure and identical on every rank, so a bad config or model fails everywhere at once, before any collective

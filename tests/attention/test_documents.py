@@ -82,8 +82,7 @@ def _run(rank: int, world: int, refs: list[tuple]) -> list[dict]:
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.data.loader import shard_sequence
-    from ds_wallfacer.integration.parallel import build_sequence_parallel
-    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.integration.parallel import attention_for, build_sequence_parallel
 
     n = SEQ_PER_RANK * world
     out = []

@@ -79,8 +79,7 @@ def _attention(rank: int, world: int, mode: str, cache: dict):
     from ds_wallfacer.comm import CommLayer
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.planner.auto import ParallelSetup
-    from ds_wallfacer.integration.parallel import build_sequence_parallel
-    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.integration.parallel import attention_for, build_sequence_parallel
 
     if MODES[mode] is None:
         return LocalAttention(), CommLayer(), lambda x: x, None

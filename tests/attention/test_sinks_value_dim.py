@@ -43,8 +43,7 @@ def _run(rank: int, world: int, cases: list) -> list:
     from ds_wallfacer.comm import CommLayer
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.data import shard_sequence
-    from ds_wallfacer.integration.parallel import build_sequence_parallel
-    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.integration.parallel import attention_for, build_sequence_parallel
     from ds_wallfacer.planner.auto import ParallelSetup
 
     results = []

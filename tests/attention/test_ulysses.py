@@ -14,8 +14,7 @@ def _mismatched(rank: int, world: int) -> dict[str, list]:
     from ds_wallfacer.comm import CommLayer
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.planner.auto import ParallelSetup
-    from ds_wallfacer.integration.parallel import build_sequence_parallel
-    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.integration.parallel import attention_for, build_sequence_parallel
 
     def mk(s: int, h: int = 4, dt: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.randn(1, h, s, 8, dtype=dt)

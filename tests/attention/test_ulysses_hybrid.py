@@ -40,8 +40,7 @@ def _attention_cases(rank: int, world: int, cases: list) -> list[str]:
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.planner.auto import ParallelSetup
     from ds_wallfacer.data import shard_sequence
-    from ds_wallfacer.integration.parallel import build_sequence_parallel
-    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.integration.parallel import attention_for, build_sequence_parallel
 
     failures = []
     for mode, u, c, sharding, hq, hk, causal, n in cases:

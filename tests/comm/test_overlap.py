@@ -99,8 +99,7 @@ def _exposure(rank: int, world: int) -> dict:
     # the hybrid: Ulysses U = 2 around WallFacer C = 2 over R = 4 ring ranks (G = 1)
     from ds_wallfacer.comm.dims import ParallelDims
     from ds_wallfacer.data import shard_sequence
-    from ds_wallfacer.integration.parallel import build_sequence_parallel
-    from ds_wallfacer.integration.parallel import attention_for
+    from ds_wallfacer.integration.parallel import attention_for, build_sequence_parallel
     from ds_wallfacer.planner.auto import ParallelSetup
 
     dims = ParallelDims(world_size=world, sp_size=world, mode="hybrid", ulysses_degree=2, ring_count=2, num_heads=4,
