@@ -15,6 +15,7 @@ No torch at import: the pure benchmarks (``bench_balance.py``) run without it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -286,7 +287,8 @@ def launched() -> bool:
 def init_launched(*, timeout_s: float = 600.0) -> Any:
     """Join the launcher's process group (through DeepSpeed where it is installed): NCCL on this rank's GPU where
     CUDA exists, else gloo on CPU with OMP_NUM_THREADS torch threads, DeepSpeed's /dev/shm segments released once
-    mapped (Note [DeepSpeed's CPU shared-memory buffers]). Returns the rank's torch device."""
+    mapped (Note [DeepSpeed's CPU shared-memory buffers]); the groups destroyed at exit. Returns the rank's torch
+    device."""
     import torch
     import torch.distributed as dist
 
@@ -296,20 +298,21 @@ def init_launched(*, timeout_s: float = 600.0) -> Any:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not dist.is_initialized():
-        backend, timeout = ("nccl" if cuda else "gloo"), datetime.timedelta(seconds=timeout_s)
-        try:
-            import deepspeed
-        except ImportError:  # torchrun works too
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            from ds_wallfacer.integration.ds_runtime import release_shm_buffer, sweep_stale_shm_segments
+        import deepspeed  # a requirement of the package; works under torchrun too
 
-            if not cuda:
-                sweep_stale_shm_segments()  # what killed jobs left
-            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-            if not cuda:  # every rank has mapped every peer's /dev/shm segment: unlink them now
-                dist.barrier()
-                release_shm_buffer()
+        from ds_wallfacer.integration.ds_runtime import (close_distributed, release_shm_buffer,
+                                                         sweep_stale_shm_segments)
+
+        backend, timeout = ("nccl" if cuda else "gloo"), datetime.timedelta(seconds=timeout_s)
+        if not cuda:
+            sweep_stale_shm_segments()  # what killed jobs left
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        # Note [A clean exit] (docs/trainer.md): the groups made here are destroyed when the benchmark ends
+        atexit.unregister(close_distributed)
+        atexit.register(close_distributed)
+        if not cuda:  # every rank has mapped every peer's /dev/shm segment: unlink them now
+            dist.barrier()
+            release_shm_buffer()
     return torch.device("cuda") if cuda else torch.device("cpu")
 
 

@@ -5,15 +5,19 @@ shared-memory buffers that are never unlinked). Only here does the package reach
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "rank_device", "release_shm_buffer", "sweep_stale_shm_segments"]
+__all__ = ["THREAD_PREFIX", "close_distributed", "init_distributed", "rank_device", "release_shm_buffer",
+           "sweep_stale_shm_segments"]
 
 log = logging.getLogger("ds_wallfacer.ds_runtime")
 
@@ -140,3 +144,34 @@ def init_distributed(timeout: datetime.timedelta) -> None:
         if dist.get_world_size() > 1:
             dist.barrier()  # every rank has mapped every peer's segment (Note [DeepSpeed's CPU shared-memory buffers])
         release_shm_buffer()
+
+
+THREAD_PREFIX = "ds_wallfacer-"
+"""The name every thread of this package starts with (watchdog, signal reader, checkpoint writer), so that
+``close_distributed`` finds them without a registry."""
+
+
+def close_distributed(*, timeout_s: float = 10.0) -> None:
+    """Note [A clean exit] (docs/trainer.md): the end of every entry point (our trainer, the Trainer classes, the
+    examples, the benchmarks' launched ranks). Joins this package's threads (already told to stop by their owners;
+    ``timeout_s`` in all), then destroys every process group of this process, the world's included, through
+    DeepSpeed where it started them (it drops its own references too), and collects the groups now, so that their
+    C++ threads are joined while the interpreter is whole. Local, no collective; safe to call twice, with no group,
+    and as an ``atexit`` handler: after an uncaught exception (``sys.last_value``) it leaves the groups alone, since a
+    peer may still be inside a collective that destroying them would wait for."""
+    if getattr(sys, "last_value", None) is not None:  # set by an uncaught exception before atexit handlers run
+        return
+    deadline = time.monotonic() + timeout_s
+    for t in threading.enumerate():
+        if t.name.startswith(THREAD_PREFIX) and t is not threading.current_thread():
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+    if dist.is_available() and dist.is_initialized():
+        import deepspeed.comm as ds_comm
+
+        if ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+    # groups still held by objects in reference cycles (an engine, a trainer) go now, not during finalisation; an
+    # atexit call frees those a script's locals held when it called this itself
+    gc.collect()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..integration.ds_runtime import THREAD_PREFIX
 from . import manifest
 
 __all__ = ["BackgroundWriter", "fsync_dir", "fsync_file", "host_copy"]
@@ -89,12 +90,13 @@ class BackgroundWriter:
         return getattr(self.inner, name)
 
     def start(self) -> None:
-        """Write the snapshots in a daemon thread (a process that ends first leaves the tag unmarked)."""
+        """Write the snapshots in a daemon thread (a process that ends first leaves the tag unmarked; a clean end
+        joins it: ``close_distributed``)."""
         if self._thread is not None:
             raise RuntimeError("BackgroundWriter.start called twice")
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned copies have landed before the thread reads them
-        self._thread = threading.Thread(target=self._run, name=f"wallfacer-save-rank{self.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{THREAD_PREFIX}save-rank{self.rank}", daemon=True)
         self._thread.start()
 
     def done(self) -> bool:

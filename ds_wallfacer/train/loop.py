@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Any
 
+from ..integration.ds_runtime import close_distributed
 from .cli import StartupError, parse_args
 from .nonfinite import NONFINITE_EXIT_CODE, NonFiniteStop
 from .trainer import Trainer
@@ -14,17 +15,22 @@ __all__ = ["main", "run"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m ds_wallfacer.train`` and ``launch/train.py``: 0 on success, 2 on a refusal."""
+    """Entry point of ``python -m ds_wallfacer.train`` and ``launch/train.py``: 0 on success, 2 on a refusal; the
+    process groups are destroyed before it returns (except after Ctrl-C)."""
     try:
-        return run(parse_args(argv))
+        code = run(parse_args(argv))
     except StartupError as e:
         # the same refusal on every rank (each found it itself): one line per node, not one per rank
         if os.environ.get("LOCAL_RANK", "0") in ("0", "-1"):
             print(f"ds_wallfacer.train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        code = 2
     except KeyboardInterrupt:  # Ctrl-C before the watchdog handles it: one line per rank, not a traceback
         print(f"ds_wallfacer.train: rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
         return 130
+    # Note [A clean exit] (docs/trainer.md): after a refusal too, which every rank reached by itself, so no peer
+    # is left inside a collective; after training it was done by Trainer.close and this does nothing
+    close_distributed()
+    return code
 
 
 def run(args: Any) -> int:

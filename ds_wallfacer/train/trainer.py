@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..hf_config import text_config
+from ..integration.ds_runtime import close_distributed
 from . import checkpoint as ckpt
 from . import manifest
 from .cli import StartupError, offline_defaults, read_ds_config
@@ -490,12 +491,14 @@ class Trainer:
         return PREEMPTED_EXIT_CODE
 
     def close(self) -> None:
-        """The watchdog, signal handlers and engine stopped (also after ``NonFiniteStop``)."""
+        """The watchdog, signal handlers and engine stopped (also after ``NonFiniteStop``), then the process groups
+        destroyed and our threads joined (Note [A clean exit], docs/trainer.md)."""
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.relay is not None:
             self.relay.restore()
         self.engine.destroy()
+        close_distributed()
 
     def summary(self, exported: Path | None) -> dict[str, Any]:
         """The run's last line (rank 0), as JSON; closes the wandb run (``metrics.run_summary``)."""

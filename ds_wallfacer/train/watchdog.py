@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..integration.ds_runtime import THREAD_PREFIX
 from .signals import SIGNAL_EXIT, SignalRelay
 
 __all__ = ["FAULT_EXIT_CODE", "RankInfo", "Watchdog", "launchers", "say_as_rank", "start_watchdog"]
@@ -152,7 +153,7 @@ class Watchdog:
         if self.handle_signals and (reader := self._signals.install()) is not None:
             self._threads.append(reader)
         for target in (self._beat, self._judge):
-            t = threading.Thread(target=target, name=f"ds_wallfacer-watchdog-{target.__name__[1:]}", daemon=True)
+            t = threading.Thread(target=target, name=f"{THREAD_PREFIX}watchdog-{target.__name__[1:]}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
@@ -321,7 +322,7 @@ class Watchdog:
 
     def _quick(self, fn: Any) -> None:
         """A store operation that must not delay the exit: the store may be the thing that is stuck."""
-        t = threading.Thread(target=lambda: _ignore_errors(fn), daemon=True)
+        t = threading.Thread(target=lambda: _ignore_errors(fn), name=f"{THREAD_PREFIX}watchdog-quick", daemon=True)
         t.start()
         t.join(timeout=1.0)
 
@@ -345,8 +346,14 @@ class Watchdog:
         # wait in a collective for this rank until the launcher or the timeout ends them
         state = _FAILED if getattr(sys, "last_value", None) is not None else _DONE
         self._stopping.set()
+        self._wake.set()
         if not self._store_lost:
             self._quick(lambda: self._store.set(f"hb/{self.rank}", state))
+        # Note [A clean exit] (docs/trainer.md): a thread still inside a store call when the interpreter finalises
+        # aborts the process ("terminate called without an active exception"): let them leave first
+        self._signals.restore()
+        for t in self._threads:
+            t.join(timeout=self.interval_s + 1)
 
     # -- signals (from signals.SignalRelay) ----------------------------------------------------------
     def _on_signal(self, signum: int) -> None:
