@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
     from ds_wallfacer.examples import trainer_config
-    from ds_wallfacer.integration.ds_runtime import release_shm_buffer
+    from ds_wallfacer.integration.ds_runtime import close_distributed, release_shm_buffer
     from ds_wallfacer.train.data import token_rows
     from ds_wallfacer.train.model import BYTE_EOS_ID, PRESETS, byte_tokenizer
 
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"final_loss": losses[-1] if losses else None, "eval_loss": None,
                           "steps": result.global_step, "tokens_per_s": tokens / result.metrics["train_runtime"],
                           "sequence_parallel_size": sp, "mode": "alst", "world_size": sp}))
+    close_distributed()  # Note [A clean exit] (docs/trainer.md): the plain Trainer destroys no group
     return 0
 
 

@@ -8,11 +8,8 @@ there is no GPU. The last line printed is a JSON summary.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
-
-from ds_wallfacer.train import main  # noqa: E402
+from ds_wallfacer.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,15 +14,11 @@ tokens_per_s.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train_hf import add_run_options, run_arguments  # noqa: E402  (the Trainer example's shared parts)
-from train_trl import tokenizer_for  # noqa: E402
+from ds_wallfacer.examples.hf import (chat_tokenizer, load_example_model, lora_config, print_summary, resume_argument,
+                                      start_distributed)
+from ds_wallfacer.examples.rl import add_rl_options, rl_arguments, rl_seq_len, rl_summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,98 +31,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def add_rl_options(p: argparse.ArgumentParser, *, output_dir: str, unit: str) -> None:
-    """The options the DPO and GRPO examples share, and the Trainer example's (``add_run_options``)."""
-    p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
-    p.add_argument("--filler", type=int, default=2, help="context sentences before each question (row length)")
-    p.add_argument("--lora_r", type=int, default=0, help="> 0: train a LoRA adapter of this rank (peft)")
-    p.add_argument("--trainer", choices=("wallfacer", "trl"), default="wallfacer",
-                   help="trl: TRL's own trainer, without sequence parallelism (the benchmark's one-rank reference)")
-    p.add_argument("--measure_step", type=int, default=0,
-                   help="> 0: the activation bytes of that training step on rank 0 (saved for backward, per "
-                        "micro-step; the benchmark's memory figure; not under ZeRO-3)")
-    add_run_options(p, output_dir=output_dir, unit=unit)
-
-
-def rl_summary(trainer, result, metrics: dict, output_dir: str, **extra) -> dict:
-    """The last line: the last logged values of ``keys``, the eval loss, steps, tokens per second over all ranks
-    (TRL's ``num_tokens``: the batches' real tokens), the layout."""
-    import os
-
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    last = logs[-1] if logs else {}
-    sp = getattr(trainer, "sequence_parallel", None)  # None: TRL's own trainer (--trainer trl)
-    runtime = result.metrics.get("train_runtime") or float("nan")
-    return {"final_loss": last.get("loss"), "eval_loss": metrics.get("eval_loss"), "steps": result.global_step,
-            "tokens_per_s": (last.get("num_tokens") or 0) / runtime,
-            "sequence_parallel_size": sp.setup.dims.sp_size if sp else 1, "mode": sp.setup.dims.mode if sp else None,
-            "world_size": trainer.args.world_size, "output_dir": os.path.abspath(output_dir), **extra}
-
-
-def trainer_setup(args: argparse.Namespace) -> tuple[dict, object]:
-    """The trainer's arguments from the shared options (TRL's own trainer: the ds_config without its
-    ``"wallfacer"`` section) and the step-memory probe (``--measure_step``)."""
-    from ds_wallfacer.hf_trainer.metrics import StepActivationBytes
-
-    run = run_arguments(args)
-    if args.measure_step and (run["deepspeed"].get("zero_optimization") or {}).get("stage") == 3:
-        raise SystemExit("--measure_step reads the tensors autograd saves, which hands ZeRO-3's gathered parameters "
-                         "back without their ZeRO attributes: measure under ZeRO stage 0-2")
-    if args.trainer == "trl":
-        run["deepspeed"] = {k: v for k, v in run["deepspeed"].items() if k != "wallfacer"}
-    return run, StepActivationBytes(args.measure_step)
-
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
     from datasets import Dataset
-    from trl import DPOConfig
-
-    from trl import DPOTrainer
+    from trl import DPOConfig, DPOTrainer
 
     from ds_wallfacer.hf_trainer import WallfacerDPOTrainer
     from ds_wallfacer.hf_trainer.rl_data import make_preferences
-    from ds_wallfacer.train.model import load_model
+    from ds_wallfacer.integration.ds_runtime import close_distributed
 
-    run, probe = trainer_setup(args)
+    run, probe = rl_arguments(args)
     training = DPOConfig(**run, beta=args.beta, loss_type=args.loss_type.split(","),
                          gradient_checkpointing=False)  # layer checkpointing is the ds_config's choice here
-    import deepspeed
-
-    # ZeRO-3 builds the model partitioned (zero.Init), sized by DeepSpeed's world: start it first
-    deepspeed.init_distributed()
-    seq_len = 64 * (args.filler + 2)
-    loaded = load_model(args.model, seq_len=seq_len, dtype=torch.float32, seed=training.seed)
-    if args.trainer == "trl":  # TRL's own trainer attends with the model's usual kernels
-        loaded.model.set_attn_implementation("sdpa")
+    start_distributed()
+    attention = "sdpa" if args.trainer == "trl" else None  # TRL's own trainer attends with the usual kernels
+    loaded = load_example_model(args.model, seq_len=rl_seq_len(args), seed=training.seed, attention=attention)
     pairs = make_preferences(args.pairs + args.eval_size, seed=training.seed, filler=args.filler)
-    kwargs = {}
-    if args.lora_r > 0:
-        from peft import LoraConfig
-
-        kwargs["peft_config"] = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                           target_modules="all-linear")
-    else:  # the initial policy, loaded again
-        kwargs["ref_model"] = load_model(args.model, seq_len=seq_len, dtype=torch.float32, seed=training.seed).model
-        kwargs["ref_model"].set_attn_implementation(loaded.model.config._attn_implementation)
+    kwargs = {"peft_config": lora_config(args.lora_r)}
+    if args.lora_r <= 0:  # the reference: the initial policy, loaded again (with LoRA: the base model)
+        kwargs["ref_model"] = load_example_model(args.model, seq_len=rl_seq_len(args), seed=training.seed,
+                                                 attention=loaded.model.config._attn_implementation).model
     cls = WallfacerDPOTrainer if args.trainer == "wallfacer" else DPOTrainer
-    trainer = cls(model=loaded.model, args=training, processing_class=tokenizer_for(loaded),
+    trainer = cls(model=loaded.model, args=training, processing_class=chat_tokenizer(loaded),
                   train_dataset=Dataset.from_list(pairs[args.eval_size:]),
                   eval_dataset=Dataset.from_list(pairs[: args.eval_size]), **kwargs)
     if args.measure_step:
         trainer.add_callback(probe.callback())
-    resume = True if args.resume == "last" else args.resume
-    result = trainer.train(resume_from_checkpoint=resume)
+    result = trainer.train(resume_from_checkpoint=resume_argument(args))
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
         last = [h for h in trainer.state.log_history if "rewards/accuracies" in h][-1]
-        print(json.dumps(rl_summary(trainer, result, metrics, args.output_dir, lora=args.lora_r > 0,
-                                    reward_accuracy=last["rewards/accuracies"], reward_margin=last["rewards/margins"],
-                                    eval_reward_accuracy=metrics.get("eval_rewards/accuracies"),
-                                    activation_bytes=probe.activation_bytes,
-                                    cuda_peak_bytes=probe.cuda_peak_bytes)))
+        print_summary(rl_summary(trainer, result, metrics, args.output_dir, lora=args.lora_r > 0,
+                                 reward_accuracy=last["rewards/accuracies"], reward_margin=last["rewards/margins"],
+                                 eval_reward_accuracy=metrics.get("eval_rewards/accuracies"),
+                                 activation_bytes=probe.activation_bytes, cuda_peak_bytes=probe.cuda_peak_bytes))
+    close_distributed()
     return 0
 
 

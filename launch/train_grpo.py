@@ -15,15 +15,12 @@ tokens_per_s.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train_dpo import add_rl_options, rl_summary, trainer_setup  # noqa: E402  (the DPO example's shared parts)
-from train_trl import tokenizer_for  # noqa: E402
+from ds_wallfacer.examples.hf import (chat_tokenizer, load_example_model, lora_config, print_summary, resume_argument,
+                                      start_distributed)
+from ds_wallfacer.examples.rl import add_rl_options, rl_arguments, rl_seq_len, rl_summary
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,45 +41,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.beta > 0 and args.lora_r <= 0 and not Path(args.model).is_dir():
         raise SystemExit("--beta > 0 needs a reference model: give --lora_r (the base model is the reference) or "
                          "a model folder (TRL loads the reference from it)")
-    import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer
     from ds_wallfacer.hf_trainer.rl_data import arithmetic_reward, make_prompts
-    from ds_wallfacer.train.model import load_model
+    from ds_wallfacer.integration.ds_runtime import close_distributed
 
-    run, probe = trainer_setup(args)
+    run, probe = rl_arguments(args)
     run.update(eval_strategy="no", per_device_eval_batch_size=args.micro_batch)
     training = GRPOConfig(**run, beta=args.beta, loss_type=args.loss_type, num_generations=args.num_generations,
                           max_completion_length=args.max_completion_length, gradient_checkpointing=False)
-    import deepspeed
-
-    deepspeed.init_distributed()  # ZeRO-3 builds the model partitioned (zero.Init), sized by DeepSpeed's world
-    loaded = load_model(args.model, seq_len=64 * (args.filler + 2), dtype=torch.float32, seed=training.seed)
-    if args.trainer == "trl":  # TRL's own trainer attends with the model's usual kernels
-        loaded.model.set_attn_implementation("sdpa")
+    start_distributed()
+    attention = "sdpa" if args.trainer == "trl" else None  # TRL's own trainer attends with the usual kernels
+    loaded = load_example_model(args.model, seq_len=rl_seq_len(args), seed=training.seed, attention=attention)
     model = args.model if Path(args.model).is_dir() else loaded.model
-    peft_config = None
-    if args.lora_r > 0:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                 target_modules="all-linear")
     cls = WallfacerGRPOTrainer if args.trainer == "wallfacer" else GRPOTrainer
-    trainer = cls(model=model, args=training, processing_class=tokenizer_for(loaded), reward_funcs=arithmetic_reward,
-                  peft_config=peft_config,
+    trainer = cls(model=model, args=training, processing_class=chat_tokenizer(loaded), reward_funcs=arithmetic_reward,
+                  peft_config=lora_config(args.lora_r),
                   train_dataset=Dataset.from_list(make_prompts(args.prompts, seed=training.seed, filler=args.filler)))
     if args.measure_step:
         trainer.add_callback(probe.callback())
-    resume = True if args.resume == "last" else args.resume
-    result = trainer.train(resume_from_checkpoint=resume)
+    result = trainer.train(resume_from_checkpoint=resume_argument(args))
     if trainer.is_world_process_zero():
         rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-        print(json.dumps(rl_summary(trainer, result, {}, args.output_dir, lora=args.lora_r > 0,
-                                    first_reward=rewards[0] if rewards else None,
-                                    last_reward=rewards[-1] if rewards else None,
-                                    activation_bytes=probe.activation_bytes, cuda_peak_bytes=probe.cuda_peak_bytes)))
+        print_summary(rl_summary(trainer, result, {}, args.output_dir, lora=args.lora_r > 0,
+                                 first_reward=rewards[0] if rewards else None,
+                                 last_reward=rewards[-1] if rewards else None,
+                                 activation_bytes=probe.activation_bytes, cuda_peak_bytes=probe.cuda_peak_bytes))
+    close_distributed()
     return 0
 
 

@@ -14,19 +14,14 @@ a JSON summary: final_loss, eval_loss, steps, tokens_per_s.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train_hf import add_run_options, run_arguments, summary  # noqa: E402  (the Trainer example's shared parts)
+from ds_wallfacer.examples.hf import (add_run_options, chat_tokenizer, load_example_model, lora_config, print_summary,
+                                      resume_argument, run_arguments, start_distributed, trainer_summary)
+from ds_wallfacer.hf_trainer.chat import CHAT_DATA, load_chats
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ds_wallfacer.hf_trainer.chat import CHAT_DATA
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llama", help="a preset name, a model folder or a config.json")
     p.add_argument("--data", default=str(CHAT_DATA), help='a .jsonl of {"messages": [...]} conversations')
@@ -37,54 +32,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def tokenizer_for(loaded) -> object:
-    """The model folder's tokenizer when it has a chat template, else the example's byte-level chat tokenizer."""
-    from ds_wallfacer.hf_trainer.chat import chat_tokenizer
-
-    tok = loaded.tokenizer
-    if getattr(tok, "chat_template", None):
-        return tok
-    return chat_tokenizer()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
     from datasets import Dataset
     from trl import SFTConfig
 
-    from ds_wallfacer.hf_trainer.chat import load_chats
     from ds_wallfacer.hf_trainer import WallfacerSFTTrainer
-    from ds_wallfacer.train.model import load_model
+    from ds_wallfacer.integration.ds_runtime import close_distributed
 
     training = SFTConfig(
         **run_arguments(args), packing=True, eval_packing=False, max_length=args.max_length, assistant_only_loss=True,
         gradient_checkpointing=False,  # layer checkpointing is the ds_config's (mini_sequence) choice here
     )
-    import deepspeed
-
-    # ZeRO-3 builds the model partitioned (zero.Init), sized by DeepSpeed's world: start it first (on GPUs the
-    # SFTConfig would; with use_cpu it does not)
-    deepspeed.init_distributed()
-    loaded = load_model(args.model, seq_len=args.max_length, dtype=torch.float32, seed=training.seed)
+    start_distributed()
+    loaded = load_example_model(args.model, seq_len=args.max_length, seed=training.seed)
     chats = load_chats(args.data)
     if len(chats) <= args.eval_size:
         raise SystemExit(f"--data {args.data} has {len(chats)} conversations: more than --eval_size "
                          f"{args.eval_size} are needed")
-    peft_config = None
-    if args.lora_r > 0:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                 target_modules="all-linear")
-    trainer = WallfacerSFTTrainer(model=loaded.model, args=training, processing_class=tokenizer_for(loaded),
+    trainer = WallfacerSFTTrainer(model=loaded.model, args=training, processing_class=chat_tokenizer(loaded),
                                   train_dataset=Dataset.from_list(chats[args.eval_size:]),
-                                  eval_dataset=Dataset.from_list(chats[: args.eval_size]), peft_config=peft_config)
-    resume = True if args.resume == "last" else args.resume
-    result = trainer.train(resume_from_checkpoint=resume)
+                                  eval_dataset=Dataset.from_list(chats[: args.eval_size]),
+                                  peft_config=lora_config(args.lora_r))
+    result = trainer.train(resume_from_checkpoint=resume_argument(args))
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
-        print(json.dumps(summary(trainer, result, metrics, args.output_dir, lora=args.lora_r > 0)))
+        print_summary(trainer_summary(trainer, result, metrics, args.output_dir, lora=args.lora_r > 0))
+    close_distributed()
     return 0
 
 

@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's package, also when not installed
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -47,26 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def conversations(model, args: argparse.Namespace, n: int) -> list[dict]:
-    """``n`` synthetic conversations; image shapes vary (side x side, 2side x side/2, ...)."""
-    from ds_wallfacer.examples.vlm import conversation
-
-    s = args.image_side
-    shapes = [(s, s), (2 * s, max(1, s // 2)), (max(1, s // 2), 2 * s)]
-    return [conversation(model, text=args.text, images=[shapes[(i + j) % 3] for j in range(args.images)], seed=i)
-            for i in range(n)]
-
-
-def build_model(args: argparse.Namespace):
-    if args.model:
-        from transformers import AutoModelForImageTextToText
-
-        return AutoModelForImageTextToText.from_pretrained(args.model, attn_implementation="sdpa").train()
-    from ds_wallfacer.examples.vlm import tiny_vlm
-
-    return tiny_vlm(args.family)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -76,17 +54,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import ds_wallfacer.integration as wf
     from ds_wallfacer.examples import find_config
-    from ds_wallfacer.examples.vlm import IMAGE, conversation_batch
+    from ds_wallfacer.examples.vlm import IMAGE, conversation_batch, example_conversations, example_vlm
+    from ds_wallfacer.integration.ds_runtime import close_distributed
 
     deepspeed.init_distributed()
     config = json.loads(Path(find_config(args.deepspeed_config) or args.deepspeed_config).read_text())
     config["train_micro_batch_size_per_gpu"] = 1
-    model = build_model(args)
+    model = example_vlm(args.family, path=args.model)
     engine, sp = wf.initialize(model=model, config=config,
                                optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr))
     dims = sp.setup.dims
     micro = args.batch_size
-    rows = conversations(model, args, args.steps * dims.dp_size * micro)
+    rows = example_conversations(model, args.steps * dims.dp_size * micro, text=args.text, images=args.images,
+                                 side=args.image_side)
     batches = [conversation_batch(rows[i:i + micro], packed=args.packed) for i in range(0, len(rows), micro)]
     run = None
     if args.wandb and dist.get_rank() == 0:
@@ -124,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.destroy()
     if dist.get_rank() == 0:
         print(json.dumps(summary), flush=True)
+    close_distributed()
     return 0
 
 

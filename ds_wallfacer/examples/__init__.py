@@ -1,8 +1,12 @@
 """The example ds_configs and the demo corpus, shipped inside the package so that the trainer's defaults work
 from an installed wheel in any folder. In a checkout, ``ds_configs/`` and ``launch/data/`` are links to them.
 Also the ds_config as the Trainer examples (``launch/train_hf.py``, ``launch/train_trl.py``) and their ALST
-baseline want it (the Trainer's keys on "auto"). Pure: no torch (``vlm.py``, the tiny vision-language models and
-synthetic image conversations of ``launch/train_vlm.py``, the tests and the sweep, imports it)."""
+baseline want it (the Trainer's keys on "auto"). Pure: no torch.
+
+The examples' shared parts, so that every script in ``launch/`` imports only from the package: ``hf.py`` (the
+Trainer examples' options, arguments, model, data and summary), ``rl.py`` (the DPO and GRPO examples'), ``vlm.py``
+(the tiny vision-language models and synthetic image conversations of ``launch/train_vlm.py``, the tests and the
+sweep; it imports torch)."""
 from __future__ import annotations
 
 import json

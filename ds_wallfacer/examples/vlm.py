@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["FAMILIES", "conversation", "conversation_batch", "tiny_vlm"]
+__all__ = ["FAMILIES", "conversation", "conversation_batch", "example_conversations", "example_vlm", "tiny_vlm"]
 
 IMAGE, VIDEO, START, END = 90, 91, 92, 93
 """The tiny models' placeholder ids (below their vocabulary of 128)."""
@@ -122,3 +122,21 @@ def conversation_batch(rows: Sequence[dict[str, torch.Tensor]], *, packed: bool 
         batch = collate_right_padded(list(rows))
     batch["mm_token_type_ids"] = (batch["input_ids"] == IMAGE).int() + 2 * (batch["input_ids"] == VIDEO).int()
     return batch
+
+
+def example_vlm(family: str, *, path: str | None = None) -> Any:
+    """The VLM example's model: ``tiny_vlm(family)``, or a Qwen-VL folder (``path``) through ``from_pretrained`` on
+    sdpa, in training mode."""
+    if path:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(path, attn_implementation="sdpa").train()
+    return tiny_vlm(family)
+
+
+def example_conversations(model: Any, n: int, *, text: int, images: int, side: int) -> list[dict[str, torch.Tensor]]:
+    """The VLM example's ``n`` conversations (seeds 0 .. n-1): ``text`` tokens and ``images`` images each, whose
+    shapes vary (side x side, 2side x side/2, side/2 x 2side merged patches)."""
+    shapes = [(side, side), (2 * side, max(1, side // 2)), (max(1, side // 2), 2 * side)]
+    return [conversation(model, text=text, images=[shapes[(i + j) % 3] for j in range(images)], seed=i)
+            for i in range(n)]

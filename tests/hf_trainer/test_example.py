@@ -26,9 +26,8 @@ def _example_rank(rank: int, world: int, argv: list[str], script: str = "train_h
     import importlib.util
     import io
     import os
-    import sys
 
-    sys.path.insert(0, str(LAUNCH))  # train_trl imports train_hf, as when run as a script
+    # the script as its own module: it imports only from the package (ds_wallfacer.examples), no other script
     spec = importlib.util.spec_from_file_location(script, LAUNCH / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
