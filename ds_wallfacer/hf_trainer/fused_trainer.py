@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..adapters import hf
-from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
+from ..integration.deepspeed import prepare_sequence_parallel
+from ..integration.sequence_parallel import SequenceParallel
 from .fused_head import shard_fused_lm_head
 from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_common_options, refuse_unsupported_model,
                       take_wallfacer_section)

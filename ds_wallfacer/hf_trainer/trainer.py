@@ -32,10 +32,11 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..attention.residuals import keep_attention_in_layers
-from ..integration.deepspeed import SequenceParallel, prepare_sequence_parallel
+from ..integration.deepspeed import prepare_sequence_parallel
 from ..integration.ds_runtime import close_distributed
 from ..integration.loss import global_token_mean, logits_loss
-from ..data.loader import MEDIA_KEYS
+from ..integration.sequence_parallel import SequenceParallel
+from ..data.media import MEDIA_KEYS
 from .data import ShardingCollator, replica_dataloader
 from .metrics import LogMetrics
 from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_unbalanceable, refuse_unsupported,
