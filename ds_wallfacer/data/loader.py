@@ -34,7 +34,6 @@ from .steps import balanced_order, check_rounds, row_work
 
 __all__ = [
     "BalancedStepSampler",
-    "MEDIA_KEYS",
     "SequenceParallelLoader",
     "ShardSpec",
     "collate_right_padded",
