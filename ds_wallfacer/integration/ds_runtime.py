@@ -146,6 +146,9 @@ def init_distributed(timeout: datetime.timedelta) -> None:
         release_shm_buffer()
 
 
+_WORKER_HANDBACK_S = 0.05
+"""How long ``close_distributed`` leaves the GIL to c10d's worker threads (they need it for microseconds)."""
+
 THREAD_PREFIX = "ds_wallfacer-"
 """The name every thread of this package starts with (watchdog, signal reader, checkpoint writer), so that
 ``close_distributed`` finds them without a registry."""
@@ -154,11 +157,12 @@ THREAD_PREFIX = "ds_wallfacer-"
 def close_distributed(*, timeout_s: float = 10.0) -> None:
     """Note [A clean exit] (docs/trainer.md): the end of every entry point (our trainer, the Trainer classes, the
     examples, the benchmarks' launched ranks). Joins this package's threads (already told to stop by their owners;
-    ``timeout_s`` in all), then destroys every process group of this process, the world's included, through
-    DeepSpeed where it started them (it drops its own references too), and collects the groups now, so that their
-    C++ threads are joined while the interpreter is whole. Local, no collective; safe to call twice, with no group,
-    and as an ``atexit`` handler: after an uncaught exception (``sys.last_value``) it leaves the groups alone, since a
-    peer may still be inside a collective that destroying them would wait for."""
+    ``timeout_s`` in all), destroys every process group of this process, the world's included, through DeepSpeed
+    where it started them (it drops its own references too), collects the groups nothing else holds (their C++
+    threads end while the interpreter is whole), and gives the workers of the groups still held the GIL they need
+    to finish. Local, no collective; safe to call twice, with no group, and as an ``atexit`` handler: after an
+    uncaught exception (``sys.last_value``) it leaves the groups alone, since a peer may still be inside a
+    collective that destroying them would wait for."""
     if getattr(sys, "last_value", None) is not None:  # set by an uncaught exception before atexit handlers run
         return
     deadline = time.monotonic() + timeout_s
@@ -175,3 +179,7 @@ def close_distributed(*, timeout_s: float = 10.0) -> None:
     # groups still held by objects in reference cycles (an engine, a trainer) go now, not during finalisation; an
     # atexit call frees those a script's locals held when it called this itself
     gc.collect()
+    # a gloo worker that ran one of the last collectives takes the GIL once more, to hand back the Python objects of
+    # its tensors: give it the GIL now, while the interpreter can (the groups something still holds keep their
+    # workers until finalisation)
+    time.sleep(_WORKER_HANDBACK_S)

@@ -1,10 +1,11 @@
-"""Note [A clean exit] (docs/trainer.md): a thread still inside a torch.distributed call when the interpreter
-finalises aborts the process with "terminate called without an active exception" (exit status -6, after the run
-printed its summary); every entry point therefore ends with its threads joined and its process groups destroyed.
+"""Note [A clean exit] (docs/trainer.md): a thread that needs the GIL back while the interpreter finalises (a gloo
+worker handing back the tensors of a collective that just ended, a thread of ours inside a store call) aborts the
+process with "terminate called without an active exception" (exit status -6, after the run printed its summary);
+every entry point therefore ends with ``close_distributed``.
 
-The cause reproduced in one process, and gone once ``close_distributed`` runs at exit; ``close_distributed`` on
-forked gloo ranks; then the Trainer example and our trainer through the real ``deepspeed`` launcher, each rank
-reporting what is left after its last atexit handler (``exit_probe.py``)."""
+Both causes reproduced, and gone once ``close_distributed`` runs; ``close_distributed`` on forked gloo ranks; then
+the Trainer example and our trainer through the real ``deepspeed`` launcher, each rank reporting what is left after
+its last atexit handler (``exit_probe.py``)."""
 from __future__ import annotations
 
 import json
@@ -94,8 +95,8 @@ if sys.argv[1] == "close":
 
 
 class SlowTeardown:  # a large process takes this long to finalise
-    def __del__(self):
-        time.sleep(1.0)
+    def __del__(self, sleep=time.sleep):  # bound now: module globals are gone by then
+        sleep(1.0)
 
 
 slow = SlowTeardown()
@@ -110,6 +111,58 @@ def test_a_thread_inside_a_store_call_at_finalisation_aborts_the_process_unless_
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=120)
     if mode == "leave":  # the cause, as a rank of the launcher met it
+        assert res.returncode == -6 and "terminate called without an active exception" in res.stderr, res
+    else:
+        assert res.returncode == 0 and "terminate called" not in res.stderr, res.stderr[-2000:]
+
+
+_WORKER_AT_EXIT = """
+import sys, time
+import torch, torch.distributed as dist
+
+# the main thread keeps the GIL unless it blocks: the race below then goes the bad way every time
+sys.setswitchinterval(1000.0)
+dist.init_process_group("gloo")
+held = dist.group.WORLD  # as a DeepSpeed engine holds its groups: they outlive destroy_process_group
+t = torch.ones(1024)
+if dist.get_rank() == 1:
+    time.sleep(0.5)
+    dist.all_reduce(t)
+else:
+    # the handle dropped: when the collective ends, the gloo worker drops the last reference to its work and with it
+    # its reference to t, whose Python object it must release under the GIL
+    dist.all_reduce(t, async_op=True)
+    sum(range(50_000_000))  # C code holding the GIL: the worker finishes meanwhile and waits for it
+    if sys.argv[1] == "close":
+        from ds_wallfacer.integration.ds_runtime import close_distributed
+
+        close_distributed()
+
+
+class SlowTeardown:  # finalisation lets the GIL go somewhere: to the waiting worker, which then must exit
+    def __del__(self, sleep=time.sleep):  # bound now: module globals are gone by then
+        sleep(0.5)
+
+
+slow = SlowTeardown()
+"""
+
+
+@pytest.mark.parametrize("mode", ["leave", "close"])
+def test_a_gloo_worker_handing_back_a_tensor_at_finalisation_aborts_the_rank_unless_closed(mode: str,
+                                                                                          tmp_path: Path) -> None:
+    script = tmp_path / "worker_at_exit.py"
+    script.write_text(_WORKER_AT_EXIT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    peer = subprocess.Popen([sys.executable, str(script), mode], env=dict(env, RANK="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        res = subprocess.run([sys.executable, str(script), mode], env=dict(env, RANK="0"), capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        peer.wait(timeout=120)
+    if mode == "leave":  # the cause, as rank 0 of a Trainer run met it after its summary
         assert res.returncode == -6 and "terminate called without an active exception" in res.stderr, res
     else:
         assert res.returncode == 0 and "terminate called" not in res.stderr, res.stderr[-2000:]
