@@ -42,6 +42,19 @@ def _example_rank(rank: int, world: int, argv: list[str], script: str = "train_h
     return out.getvalue()
 
 
+def test_the_scripts_import_only_from_the_package() -> None:
+    """Every script in launch/ runs from an installed package: no ``sys.path`` edits, no script imports another."""
+    import ast
+
+    scripts = {p.stem for p in LAUNCH.glob("*.py")}
+    for path in sorted(LAUNCH.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        assert not scripts & {name.split(".")[0] for name in names}, (path.name, names)
+        assert "sys.path" not in path.read_text(), path.name
+
+
 def _summary(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
