@@ -202,7 +202,7 @@ def remove_shm_segments(port: int | str, rank: int | str = "*") -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, timeout_s: float,
-               threads: int) -> None:
+               threads: int, spawned: bool) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads),
@@ -221,7 +221,11 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
+        if spawned:  # Note [A clean exit] (docs/trainer.md): this interpreter finalises (a forked one ends with _exit)
+            from ds_wallfacer.integration.ds_runtime import close_distributed
+
+            close_distributed()
+        elif dist.is_initialized():
             dist.destroy_process_group()
         remove_shm_segments(port, rank)  # if ``fn`` initialised DeepSpeed without our initialize
 
@@ -242,7 +246,8 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue, timeout_s, threads))
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world_size, port, fn, args, queue, timeout_s, threads, start_method != "fork"))
              for r in range(world_size)]
     for p in procs:
         p.start()
