@@ -169,16 +169,15 @@ def close_distributed(*, timeout_s: float = 10.0) -> None:
     for t in threading.enumerate():
         if t.name.startswith(THREAD_PREFIX) and t is not threading.current_thread():
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-    if dist.is_available() and dist.is_initialized():
-        import deepspeed.comm as ds_comm
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import deepspeed.comm as ds_comm
 
-        if ds_comm.is_initialized():
-            ds_comm.destroy_process_group()
-        else:
-            dist.destroy_process_group()
-    # groups still held by objects in reference cycles (an engine, a trainer) go now, not during finalisation; an
-    # atexit call frees those a script's locals held when it called this itself
-    gc.collect()
+    if ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+    gc.collect()  # groups held only by reference cycles (an engine, a trainer) go now, not during finalisation
     # a gloo worker that ran one of the last collectives takes the GIL once more, to hand back the Python objects of
     # its tensors: give it the GIL now, while the interpreter can (the groups something still holds keep their
     # workers until finalisation)
