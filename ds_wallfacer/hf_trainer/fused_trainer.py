@@ -28,7 +28,6 @@ from .fused_head import shard_fused_lm_head
 from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_common_options, refuse_unsupported_model,
                       take_wallfacer_section)
 from .replicas import ReplicaView
-from .trainer import close_at_exit
 
 __all__ = ["WallfacerFusedHeadMixin", "refuse_absolute_positions"]
 
@@ -71,7 +70,6 @@ class WallfacerFusedHeadMixin:
         self._wf_view = ReplicaView(self.accelerator, dims=dims, dp_index=sp.groups.dp_index,
                                     module=_trl_module(type(self)))
         self._wf_after_setup()
-        close_at_exit()  # Note [A clean exit]
 
     # -- set-up --------------------------------------------------------------------------------------------
     @classmethod

@@ -22,7 +22,6 @@ over the group, the loss a non-parallel ``prediction_step`` returns for that bat
 """
 from __future__ import annotations
 
-import atexit
 from typing import Any, Iterator
 
 import torch
@@ -33,7 +32,6 @@ from transformers import TrainerCallback
 
 from ..attention.residuals import keep_attention_in_layers
 from ..integration.deepspeed import prepare_sequence_parallel
-from ..integration.ds_runtime import close_distributed
 from ..integration.loss import global_token_mean, logits_loss
 from ..integration.sequence_parallel import SequenceParallel
 from ..data.media import MEDIA_KEYS
@@ -42,7 +40,7 @@ from .metrics import LogMetrics
 from .options import (UnsupportedTrainerOption, refuse_accelerate_sp, refuse_unbalanceable, refuse_unsupported,
                       refuse_unsupported_model, take_wallfacer_section)
 
-__all__ = ["WallfacerTrainer", "WallfacerTrainerMixin", "close_at_exit"]
+__all__ = ["WallfacerTrainer", "WallfacerTrainerMixin"]
 
 
 class WallfacerTrainerMixin:
@@ -68,7 +66,6 @@ class WallfacerTrainerMixin:
         self.wallfacer_metrics = LogMetrics(self.sequence_parallel.comm)
         ms = run.wallfacer.mini_sequence
         self.add_callback(_AtTrainBegin(self.wallfacer_metrics, keep_attention=ms is None or ms.keep_attention))
-        close_at_exit()
 
     def _wf_pad_token_id(self) -> int | None:
         tok = getattr(self, "processing_class", None)
@@ -226,15 +223,6 @@ class _AtTrainBegin(TrainerCallback):
         self.metrics.restart()
         if self.keep_attention and model is not None:
             keep_attention_in_layers(model)
-
-
-def close_at_exit() -> None:
-    """Note [A clean exit] (docs/trainer.md): a Trainer script returns after ``trainer.train()`` with the process
-    groups alive, and nothing in the Trainer destroys them. This registers ``close_distributed`` once per process
-    to run at the interpreter's exit: atexit handlers run while the interpreter is whole, before it stops the
-    threads (and not after an uncaught exception: ``close_distributed``)."""
-    atexit.unregister(close_distributed)
-    atexit.register(close_distributed)
 
 
 try:

@@ -4,6 +4,7 @@ shared-memory buffers that are never unlinked). Only here does the package reach
 (``deepspeed.utils.groups._WORLD_GROUP``). Design: docs/design/dependencies.md, docs/design/faults.md."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["THREAD_PREFIX", "close_distributed", "init_distributed", "rank_device", "release_shm_buffer",
+__all__ = ["THREAD_PREFIX", "close_at_exit", "close_distributed", "init_distributed", "rank_device", "release_shm_buffer",
            "sweep_stale_shm_segments"]
 
 log = logging.getLogger("ds_wallfacer.ds_runtime")
@@ -144,6 +145,7 @@ def init_distributed(timeout: datetime.timedelta) -> None:
         if dist.get_world_size() > 1:
             dist.barrier()  # every rank has mapped every peer's segment (Note [DeepSpeed's CPU shared-memory buffers])
         release_shm_buffer()
+    close_at_exit()
 
 
 _WORKER_HANDBACK_S = 0.05
@@ -182,3 +184,13 @@ def close_distributed(*, timeout_s: float = 10.0) -> None:
     # its tensors: give it the GIL now, while the interpreter can (the groups something still holds keep their
     # workers until finalisation)
     time.sleep(_WORKER_HANDBACK_S)
+
+
+def close_at_exit() -> None:
+    """Note [A clean exit] (docs/trainer.md): a script returns after its last step (``trainer.train()``, its own loop
+    over ``initialize``'s engine) with the process groups alive, and nothing else destroys them. This registers
+    ``close_distributed`` once per process to run at the interpreter's exit: atexit handlers run while the
+    interpreter is whole, before it stops the threads (and not after an uncaught exception: ``close_distributed``).
+    Called by ``init_distributed``, so every entry point of the package gets it without a new call."""
+    atexit.unregister(close_distributed)
+    atexit.register(close_distributed)
