@@ -1,10 +1,13 @@
 """The newcomer's example through the real ``deepspeed`` launcher (it spawns CPU ranks here): launch/train.py
 trains a small Llama on the bundled text and the loss goes down; a bad config stops every rank with one clear
-message instead of a hang."""
+message instead of a hang. The 4-rank run goes through ``exit_probe.py``, so the same launch also shows the clean
+exit (Note [A clean exit] in docs/trainer.md): status 0, no abort, no group or thread of ours left at the last
+atexit handler of any rank."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,17 +16,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).resolve().parent / "exit_probe.py"
 DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
 
 pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="the deepspeed launcher is not installed")
 
 
-def _launch(num: int, config: Path, tmp_path: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _launch(num: int, config: Path, tmp_path: Path, *extra: str, timeout: int = 300,
+            probe: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "WALLFACER_WARNINGS")}
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline")
     if not shutil.which("nvidia-smi"):
         env["DS_ACCELERATOR"] = "cpu"
-    cmd = [DEEPSPEED, "--num_gpus", str(num), "--master_port", str(_free_port()), str(ROOT / "launch" / "train.py"),
+    script = [str(PROBE), str(ROOT / "launch" / "train.py")] if probe else [str(ROOT / "launch" / "train.py")]
+    cmd = [DEEPSPEED, "--num_gpus", str(num), "--master_port", str(_free_port()), *script,
            "--deepspeed_config", str(config), "--output_dir", str(tmp_path / "runs"), *extra]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -35,9 +41,9 @@ def _free_port() -> int:
 
 
 def test_train_script_hybrid_on_four_ranks(tmp_path: Path) -> None:
-    res = _launch(4, ROOT / "ds_configs" / "hybrid.json", tmp_path, "--steps", "4", "--seq_len", "128")
+    res = _launch(4, ROOT / "ds_configs" / "hybrid.json", tmp_path, "--steps", "4", "--seq_len", "128", probe=True)
     out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
+    assert res.returncode == 0 and "terminate called" not in out, out[-4000:]
     summary = json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] == 4 and summary["finite"]
     assert (summary["mode"], summary["sequence_parallel_size"], summary["ulysses_degree"]) == ("hybrid", 4, 2)
@@ -47,6 +53,11 @@ def test_train_script_hybrid_on_four_ranks(tmp_path: Path) -> None:
     # a quiet run: no deprecation notice, ours or the packages' (train/quiet.py)
     noise = [line for line in out.splitlines() if "FutureWarning" in line or "DeprecationWarning" in line]
     assert noise == [], noise
+    # a clean exit: every rank's groups destroyed and our threads joined before the interpreter finalised
+    left = re.findall(r"exit_probe: rank (\d+): initialized (\w+), (\d+) threads of ours", out)
+    assert sorted(rank for rank, _, _ in left) == ["0", "1", "2", "3"], out[-4000:]
+    assert all(init == "False" and ours == "0" for _, init, ours in left), [
+        line for line in out.splitlines() if "exit_probe" in line]
 
 
 def test_bad_config_stops_the_run_with_one_clear_message(tmp_path: Path) -> None:
