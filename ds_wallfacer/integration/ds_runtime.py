@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["THREAD_PREFIX", "close_at_exit", "close_distributed", "init_distributed", "rank_device", "release_shm_buffer",
-           "sweep_stale_shm_segments"]
+__all__ = ["THREAD_PREFIX", "close_at_exit", "close_distributed", "init_distributed", "rank_device",
+           "release_shm_buffer", "sweep_stale_shm_segments"]
 
 log = logging.getLogger("ds_wallfacer.ds_runtime")
 

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import examples
-from .options import DEFAULTS
+from .options import DEFAULTS, given_options, resolve_options
 
-__all__ = ["DEFAULT_CONFIG", "DEFAULT_DATA", "StartupError", "offline_defaults", "parse_args", "read_ds_config"]
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_DATA", "StartupError", "offline_defaults", "parse_args", "read_ds_config",
+           "settle_options"]
 
 DEFAULT_DATA = examples.DATA_DIR
 """The demo corpus (a few KB of text)."""
@@ -189,3 +190,15 @@ def read_ds_config(path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise StartupError(f"--deepspeed_config {path!r} must hold a JSON object")
     return raw
+
+
+def settle_options(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The one value of each option the ds_config can also set (``options.resolve_options``), written back into
+    ``args`` so every later reader (the loop, the schedule, wandb) sees it: (the ds_config with the options filled
+    in, where each value came from). A contradiction is a ``StartupError`` naming both values."""
+    try:
+        resolved = resolve_options(given=given_options(args), ds_config=read_ds_config(args.deepspeed_config))
+    except ValueError as e:
+        raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
+    vars(args).update(resolved.values)
+    return resolved.ds_config, resolved.notes

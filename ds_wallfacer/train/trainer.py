@@ -19,7 +19,7 @@ from ..hf_config import text_config
 from ..integration.ds_runtime import close_distributed
 from . import checkpoint as ckpt
 from . import manifest
-from .cli import StartupError, offline_defaults, read_ds_config
+from .cli import StartupError, offline_defaults, settle_options
 from .data import eval_batches, load_token_data
 from .dynamic import DynamicData
 from .export import export_hf
@@ -27,7 +27,6 @@ from .metrics import (comm_bytes, gather_rows, init_wandb, log_step, model_flops
                       peak_tflops, replica_mean, run_summary, split_wandb_section)
 from .model import dtype_of, load_model
 from .nonfinite import NonFiniteRun, UpdateGate, check_step
-from .options import given_options, resolve_options
 from .order import DataOrder
 from .schedule import scheduler_of
 from .preempt import PREEMPTED_EXIT_CODE, Preemption, stop_reason
@@ -112,17 +111,12 @@ class Trainer:
         """ds_config, checkpoint to resume, model, data, then the DeepSpeed engine and the sizes it decides."""
         args = self.args
         offline_defaults()
-        try:  # before the heavy imports: an option the ds_config contradicts is refused at once
-            resolved = resolve_options(given=given_options(args), ds_config=read_ds_config(args.deepspeed_config))
-        except ValueError as e:
-            raise StartupError(f"--deepspeed_config {args.deepspeed_config!r}: {e}") from None
-        vars(args).update(resolved.values)  # every later reader (the loop, the schedule, wandb) sees the one value
-        self.option_notes = resolved.notes
+        raw, self.option_notes = settle_options(args)  # before the heavy imports: a contradiction is refused at once
         import ds_wallfacer.integration as wfi  # registers attn_implementation="wallfacer"
 
         from ..config import parse_ds_config
 
-        ds_config, self.wandb_section = split_wandb_section(resolved.ds_config)
+        ds_config, self.wandb_section = split_wandb_section(raw)
         try:
             self.run_cfg = parse_ds_config(ds_config)
         except ValueError as e:  # a bad "wallfacer" section or batch size: one line on every rank
