@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port, run_distributed
+from tests.integration.launched import DEEPSPEED, ROOT, clean_exit_failures, launch
 
-ROOT = Path(__file__).resolve().parents[2]
-PROBE = Path(__file__).resolve().parent / "exit_probe.py"
-DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
 LINUX = Path("/proc/self/task").is_dir()
 
 
@@ -168,27 +164,12 @@ def test_a_gloo_worker_handing_back_a_tensor_at_finalisation_aborts_the_rank_unl
         assert res.returncode == 0 and "terminate called" not in res.stderr, res.stderr[-2000:]
 
 
-def _launch(script: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "WALLFACER_WARNINGS")}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONFAULTHANDLER="1")
-    if not shutil.which("nvidia-smi"):
-        env["DS_ACCELERATOR"] = "cpu"
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(PROBE), str(ROOT / "launch" / script),
-           *args, "--output_dir", str(tmp_path / "run")]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.skipif(DEEPSPEED is None or not LINUX, reason="needs the deepspeed launcher and /proc")
 @pytest.mark.parametrize("script,args", [
     ("train_hf.py", ("--deepspeed_config", "wallfacer", "--seq_len", "64", "--steps", "1", "--eval_steps", "1")),
 ])
 def test_an_entry_point_ends_every_rank_with_status_0_and_its_groups_destroyed(script: str, args: tuple,
                                                                            tmp_path: Path) -> None:
-    res = _launch(script, *args, tmp_path=tmp_path)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0 and "terminate called" not in out, out[-4000:]
+    res = launch(script, *args, "--output_dir", str(tmp_path / "run"), num=2, tmp_path=tmp_path, probe=True)
+    assert clean_exit_failures(res, ranks=2) == []
     json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])  # the summary, last
-    left = re.findall(r"exit_probe: rank (\d+): initialized (\w+), (\d+) threads of ours", out)
-    assert sorted(rank for rank, _, _ in left) == ["0", "1"], out[-4000:]
-    assert all(init == "False" and ours == "0" for _, init, ours in left), [
-        line for line in out.splitlines() if "exit_probe" in line]

@@ -6,38 +6,21 @@ atexit handler of any rank."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PROBE = Path(__file__).resolve().parent / "exit_probe.py"
-DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+from tests.integration.launched import DEEPSPEED, ROOT, clean_exit_failures, launch
+
 
 pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="the deepspeed launcher is not installed")
 
 
 def _launch(num: int, config: Path, tmp_path: Path, *extra: str, timeout: int = 300,
             probe: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "WALLFACER_WARNINGS")}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    if not shutil.which("nvidia-smi"):
-        env["DS_ACCELERATOR"] = "cpu"
-    script = [str(PROBE), str(ROOT / "launch" / "train.py")] if probe else [str(ROOT / "launch" / "train.py")]
-    cmd = [DEEPSPEED, "--num_gpus", str(num), "--master_port", str(_free_port()), *script,
-           "--deepspeed_config", str(config), "--output_dir", str(tmp_path / "runs"), *extra]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    from tests.dist_utils import free_port
-
-    return free_port()
+    return launch("train.py", "--deepspeed_config", str(config), "--output_dir", str(tmp_path / "runs"), *extra,
+                  num=num, tmp_path=tmp_path, probe=probe, timeout=timeout)
 
 
 def test_train_script_hybrid_on_four_ranks(tmp_path: Path) -> None:
@@ -53,11 +36,7 @@ def test_train_script_hybrid_on_four_ranks(tmp_path: Path) -> None:
     # a quiet run: no deprecation notice, ours or the packages' (train/quiet.py)
     noise = [line for line in out.splitlines() if "FutureWarning" in line or "DeprecationWarning" in line]
     assert noise == [], noise
-    # a clean exit: every rank's groups destroyed and our threads joined before the interpreter finalised
-    left = re.findall(r"exit_probe: rank (\d+): initialized (\w+), (\d+) threads of ours", out)
-    assert sorted(rank for rank, _, _ in left) == ["0", "1", "2", "3"], out[-4000:]
-    assert all(init == "False" and ours == "0" for _, init, ours in left), [
-        line for line in out.splitlines() if "exit_probe" in line]
+    assert clean_exit_failures(res, ranks=4) == []  # every rank's groups destroyed, our threads joined
 
 
 def test_bad_config_stops_the_run_with_one_clear_message(tmp_path: Path) -> None:
