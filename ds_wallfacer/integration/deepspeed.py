@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..adapters.hf import apply_sequence_parallel
+from ..adapters.apply import apply_sequence_parallel
 from ..audit.model_audit import audit_model, audit_sequence
 from ..audit.self_check import start_up_check
 from ..comm import CommLayer
