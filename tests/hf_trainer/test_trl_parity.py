@@ -3,8 +3,12 @@ one rank (on two for two data-parallel replicas, whose sampling TRL seeds per pr
 every logged loss and metric equal (fp32, 1e-5), the evaluation's too.
 
 The runs (``trl_runs.py``) train the tiny Llama on the shipped arithmetic data with SGD, no clipping, gradient
-accumulation 2 (see ``test_trainer_parity.py``). GRPO samples at temperature 1 from a seeded generator: both runs
-see the same completions, so the rewards, advantages and every loss term can be compared (RLOO the same way).
+accumulation 2 (see ``test_trainer_parity.py``). GRPO and RLOO decode greedily: each rank of a group generates its
+share of the prompts and the group gathers them, which under greedy decoding is what one process generates, so the
+completions, rewards, KL terms and every metric can be compared (under sampling each rank draws its own numbers:
+``test_sampled_rollouts_split_over_the_group`` checks that case). Greedy completions of one prompt are all the same,
+so its advantages cancel; with LoRA the adapter starts away from the base model (the reference) and GRPO trains on
+its KL term.
 """
 from __future__ import annotations
 
@@ -88,9 +92,32 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     got = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
     assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
     _same_logs(got, ref, case)
-    assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref  # some group had rewards to learn from
+    if opts.get("lora") and opts.get("algo") != "rloo":  # the KL to the base model moves the adapter
+        assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref
     assert "kl" in ref["logs"][0] and any(k.startswith("clip_ratio") for k in ref["logs"][0]), ref
     # the completions table, row for row
     for column in ("prompt", "completion"):
         assert got["table"][column] == ref["table"][column], (column, got["table"], ref["table"])
     assert got["table"]["advantages"] == pytest.approx(ref["table"]["advantages"], rel=1e-5, abs=1e-5), case
+    shares = [r["prompts"] for r in got["rollouts"]]  # rank 0's group: each rank generated a quarter
+    assert len(shares) == section["sequence_parallel_size"] and len(set(shares)) == 1, got["rollouts"]
+
+
+def test_sampled_rollouts_split_over_the_group(tmp_path) -> None:
+    """Sampling at temperature 1 under ZeRO-3, 2 completions per prompt and one prompt a round: ranks 0 and 1 of
+    the group each generate one completion, ranks 2 and 3 none (each generates a dropped one, which keeps ZeRO-3's
+    gathers and generate's synced steps aligned). Every rank ends with the same completions and parameters; the
+    two completions of a prompt, drawn on two ranks from different seeds, differ; the adapter trains (its KL term)."""
+    section = {"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}
+    opts = {"sampling": True, "num_generations": 2, "zero_stage": 3, "lora": True}
+    every = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, 1, opts, timeout_s=240)
+    rounds = STEPS  # a round of 2 completions every 2 micro-batches of 1 (steps_per_generation = accumulation 2)
+    for got in every[1:]:
+        assert got["table"] == every[0]["table"] and got["digest"] == every[0]["digest"], (got, every[0])
+    stats = every[0]["rollouts"]
+    assert [r["prompts"] for r in stats] == [rounds, rounds, 0, 0], stats
+    assert all(r["tokens"] > 0 for r in stats), stats  # the ranks without prompts generated too
+    assert {r["batch_tokens"] for r in stats} == {sum(r["tokens"] for r in stats[:2])}, stats
+    completions = every[0]["table"]["completion"]
+    assert len(completions) == 2 and completions[0] != completions[1], completions
+    assert any(log["grad_norm"] > 0 for log in every[0]["logs"]), every[0]["logs"]
