@@ -105,8 +105,9 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
         """TRL's rollout and batching, as one process per replica, with the group's random state made one: the
-        generation's sampling and the shuffle that splits a round into micro-batches draw the same numbers on every
-        rank of the group (the group must train on the same rows)."""
+        ranks' generation seeds derive from it (Note [Seeds of a split rollout] in ``rollouts.py``) and the shuffle
+        that splits a round into micro-batches draws the same numbers on every rank of the group (the group must
+        train on the same rows)."""
         self._wf_share_random_state()
         with self._wf_view(self):
             return super()._prepare_inputs(generation_batch)
