@@ -7,8 +7,9 @@ accumulation 2 (see ``test_trainer_parity.py``). GRPO and RLOO decode greedily: 
 share of the prompts and the group gathers them, which under greedy decoding is what one process generates, so the
 completions, rewards, KL terms and every metric can be compared (under sampling each rank draws its own numbers:
 ``test_sampled_rollouts_split_over_the_group`` checks that case). Greedy completions of one prompt are all the same,
-so its advantages cancel; with LoRA the adapter starts away from the base model (the reference) and GRPO trains on
-its KL term.
+so their policy-gradient terms cancel (``trl_runs.row_bonus`` still gives them different rewards, so the advantages
+are not degenerate); with LoRA the adapter starts away from the base model (the reference) and GRPO trains on its KL
+term.
 """
 from __future__ import annotations
 
