@@ -3,13 +3,14 @@ one rank (on two for two data-parallel replicas, whose sampling TRL seeds per pr
 every logged loss and metric equal (fp32, 1e-5), the evaluation's too.
 
 The runs (``trl_runs.py``) train the tiny Llama on the shipped arithmetic data with SGD, no clipping, gradient
-accumulation 2 (see ``test_trainer_parity.py``). GRPO and RLOO decode greedily: each rank of a group generates its
-share of the prompts and the group gathers them, which under greedy decoding is what one process generates, so the
-completions, rewards, KL terms and every metric can be compared (under sampling each rank draws its own numbers:
-``test_sampled_rollouts_split_over_the_group`` checks that case). Greedy completions of one prompt are all the same,
-so their policy-gradient terms cancel (``trl_runs.row_bonus`` still gives them different rewards, so the advantages
-are not degenerate); with LoRA the adapter starts away from the base model (the reference) and GRPO trains on its KL
-term.
+accumulation 2 (see ``test_trainer_parity.py``). GRPO and RLOO split each rollout over the group (each rank generates
+its share of the prompts, rank i sampling from generators seeded ``s + i``). Four cases (``sampling``) sample at
+temperature 1 against TRL's trainer generating its prompts in the same slices from the same seeds
+(``trl_runs.SlicedRollouts``), so both runs see the same completions and the rewards, advantages and every loss
+term, the policy gradient's included, are compared. Two cases decode greedily against plain TRL: the split then
+equals one process generating the whole batch (greedy completions of a prompt are alike, so their policy-gradient
+terms cancel; ``trl_runs.row_bonus`` gives them different rewards, and with LoRA the adapter starts away from the
+base model, so GRPO trains on its KL term).
 """
 from __future__ import annotations
 
@@ -70,18 +71,20 @@ def test_dpo_equals_trl_on_one_rank(case: str, tmp_path) -> None:
 
 GRPO_CASES = {
     "wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
-                          {"lora": True}),
+                          {"lora": True, "sampling": True}),
     "ulysses-zero3-ref-model": ({"mode": "ulysses", "sequence_parallel_size": 4}, 8, 1,
                                 {"pretrained": True, "zero_stage": 3}),
     "hybrid-dr-grpo": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 4}, 8, 1,
-                       {"lora": True, "loss_type": "dr_grpo"}),
+                       {"lora": True, "loss_type": "dr_grpo", "sampling": True}),
     "hybrid-dp-lora": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 4, 2,
                        {"lora": True, "loss_type": "dr_grpo"}),
     "rloo-wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
-                               {"lora": True, "algo": "rloo"}),
+                               {"lora": True, "algo": "rloo", "sampling": True}),
     "rloo-ring-dp": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}, 4, 2,
-                     {"lora": True, "algo": "rloo"}),
+                     {"lora": True, "algo": "rloo", "sampling": True}),
 }
+"""case: (section, micro-batch, reference ranks, options). ``sampling``: temperature 1, against TRL generating in
+the group's slices (``trl_runs.SlicedRollouts``); else greedy, against plain TRL."""
 
 
 @pytest.mark.parametrize("case", list(GRPO_CASES))
@@ -89,11 +92,17 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     section, micro_batch, ref_ranks, opts = GRPO_CASES[case]
     if opts.get("pretrained"):
         opts = {**opts, "pretrained": save_tiny_llama(str(tmp_path / "tiny"))}
-    ref = run_distributed(grpo_train, ref_ranks, str(tmp_path / "ref"), None, 8 // ref_ranks, opts, timeout_s=240)[0]
+    # sampling: each reference process (a replica) generates its prompts in the group's slices, seeded as its ranks
+    ref_opts = {**opts, "rollout_parts": section["sequence_parallel_size"]} if opts.get("sampling") else opts
+    ref = run_distributed(grpo_train, ref_ranks, str(tmp_path / "ref"), None, 8 // ref_ranks, ref_opts,
+                          timeout_s=240)[0]
     got = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
     assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
     _same_logs(got, ref, case)
-    if opts.get("lora") and opts.get("algo") != "rloo":  # the KL to the base model moves the adapter
+    if opts.get("sampling"):  # the policy gradient moves the model (the adapter starts at the base: no KL gradient)
+        assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref
+        assert len(set(ref["table"]["completion"])) > len(set(ref["table"]["prompt"])), ref["table"]  # sampled
+    elif opts.get("lora") and opts.get("algo") != "rloo":  # greedy: the KL to the base model moves the adapter
         assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref
     assert "kl" in ref["logs"][0] and any(k.startswith("clip_ratio") for k in ref["logs"][0]), ref
     # the completions table, row for row
@@ -108,7 +117,7 @@ def test_sampled_rollouts_split_over_the_group(tmp_path) -> None:
     """Sampling at temperature 1 under ZeRO-3, 2 completions per prompt and one prompt a round: ranks 0 and 1 of
     the group each generate one completion, ranks 2 and 3 none (each generates a dropped one, which keeps ZeRO-3's
     gathers and generate's synced steps aligned). Every rank ends with the same completions and parameters; the
-    two completions of a prompt, drawn on two ranks from different seeds, differ; the adapter trains (its KL term)."""
+    two completions of a prompt, drawn on two ranks from different seeds, differ; the adapter trains."""
     section = {"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}
     opts = {"sampling": True, "num_generations": 2, "zero_stage": 3, "lora": True}
     every = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, 1, opts, timeout_s=240)
