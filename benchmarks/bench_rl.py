@@ -1,8 +1,9 @@
 """TRL's DPO and GRPO trainers with sequence parallelism against the same TRL trainer on one rank: tokens/s and
 activation bytes per rank, side by side in one run.
 
-    python benchmarks/bench_rl.py                          # 4 CPU ranks, rows of ~1K tokens, 4 steps (~3-5 min)
+    python benchmarks/bench_rl.py                          # 4 CPU ranks, rows of ~1K tokens, 4 steps (~4-6 min)
     python benchmarks/bench_rl.py --filler 64 --only dpo   # longer rows
+    python benchmarks/bench_rl.py --only rollouts          # GRPO's generation alone: split against redundant
 
 Every run is a shipped example under the real launcher: ``deepspeed --num_gpus N launch/train_dpo.py`` or
 ``launch/train_grpo.py``, with ``--trainer trl`` for TRL's own trainer (one rank; the example ds_config without its
@@ -15,6 +16,13 @@ reward) against the one-rank run, tokens/s
 over all ranks (TRL's ``num_tokens`` / ``train_runtime``: generation, the reference and the trainer's overheads
 included), and the activation bytes of step 3 on rank 0 (what autograd saves for backward in one micro-step,
 ``StepActivationBytes``: the part of memory that grows with the sequence and that sequence parallelism divides).
+
+GRPO's rollouts: the WallFacer run generates split over the group (each rank its share of the group's prompts, then
+one gather); one more run, ``--redundant_rollouts`` (the trainer's ``redundant_rollouts``), has every rank generate
+the group's whole batch, as the trainer did before. Per rank of the group: the completion tokens it generated and the
+seconds it spent in rollouts (generation and the gather); ``generated_token_share_per_rank`` is the largest rank's
+tokens over the group's batch (1 when redundant; at best 1/P plus a completion's share when split) and
+``generation_split_over_redundant`` the slowest rank's rollout seconds, split over redundant.
 
 TRL + ALST: TRL's DPO and GRPO trainers have no DeepSpeed-Ulysses path (accelerate's ``ParallelismConfig`` sequence
 parallelism is wired into its SFT trainer only; their losses sum over whole sequences, which a sharded batch would
@@ -49,6 +57,11 @@ def configurations(args: argparse.Namespace) -> list[dict]:
         out.append(dict(trainer=trainer, impl="trl", config="wallfacer", ranks=1))
         out += [dict(trainer=trainer, impl="wallfacer", config=c, ranks=args.ranks)
                 for c in ("wallfacer", "ulysses", "hybrid")]
+    if only and "rollouts" in only and "grpo" not in only:
+        out.append(dict(trainer="grpo", impl="wallfacer", config="wallfacer", ranks=args.ranks))
+    if not only or only & {"grpo", "rollouts"}:
+        out.append(dict(trainer="grpo", impl="wallfacer", config="wallfacer", ranks=args.ranks,
+                        generation="redundant"))
     return out
 
 
@@ -69,15 +82,42 @@ def _run(cfg: dict, args: argparse.Namespace) -> dict:
     def options(out: str) -> list:
         return ["--deepspeed_config", _config(cfg["config"], out), "--trainer", cfg["impl"], "--filler", args.filler,
                 "--steps", args.steps, "--measure_step", MEASURED_STEP, "--eval_steps", 10 * args.steps,
-                "--output_dir", out]
+                "--output_dir", out] + (["--redundant_rollouts"] if cfg.get("generation") == "redundant" else [])
 
-    row = job_row(cfg, SCRIPTS[cfg["trainer"]], options, args,
-                  label=f"{cfg['trainer']} {cfg['impl']} {cfg['config']} x{cfg['ranks']}")
+    row = job_row(cfg, SCRIPTS[cfg["trainer"]], options, args, label=_name(cfg))
     if "error" not in row:
-        print(f"  {cfg['trainer']:5s} {cfg['impl']:9s} {cfg['config']:9s} x{cfg['ranks']}  "
-              f"loss {row['final_loss']:.6f}  {row['tokens_per_s']:8.0f} tok/s  "
+        print(f"  {_name(cfg):36s}  loss {row['final_loss']:.6f}  {row['tokens_per_s']:8.0f} tok/s  "
               f"{row['activation_bytes'] / 2**20:7.1f} MiB  ({row['job_s']:.0f} s)", flush=True)
     return row
+
+
+def _name(cfg: dict) -> str:
+    extra = " redundant" if cfg.get("generation") == "redundant" else ""
+    return f"{cfg['trainer']} {cfg['impl']} {cfg['config']} x{cfg['ranks']}{extra}"
+
+
+def _rollouts(ok: list[dict]) -> dict[str, Any]:
+    """GRPO's rollouts per rank, split (the WallFacer run) against redundant: a table and the summary's keys."""
+    runs = {r.get("generation", "split"): r for r in ok if r["trainer"] == "grpo" and r["impl"] == "wallfacer"
+            and r["config"] == "wallfacer" and r.get("rollouts")}
+    if set(runs) != {"split", "redundant"}:
+        return {}
+    print_table([("rollouts", "<"), ("rank", "d"), ("prompts", "d"), ("tokens", "d"), ("share", ".3f"),
+                 ("seconds", ".2f")],
+                [[name, i, s["prompts"], s["tokens"], s["tokens"] / max(s["batch_tokens"], 1), s["seconds"]]
+                 for name, r in runs.items() for i, s in enumerate(r["rollouts"])],
+                title=f"\nGRPO rollouts over {len(runs['split']['rollouts'])} ranks (one group, config wallfacer)")
+
+    def share(r: dict) -> float:
+        return max(s["tokens"] / max(s["batch_tokens"], 1) for s in r["rollouts"])
+
+    def seconds(r: dict) -> float:
+        return max(s["seconds"] for s in r["rollouts"])
+
+    return {"generated_token_share_per_rank": round(share(runs["split"]), 4),
+            "generated_token_share_per_rank_redundant": round(share(runs["redundant"]), 4),
+            "generation_seconds": {k: round(seconds(r), 3) for k, r in runs.items()},
+            "generation_split_over_redundant": round(seconds(runs["split"]) / seconds(runs["redundant"]), 4)}
 
 
 def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
@@ -98,7 +138,7 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
                  ("final loss", ".6f"), ("|d loss|", ".1e"), ("|d reward|", ".1e"), ("tok/s", ".0f"),
                  ("tok/s ratio", ".2f"),
                  ("act MiB/rank", ".2f"), ("act ratio", ".2f")],
-                [[r["trainer"], r["impl"], r["config"], r.get("mode"), r["ranks"], r["final_loss"], diff(r),
+                [[r["trainer"], r["impl"] + (" redundant" if r.get("generation") else ""), r["config"], r.get("mode"), r["ranks"], r["final_loss"], diff(r),
                   diff(r, "last_reward"), r["tokens_per_s"], ratio(r, "tokens_per_s"), r["activation_bytes"] / 2**20,
                   ratio(r, "activation_bytes")] for r in ok])
     for r in rows:
@@ -107,10 +147,11 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
     summary: dict[str, Any] = dict(bench="rl", ranks=args.ranks, filler=args.filler, steps=args.steps,
                                    wall_s=round(wall_s))
     for trainer in ref:
-        ours = [r for r in ok if r["trainer"] == trainer and r["impl"] == "wallfacer"]
+        ours = [r for r in ok if r["trainer"] == trainer and r["impl"] == "wallfacer" and not r.get("generation")]
         if ours:
             summary[f"{trainer}_activation_ratio"] = {r["config"]: round(ratio(r, "activation_bytes"), 3) for r in ours}
             summary[f"{trainer}_tokens_per_s_ratio"] = {r["config"]: round(ratio(r, "tokens_per_s"), 3) for r in ours}
+    summary.update(_rollouts(ok))
     summary["results"] = rows
     save_plot(plot_path(args), lambda plt: _draw(ok, plt), dpi=110)
     emit(summary, args.out / "result.json")
@@ -121,7 +162,7 @@ def _draw(rows: list[dict], plt):
     if not rows:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    names = [f"{r['trainer']} {r['impl']} {r['config']} x{r['ranks']}" for r in rows]
+    names = [_name(r) for r in rows]
     colors = ["tab:gray" if r["impl"] == "trl" else "tab:blue" for r in rows]
     axes[0].barh(names, [r["tokens_per_s"] for r in rows], color=colors)
     axes[0].set_xlabel("tokens/s (all ranks)")
@@ -137,7 +178,7 @@ def _draw(rows: list[dict], plt):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--filler", type=int, default=14, help="context sentences per question (~64 tokens each)")
-    p.add_argument("--only", default="", help="comma-separated: dpo, grpo")
+    p.add_argument("--only", default="", help="comma-separated: dpo, grpo, rollouts (GRPO split and redundant)")
     add_job_options(p, steps=4)
     add_out_option(p, "rl")
     args = p.parse_args(argv)

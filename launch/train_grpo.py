@@ -6,11 +6,12 @@
 A plain TRL script (model, prompts, a rule-based reward, ``GRPOConfig(deepspeed=...)``) whose one change is
 ``WallfacerGRPOTrainer`` in place of ``GRPOTrainer``. The prompts are synthetic and shipped
 (``ds_wallfacer.hf_trainer.rl_data``): addition questions, rewarded 1 when the completion's first number is the sum,
-0.5 when it starts with a digit; ``--filler K`` puts K context sentences before each question. Completions are
-generated with the model whole on each rank, then trained on under sequence parallelism. With ``--lora_r`` and
-``--beta`` > 0 the KL is taken to the base model under the adapter. Runs on CPU ranks (gloo) where there is no GPU.
+0.5 when it starts with a digit; ``--filler K`` puts K context sentences before each question. Each rank generates
+its share of the group's completions with the model whole, the group gathers them and trains on them under sequence
+parallelism. With ``--lora_r`` and ``--beta`` > 0 the KL is taken to the base model under the adapter. Runs on CPU
+ranks (gloo) where there is no GPU.
 The last line printed (rank 0) is a JSON summary: final_loss, mean reward of the first and last step, steps,
-tokens_per_s.
+tokens_per_s, and ``rollouts``: per rank of the first group, the prompts, completion tokens and seconds it generated.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 needs --lora_r: the base model is "
                                                            "the reference)")
     p.add_argument("--loss_type", default="grpo", help="TRL's GRPO loss type (grpo, dr_grpo, dapo, ...)")
+    p.add_argument("--redundant_rollouts", action="store_true",
+                   help="every rank of a group generates the group's whole batch (the benchmark's baseline; by "
+                        "default each rank generates its share)")
     add_rl_options(p, output_dir="runs/grpo", unit="completions")
     p.set_defaults(micro_batch=4, lr=1e-3)
     return p.parse_args(argv)
@@ -62,13 +66,17 @@ def main(argv: list[str] | None = None) -> int:
                   train_dataset=Dataset.from_list(make_prompts(args.prompts, seed=training.seed, filler=args.filler)))
     if args.measure_step:
         trainer.add_callback(probe.callback())
+    if args.redundant_rollouts:
+        trainer.redundant_rollouts = True
     result = trainer.train(resume_from_checkpoint=resume_argument(args))
+    rollouts = trainer.rollout_stats() if args.trainer == "wallfacer" else None  # collective: every rank
     if trainer.is_world_process_zero():
         rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         print_summary(rl_summary(trainer, result, {}, args.output_dir, lora=args.lora_r > 0,
                                  first_reward=rewards[0] if rewards else None,
                                  last_reward=rewards[-1] if rewards else None,
-                                 activation_bytes=probe.activation_bytes, cuda_peak_bytes=probe.cuda_peak_bytes))
+                                 activation_bytes=probe.activation_bytes, cuda_peak_bytes=probe.cuda_peak_bytes,
+                                 rollouts=rollouts))
     close_distributed()
     return 0
 

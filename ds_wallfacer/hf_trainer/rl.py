@@ -7,19 +7,26 @@ A step of either generates completions, scores them with the reward functions, t
 within each prompt's group (GRPO: normalised; RLOO: against the leave-one-out mean, with the KL to the reference in
 the reward), and trains on per-token log-probability ratios (clipped). Under sequence parallelism:
 
-- **Generation** runs with the model whole on each rank, with the attention it had before the setup
-  (``adapters.hf.model_attention``: a KV cache over local sequences); every rank of a group generates the group's
-  batch from the same random state and the group then takes its first rank's completions (one gather of token ids),
-  so the group trains on one set of sequences whatever the device's nondeterminism (Note [One process per replica
-  for TRL], docs/design/training.md).
+- **Generation** is split over the group: each rank generates its share of the group's prompts (contiguous
+  slices, sizes differing by at most one) with the model whole and the attention it had before the setup
+  (``adapters.hf.model_attention``: a KV cache over its own sequences), and the group all-gathers the completions,
+  so every rank holds the whole batch in the prompts' order and the group trains on one set of sequences
+  (``rollouts.py``). Sampling: rank i of a group draws from generators seeded with ``s + i``, ``s`` drawn from a copy
+  of the group's shared random state, which is left as it was (Note [Seeds of a split rollout] in ``rollouts.py``;
+  Note [One process per replica for TRL], docs/design/training.md); greedy decoding equals one process generating
+  the whole batch. A rank without prompts generates one and drops it, so that under ZeRO-3 every rank enters
+  ``generate`` (its parameter gather, its steps synced across ranks) as often as the others.
 - **Rewards, advantages, the completions table**: TRL's, with the group counted as one process (``replicas.py``).
 - **The training step and the reference**: the fused LM head runs sequence-parallel (``fused_head.py``); TRL's loss
   (clipping, KL, importance sampling, every ``loss_type``) runs on the gathered per-token values.
 
-Refused by name: vLLM and continuous-batching generation, custom rollouts, tool calling, image prompts. Needs ``trl``.
+Refused by name: vLLM and continuous-batching generation (their engines run outside the group's split), custom
+rollouts and tool calling (a ``rollout_func`` or a tool loop would run on every rank over the whole batch), image
+prompts. Needs ``trl``.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 from functools import partial
 from typing import Any
@@ -30,6 +37,7 @@ from trl import GRPOTrainer, RLOOTrainer
 from ..adapters.hf import model_attention
 from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
+from .rollouts import gather_rows, generation_seed, prompt_share, seeded_generation
 
 __all__ = ["WallfacerGRPOTrainer", "WallfacerRLOOTrainer", "WallfacerRolloutMixin"]
 
@@ -37,6 +45,11 @@ __all__ = ["WallfacerGRPOTrainer", "WallfacerRLOOTrainer", "WallfacerRolloutMixi
 class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
     """What TRL's rollout trainers (GRPO, RLOO) need beyond the fused head: generation per group, the group's
     random state, rounds and seeds counted per replica."""
+
+    redundant_rollouts: bool = False
+    """True: every rank of a group generates the group's whole batch and the group keeps its first rank's
+    completions (P times the generation work and memory); the benchmark's baseline (``benchmarks/bench_rl.py``),
+    set on the trainer before ``train()``. False (the default): each rank generates its share."""
 
     @classmethod
     def _wf_refuse_arguments(cls, kwargs: dict[str, Any]) -> None:
@@ -81,6 +94,8 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
                 f"{self.num_generations}: change one of them"
             )
         args.generation_batch_size = size
+        self._wf_rollout_counts: dict[str, float] = {"prompts": 0, "tokens": 0, "batch_tokens": 0,
+                                                       "seconds": 0.0}
         # the completions table TRL keeps, sized like a round (as TRL sizes it)
         self._logs = {key: defaultdict(partial(deque, maxlen=size)) if key in ("rewards", "extra")
                       else deque(maxlen=size) for key in self._logs}
@@ -90,20 +105,71 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
         """TRL's rollout and batching, as one process per replica, with the group's random state made one: the
-        generation's sampling and the shuffle that splits a round into micro-batches draw the same numbers on every
-        rank of the group (the group must train on the same rows)."""
+        ranks' generation seeds derive from it (Note [Seeds of a split rollout] in ``rollouts.py``) and the shuffle
+        that splits a round into micro-batches draws the same numbers on every rank of the group (the group must
+        train on the same rows)."""
         self._wf_share_random_state()
         with self._wf_view(self):
             return super()._prepare_inputs(generation_batch)
 
     def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
-        """TRL's generation with the model's own attention; the group keeps its first rank's completion ids (GRPO
-        returns them with their log-probs, RLOO alone)."""
+        """TRL's generation with the model's own attention, split over the group: this rank generates its share
+        of ``prompt_ids`` and the group all-gathers the completion ids (and the per-token log-probabilities where
+        TRL returns them), so every rank returns TRL's result for the whole list, in its order. GRPO returns
+        ``(completion_ids, logprobs)``, RLOO the ids alone. Note [Seeds of a split rollout] in ``rollouts.py``."""
+        if self.redundant_rollouts:
+            return self._wf_generate_redundant(prompt_ids, *args, **kwargs)
+        t0, sp = time.perf_counter(), self.sequence_parallel
+        parts, index = sp.setup.dims.sp_size, sp.groups.sp_index
+        start, stop = prompt_share(len(prompt_ids), parts=parts, index=index)
+        # A rank without prompts generates the first one and drops it: under ZeRO-3 every rank must enter
+        # generate as often as its peers (the parameter gather, and the steps synced across ranks).
+        mine = prompt_ids[start:stop] or prompt_ids[:1]
+        seed = generation_seed(torch.random.get_rng_state(), index=index)
+        with model_attention(self.model), seeded_generation(seed, device=sp.comm.device):
+            out = super()._generate_single_turn(mine, *args, **kwargs)
+        ids, logprobs = out if isinstance(out, tuple) else (out, None)
+        group = dict(max_rows=-(-len(prompt_ids) // parts), comm=sp.comm, group=sp.groups.sp_group)  # longest share
+        every = gather_rows(ids[: stop - start], **group)
+        if logprobs is not None:
+            logprobs = gather_rows(logprobs[: stop - start], dtype=torch.float64, **group)
+        self._wf_count_rollout(ids, every, prompts=stop - start, seconds=time.perf_counter() - t0)
+        return (every, logprobs) if isinstance(out, tuple) else every
+
+    def _wf_generate_redundant(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
+        """Every rank generates the whole list (the group keeps its first rank's completions): the benchmark's
+        baseline (``redundant_rollouts``)."""
+        t0, sp = time.perf_counter(), self.sequence_parallel
         with model_attention(self.model):
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        if isinstance(out, tuple):
-            return (self._wf_group_leaders(out[0]), *out[1:])
-        return self._wf_group_leaders(out)
+        ids, logprobs = out if isinstance(out, tuple) else (out, None)
+        group = dict(max_rows=len(ids), comm=sp.comm, group=sp.groups.sp_group)
+        first = gather_rows(ids, **group)[: len(ids)]
+        if logprobs is not None:
+            logprobs = gather_rows(logprobs, dtype=torch.float64, **group)[: len(ids)]
+        self._wf_count_rollout(ids, first, prompts=len(prompt_ids), seconds=time.perf_counter() - t0)
+        return (first, logprobs) if isinstance(out, tuple) else first
+
+    def _wf_count_rollout(self, generated: list[list[int]], batch: list[list[int]], *, prompts: int,
+                          seconds: float) -> None:
+        """``rollout_stats``'s counts: ``generated`` by this rank (a dropped row included), ``batch`` the group's."""
+        counts = self._wf_rollout_counts
+        counts["prompts"] += prompts
+        counts["tokens"] += sum(len(c) for c in generated)
+        counts["batch_tokens"] += sum(len(c) for c in batch)
+        counts["seconds"] += seconds
+
+    def rollout_stats(self) -> list[dict[str, float]]:
+        """What each rank of this rank's group generated so far, in group-rank order: ``prompts`` (those it
+        generated for the group), ``tokens`` (every completion token it generated, a dropped row's included),
+        ``batch_tokens`` (the completion tokens of the batches the group trained on: the same on every rank) and
+        ``seconds`` (in rollouts: generation and the group's gather). Collective over the group: call it on every
+        rank."""
+        keys, sp = ("prompts", "tokens", "batch_tokens", "seconds"), self.sequence_parallel
+        mine = torch.tensor([self._wf_rollout_counts[k] for k in keys], dtype=torch.float64)
+        with sp.comm.phase("data"):
+            every = sp.comm.all_gather(sp.comm.place(mine), sp.groups.sp_group).cpu()  # [4] -> [P, 4]
+        return [{k: (float(v) if k == "seconds" else int(v)) for k, v in zip(keys, row)} for row in every.tolist()]
 
     def _wf_share_random_state(self) -> None:
         """The random state of the group's first rank on every rank of the group (torch's CPU generator, and the
@@ -116,25 +182,6 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
             if comm.device is not None and comm.device.type == "cuda":
                 dev = comm.all_gather(torch.cuda.get_rng_state(comm.device).to(comm.device), group)[0].cpu()
                 torch.cuda.set_rng_state(dev, comm.device)
-
-    def _wf_group_leaders(self, completion_ids: list[list[int]]) -> list[list[int]]:
-        """The completions of the group's first rank, on every rank of the group (one all-gather of lengths, one
-        of the token ids)."""
-        sp = self.sequence_parallel
-        comm, group = sp.comm, sp.groups.sp_group
-        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.int64)
-        with comm.phase("data"):
-            every = comm.all_gather(comm.place(lengths), group).cpu()  # [P, B]
-            width = int(every.sum(dim=1).max())
-            flat = torch.zeros(width, dtype=torch.int64)
-            mine = [t for c in completion_ids for t in c]
-            flat[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-            ids = comm.all_gather(comm.place(flat), group)[0].cpu()
-        out, start = [], 0
-        for k in every[0].tolist():
-            out.append(ids[start:start + k].tolist())
-            start += k
-        return out
 
 
 class WallfacerGRPOTrainer(WallfacerRolloutMixin, GRPOTrainer):

@@ -104,3 +104,5 @@ def test_the_dpo_and_grpo_examples_train_and_print_their_summary(script: str, tm
         assert got["eval_loss"] > 0 and 0 <= got["reward_accuracy"] <= 1, got
     else:
         assert got["first_reward"] is not None and got["last_reward"] is not None, got
+        shares = [r["prompts"] for r in got["rollouts"]]  # each rank generated its share of the group's prompts
+        assert len(shares) == 4 and min(shares) > 0 and max(shares) - min(shares) <= 2, got["rollouts"]

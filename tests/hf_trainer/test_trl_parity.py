@@ -3,8 +3,14 @@ one rank (on two for two data-parallel replicas, whose sampling TRL seeds per pr
 every logged loss and metric equal (fp32, 1e-5), the evaluation's too.
 
 The runs (``trl_runs.py``) train the tiny Llama on the shipped arithmetic data with SGD, no clipping, gradient
-accumulation 2 (see ``test_trainer_parity.py``). GRPO samples at temperature 1 from a seeded generator: both runs
-see the same completions, so the rewards, advantages and every loss term can be compared (RLOO the same way).
+accumulation 2 (see ``test_trainer_parity.py``). GRPO and RLOO split each rollout over the group (each rank generates
+its share of the prompts, rank i sampling from generators seeded ``s + i``). Four cases (``sampling``) sample at
+temperature 1 against TRL's trainer generating its prompts in the same slices from the same seeds
+(``trl_runs.SlicedRollouts``), so both runs see the same completions and the rewards, advantages and every loss
+term, the policy gradient's included, are compared. Two cases decode greedily against plain TRL: the split then
+equals one process generating the whole batch (greedy completions of a prompt are alike, so their policy-gradient
+terms cancel; ``trl_runs.row_bonus`` gives them different rewards, and with LoRA the adapter starts away from the
+base model, so GRPO trains on its KL term).
 """
 from __future__ import annotations
 
@@ -65,18 +71,20 @@ def test_dpo_equals_trl_on_one_rank(case: str, tmp_path) -> None:
 
 GRPO_CASES = {
     "wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
-                          {"lora": True}),
+                          {"lora": True, "sampling": True}),
     "ulysses-zero3-ref-model": ({"mode": "ulysses", "sequence_parallel_size": 4}, 8, 1,
                                 {"pretrained": True, "zero_stage": 3}),
     "hybrid-dr-grpo": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 4}, 8, 1,
-                       {"lora": True, "loss_type": "dr_grpo"}),
+                       {"lora": True, "loss_type": "dr_grpo", "sampling": True}),
     "hybrid-dp-lora": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 4, 2,
                        {"lora": True, "loss_type": "dr_grpo"}),
     "rloo-wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
-                               {"lora": True, "algo": "rloo"}),
+                               {"lora": True, "algo": "rloo", "sampling": True}),
     "rloo-ring-dp": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}, 4, 2,
-                     {"lora": True, "algo": "rloo"}),
+                     {"lora": True, "algo": "rloo", "sampling": True}),
 }
+"""case: (section, micro-batch, reference ranks, options). ``sampling``: temperature 1, against TRL generating in
+the group's slices (``trl_runs.SlicedRollouts``); else greedy, against plain TRL."""
 
 
 @pytest.mark.parametrize("case", list(GRPO_CASES))
@@ -84,13 +92,42 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     section, micro_batch, ref_ranks, opts = GRPO_CASES[case]
     if opts.get("pretrained"):
         opts = {**opts, "pretrained": save_tiny_llama(str(tmp_path / "tiny"))}
-    ref = run_distributed(grpo_train, ref_ranks, str(tmp_path / "ref"), None, 8 // ref_ranks, opts, timeout_s=240)[0]
+    # sampling: each reference process (a replica) generates its prompts in the group's slices, seeded as its ranks
+    ref_opts = {**opts, "rollout_parts": section["sequence_parallel_size"]} if opts.get("sampling") else opts
+    ref = run_distributed(grpo_train, ref_ranks, str(tmp_path / "ref"), None, 8 // ref_ranks, ref_opts,
+                          timeout_s=240)[0]
     got = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
     assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
     _same_logs(got, ref, case)
-    assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref  # some group had rewards to learn from
+    if opts.get("sampling"):  # the policy gradient moves the model (the adapter starts at the base: no KL gradient)
+        assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref
+        assert len(set(ref["table"]["completion"])) > len(set(ref["table"]["prompt"])), ref["table"]  # sampled
+    elif opts.get("lora") and opts.get("algo") != "rloo":  # greedy: the KL to the base model moves the adapter
+        assert any(log["grad_norm"] > 0 for log in ref["logs"]), ref
     assert "kl" in ref["logs"][0] and any(k.startswith("clip_ratio") for k in ref["logs"][0]), ref
     # the completions table, row for row
     for column in ("prompt", "completion"):
         assert got["table"][column] == ref["table"][column], (column, got["table"], ref["table"])
     assert got["table"]["advantages"] == pytest.approx(ref["table"]["advantages"], rel=1e-5, abs=1e-5), case
+    shares = [r["prompts"] for r in got["rollouts"]]  # rank 0's group: each rank generated a quarter
+    assert len(shares) == section["sequence_parallel_size"] and len(set(shares)) == 1, got["rollouts"]
+
+
+def test_sampled_rollouts_split_over_the_group(tmp_path) -> None:
+    """Sampling at temperature 1 under ZeRO-3, 2 completions per prompt and one prompt a round: ranks 0 and 1 of
+    the group each generate one completion, ranks 2 and 3 none (each generates a dropped one, which keeps ZeRO-3's
+    gathers and generate's synced steps aligned). Every rank ends with the same completions and parameters; the
+    two completions of a prompt, drawn on two ranks from different seeds, differ; the adapter trains."""
+    section = {"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}
+    opts = {"sampling": True, "num_generations": 2, "zero_stage": 3, "lora": True}
+    every = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, 1, opts, timeout_s=240)
+    rounds = STEPS  # a round of 2 completions every 2 micro-batches of 1 (steps_per_generation = accumulation 2)
+    for got in every[1:]:
+        assert got["table"] == every[0]["table"] and got["digest"] == every[0]["digest"], (got, every[0])
+    stats = every[0]["rollouts"]
+    assert [r["prompts"] for r in stats] == [rounds, rounds, 0, 0], stats
+    assert all(r["tokens"] > 0 for r in stats), stats  # the ranks without prompts generated too
+    assert {r["batch_tokens"] for r in stats} == {sum(r["tokens"] for r in stats[:2])}, stats
+    completions = every[0]["table"]["completion"]
+    assert len(completions) == 2 and completions[0] != completions[1], completions
+    assert any(log["grad_norm"] > 0 for log in every[0]["logs"]), every[0]["logs"]

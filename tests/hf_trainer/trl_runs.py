@@ -1,6 +1,10 @@
 """One run of TRL's DPO or GRPO trainer on a rank of ``tests.dist_utils.run_distributed``: the tiny Llama with the
 byte-level chat tokenizer, the shipped synthetic arithmetic data, SGD without clipping; TRL's own trainer
-(``section=None``) or the Wallfacer one with that ``"wallfacer"`` section. Returns rank 0's log history."""
+(``section=None``) or the Wallfacer one with that ``"wallfacer"`` section. Returns rank 0's log history.
+
+``SlicedRollouts`` makes TRL's GRPO and RLOO trainers generate as a sequence-parallel group of P ranks does
+(``hf_trainer/rollouts.py``): the process's prompts in P contiguous slices, slice i sampled from generators seeded
+``s + i``, so that sampled completions, and with them every loss term, can be compared with the split run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,12 +17,40 @@ from .runs import ds_config
 STEPS = 3
 
 
-def _lora() -> Any:
+def _lora(*, identity: bool = True) -> Any:
+    """A LoRA config; ``identity=False``: B random too, so the adapted model starts away from its base (the
+    reference), and GRPO's KL term has a gradient from the first step."""
     from peft import LoraConfig
 
-    torch.manual_seed(1)  # LoRA's A matrices: the same on every rank and in the reference
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights="gaussian",
+    torch.manual_seed(1)  # LoRA's matrices: the same on every rank and in the reference
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights="gaussian" if identity else False,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+
+
+class SlicedRollouts:
+    """Mixed into TRL's ``GRPOTrainer`` / ``RLOOTrainer``: TRL's generation, of this process's prompts cut into
+    ``rollout_parts`` contiguous slices (``prompt_share``), slice i under ``seeded_generation(generation_seed(state,
+    index=i))`` with ``state`` the process's CPU random state on entry, the completions concatenated in the prompts'
+    order. A sequence-parallel group of ``rollout_parts`` ranks generates the same: its ranks share their replica's
+    state, which on one process per replica is this one (``WallfacerRolloutMixin._generate_single_turn``). All else
+    (rewards, advantages, the loss, the metrics, the completions table) is TRL's."""
+
+    rollout_parts: int = 1
+
+    def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
+        from ds_wallfacer.hf_trainer.rollouts import generation_seed, prompt_share, seeded_generation
+
+        state, outs = torch.random.get_rng_state(), []
+        for index in range(self.rollout_parts):
+            start, stop = prompt_share(len(prompt_ids), parts=self.rollout_parts, index=index)
+            if start < stop:
+                with seeded_generation(generation_seed(state, index=index), device=self.accelerator.device):
+                    outs.append(super()._generate_single_turn(prompt_ids[start:stop], *args, **kwargs))
+        if not isinstance(outs[0], tuple):  # RLOO: the completion ids
+            return [c for out in outs for c in out]
+        ids = [c for out, _ in outs for c in out]  # GRPO: (ids, per-token log-probs or None)
+        logprobs = None if any(lp is None for _, lp in outs) else [row for _, lp in outs for row in lp]
+        return ids, logprobs
 
 
 def _unpaired(pairs: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -94,11 +126,14 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
 
 def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
                options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``STEPS`` GRPO (``options["algo"] == "rloo"``: RLOO) steps: 4 completions per prompt, sampled (temperature 1,
-    seeded: the same completions in every run), the arithmetic reward, gradient accumulation 2. ``options``:
-    ``lora``, ``beta`` (default 0.1: the KL to the reference, the base model under LoRA, else a second model TRL
+    """``STEPS`` GRPO (``options["algo"] == "rloo"``: RLOO) steps: ``num_generations`` (default 4) completions per
+    prompt, greedy (``sampling``: at temperature 1), the arithmetic reward (greedy: and ``row_bonus``), gradient
+    accumulation 2. ``options``: ``lora`` (greedy: the adapter starts away from the base, see ``_lora``; sampling:
+    at the base), ``beta`` (default 0.1: the KL to the reference, the base model under LoRA, else a second model TRL
     loads from ``pretrained``), ``pretrained`` (a saved tiny model, the policy's and reference's checkpoint),
-    ``zero_stage``, ``loss_type``."""
+    ``zero_stage``, ``loss_type``, ``rollout_parts`` (TRL's trainer, ``section=None``: generate as a group of that
+    many ranks, ``SlicedRollouts``). Returns this rank's log history, TRL's completions table, a digest of the
+    trained parameters and (the Wallfacer trainer) what each rank of its group generated."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -107,14 +142,15 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
     from tests.models import tiny_model
 
     opts = options or {}
-    rloo = opts.get("algo") == "rloo"
+    rloo, sampling = opts.get("algo") == "rloo", opts.get("sampling", False)
     config_kwargs = {} if rloo else {"loss_type": opts.get("loss_type", "grpo")}
     args = (RLOOConfig if rloo else GRPOConfig)(
         output_dir=out, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
         disable_tqdm=True, use_cpu=True, bf16=False, save_strategy="no",
         deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
-        num_generations=4, max_completion_length=12, temperature=1.0, beta=opts.get("beta", 0.1),
+        num_generations=opts.get("num_generations", 4), max_completion_length=12, temperature=1.0,
+        generation_kwargs=None if sampling else {"do_sample": False}, beta=opts.get("beta", 0.1),
         num_iterations=opts.get("num_iterations", 1), **config_kwargs,
         gradient_checkpointing=opts.get("gradient_checkpointing", True),
     )
@@ -125,13 +161,18 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
         deepspeed.init_distributed(dist_backend="gloo")
     model = opts["pretrained"] if opts.get("pretrained") else tiny_model("llama", seed=0)
     kwargs: dict[str, Any] = dict(
-        model=model, args=args, processing_class=chat_tokenizer(), reward_funcs=arithmetic_reward,
+        model=model, args=args, processing_class=chat_tokenizer(),
+        reward_funcs=arithmetic_reward if sampling else [arithmetic_reward, row_bonus],
         train_dataset=Dataset.from_list(make_prompts(16, seed=1, filler=1)),
     )
     if opts.get("lora"):
-        kwargs["peft_config"] = _lora()
+        kwargs["peft_config"] = _lora(identity=sampling)  # greedy: the KL term is what trains the adapter
     if section is None:
-        trainer = (RLOOTrainer if rloo else GRPOTrainer)(**kwargs)
+        base = RLOOTrainer if rloo else GRPOTrainer
+        parts = opts.get("rollout_parts", 1)
+        if parts > 1:
+            base = type(f"Sliced{base.__name__}", (SlicedRollouts, base), {"rollout_parts": parts})
+        trainer = base(**kwargs)
     else:
         from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer, WallfacerRLOOTrainer
 
@@ -139,7 +180,25 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
     trainer.train()
     table = trainer._logs  # TRL's completions table (the last round): one row per completion, every column aligned
     return {**_history(trainer), "table": {"prompt": list(table["prompt"]), "completion": list(table["completion"]),
-                                           "advantages": list(table["advantages"])}}
+                                           "advantages": list(table["advantages"])},
+            "digest": _digest(trainer.model_wrapped),
+            "rollouts": trainer.rollout_stats() if section is not None else None}
+
+
+def row_bonus(completions: list, **kwargs: Any) -> list[float]:
+    """0, 0.1, 0.2, 0.3 by the row's place among each 4 of the batch: greedy completions of one prompt are alike, and
+    this gives them different rewards, so the advantages, their normalisation and the reward statistics are not
+    degenerate (a zero spread, which a KL term's rounding in the reward would make fragile)."""
+    return [0.1 * (i % 4) for i in range(len(completions))]
+
+
+def _digest(model: torch.nn.Module) -> list[float]:
+    """Each trainable parameter's sum and sum of squares (in float64), whole under ZeRO-3 (collective)."""
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(params):
+        return [float(v) for p in params for v in (p.double().sum(), p.double().square().sum())]
 
 
 def save_tiny_llama(path: str) -> str:
