@@ -85,7 +85,7 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
     ``alst`` (DeepSpeed's top-level sequence-parallel keys: ``WallfacerTrainer`` even without a section),
     ``predict`` (also ``predict()`` the held-out set, loss only), ``family`` ("qwen3_5", "lfm2": a tiny recurrent
     hybrid of the parity tests instead of the tiny Llama)."""
-    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     from tests.models import tiny_model
 
@@ -97,7 +97,7 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2), top_level=opts.get("alst")),
         use_cpu=True, activation_checkpointing=opts.get("activation_checkpointing", False),
         average_tokens_across_devices=opts.get("average_tokens_across_devices", True),
-        save_strategy="steps" if opts.get("save_steps") else "no", save_steps=opts.get("save_steps", 1),
+        **checkpoint_args(opts),
     )
     if opts.get("pretrained"):  # after TrainingArguments: under ZeRO-3, built partitioned (zero.Init)
         from transformers import AutoModelForCausalLM
@@ -139,14 +139,7 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         from ds_wallfacer.hf_trainer import WallfacerTrainer
 
         trainer = WallfacerTrainer(**kwargs)
-    steps_run = []
-
-    class CountSteps(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            steps_run.append(state.global_step)
-
-    trainer.add_callback(CountSteps())
-    trainer.train(resume_from_checkpoint=opts.get("resume"))
+    steps_run = train_steps(trainer, resume=opts.get("resume"))
     return {
         **_results(trainer, kwargs["eval_dataset"], predict=opts.get("predict", False)),
         "steps_run": steps_run,
@@ -156,6 +149,28 @@ def train(rank: int, world: int, out: str, section: dict | None, micro_batch: in
         "batch_keys": sorted(next(iter(trainer.get_train_dataloader()))),
         "saved": sorted(p.name for p in Path(out).glob("checkpoint-*/*")),
     }
+
+
+def checkpoint_args(options: dict[str, Any]) -> dict[str, Any]:
+    """The training arguments for ``options["save_steps"]``: a checkpoint every that many steps, none without it."""
+    save_steps = options.get("save_steps")
+    return {"save_strategy": "steps" if save_steps else "no", "save_steps": save_steps or 1}
+
+
+def train_steps(trainer: Any, *, resume: str | None = None) -> list[int]:
+    """``trainer.train(resume_from_checkpoint=resume)``; the global steps it ran (resumed: those after the
+    checkpoint)."""
+    from transformers import TrainerCallback
+
+    steps_run: list[int] = []
+
+    class CountSteps(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            steps_run.append(state.global_step)
+
+    trainer.add_callback(CountSteps())
+    trainer.train(resume_from_checkpoint=resume)
+    return steps_run
 
 
 def _results(trainer: Any, eval_dataset: Any, *, predict: bool = False) -> dict[str, Any]:

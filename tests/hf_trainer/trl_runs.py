@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .runs import ds_config
+from .runs import checkpoint_args, ds_config, train_steps
 
 STEPS = 3
 
@@ -71,18 +71,20 @@ def _on_disk(path: Path, rows: list[dict[str, Any]]) -> Any:
     return load_from_disk(str(path))
 
 
-def _history(trainer: Any) -> dict[str, Any]:
+def _history(trainer: Any, steps_run: list[int]) -> dict[str, Any]:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     sp = getattr(trainer, "sequence_parallel", None)
-    return {"logs": logs, "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1}
+    return {"logs": logs, "steps_run": steps_run,
+            "sequence_parallel_size": sp.setup.dims.sp_size if sp is not None else 1}
 
 
 def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
               options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``STEPS`` DPO (``options["algo"] == "kto"``: KTO, each pair as two unpaired completions) steps (gradient
     accumulation 2), then evaluation. ``options``: ``lora`` (the reference is the base model), ``precompute``
-    (``precompute_ref_log_probs``), ``zero_stage`` (default 2), ``loss_type``; without LoRA or precompute the
-    reference is a second copy of the initial model."""
+    (``precompute_ref_log_probs``), ``zero_stage`` (default 2), ``loss_type``, ``save_steps`` (checkpoints),
+    ``resume`` (a checkpoint folder to resume from); without LoRA or precompute the reference is a second copy of
+    the initial model."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
@@ -97,8 +99,8 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
         output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=micro_batch,
         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=0.5, lr_scheduler_type="constant",
         max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True, bf16=False,
-        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)), save_strategy="no", beta=0.5,
-        precompute_ref_log_probs=opts.get("precompute", False), **config_kwargs,
+        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)), beta=0.5,
+        precompute_ref_log_probs=opts.get("precompute", False), **checkpoint_args(opts), **config_kwargs,
     )
     train, evaluation = make_preferences(24, seed=1, filler=1), make_preferences(4, seed=2, filler=1)
     if kto:
@@ -119,9 +121,9 @@ def dpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch
         from ds_wallfacer.hf_trainer import WallfacerDPOTrainer, WallfacerKTOTrainer
 
         trainer = (WallfacerKTOTrainer if kto else WallfacerDPOTrainer)(**kwargs)
-    trainer.train()
+    steps_run = train_steps(trainer, resume=opts.get("resume"))
     metrics = trainer.evaluate()
-    return {**_history(trainer), "eval": metrics}
+    return {**_history(trainer, steps_run), "eval": metrics}
 
 
 def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batch: int,
@@ -132,8 +134,9 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
     at the base), ``beta`` (default 0.1: the KL to the reference, the base model under LoRA, else a second model TRL
     loads from ``pretrained``), ``pretrained`` (a saved tiny model, the policy's and reference's checkpoint),
     ``zero_stage``, ``loss_type``, ``rollout_parts`` (TRL's trainer, ``section=None``: generate as a group of that
-    many ranks, ``SlicedRollouts``). Returns this rank's log history, TRL's completions table, a digest of the
-    trained parameters and (the Wallfacer trainer) what each rank of its group generated."""
+    many ranks, ``SlicedRollouts``), ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from).
+    Returns this rank's log history, the steps this run trained, TRL's completions table, a digest of the trained
+    parameters and (the Wallfacer trainer) what each rank of its group generated."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -147,7 +150,7 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
     args = (RLOOConfig if rloo else GRPOConfig)(
         output_dir=out, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
-        disable_tqdm=True, use_cpu=True, bf16=False, save_strategy="no",
+        disable_tqdm=True, use_cpu=True, bf16=False, **checkpoint_args(opts),
         deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
         num_generations=opts.get("num_generations", 4), max_completion_length=12, temperature=1.0,
         generation_kwargs=None if sampling else {"do_sample": False}, beta=opts.get("beta", 0.1),
@@ -177,10 +180,11 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
         from ds_wallfacer.hf_trainer import WallfacerGRPOTrainer, WallfacerRLOOTrainer
 
         trainer = (WallfacerRLOOTrainer if rloo else WallfacerGRPOTrainer)(**kwargs)
-    trainer.train()
+    steps_run = train_steps(trainer, resume=opts.get("resume"))
     table = trainer._logs  # TRL's completions table (the last round): one row per completion, every column aligned
-    return {**_history(trainer), "table": {"prompt": list(table["prompt"]), "completion": list(table["completion"]),
-                                           "advantages": list(table["advantages"])},
+    return {**_history(trainer, steps_run),
+            "table": {"prompt": list(table["prompt"]), "completion": list(table["completion"]),
+                      "advantages": list(table["advantages"])},
             "digest": _digest(trainer.model_wrapped),
             "rollouts": trainer.rollout_stats() if section is not None else None}
 
