@@ -11,6 +11,9 @@ term, the policy gradient's included, are compared. Two cases decode greedily ag
 equals one process generating the whole batch (greedy completions of a prompt are alike, so their policy-gradient
 terms cancel; ``trl_runs.row_bonus`` gives them different rewards, and with LoRA the adapter starts away from the
 base model, so GRPO trains on its KL term).
+
+Four of the runs (``resume_checks.RESUMED``) also save a checkpoint at step 2, and a second 4-rank run resumes from it
+and must continue as the uninterrupted run (``resume_checks.py``).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import trl  # noqa: E402,F401
 
 from tests.dist_utils import run_distributed  # noqa: E402
 
+from .resume_checks import RESUMED, assert_resumes, saving  # noqa: E402
 from .trl_runs import STEPS, dpo_train, grpo_train, save_tiny_llama  # noqa: E402
 
 _SKIP = ("epoch", "step", "learning_rate", "step_time", "train_runtime", "eval_runtime")
@@ -60,13 +64,16 @@ DPO_CASES = {
 def test_dpo_equals_trl_on_one_rank(case: str, tmp_path) -> None:
     section, micro_batch, opts = DPO_CASES[case]
     ref = run_distributed(dpo_train, 1, str(tmp_path / "p1"), None, 2, opts, timeout_s=240)[0]
-    got = run_distributed(dpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
+    got = run_distributed(dpo_train, 4, str(tmp_path / "p4"), section, micro_batch, saving(case, opts),
+                          timeout_s=240)[0]
     assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
     _same_logs(got, ref, case)
     assert any(v != 0 for k, v in ref["logs"][-1].items() if k.startswith("rewards/")), ref  # the policy moved
     for k, want in ref["eval"].items():
         if not any(s in k for s in _SKIP) and "per_second" not in k:
             assert got["eval"][k] == pytest.approx(want, rel=1e-5, abs=1e-5), (case, k, got["eval"][k], want)
+    if case in RESUMED:
+        assert_resumes(dpo_train, got, tmp_path / "p4", section, micro_batch, opts, case=case)
 
 
 GRPO_CASES = {
@@ -96,7 +103,8 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     ref_opts = {**opts, "rollout_parts": section["sequence_parallel_size"]} if opts.get("sampling") else opts
     ref = run_distributed(grpo_train, ref_ranks, str(tmp_path / "ref"), None, 8 // ref_ranks, ref_opts,
                           timeout_s=240)[0]
-    got = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, micro_batch, opts, timeout_s=240)[0]
+    got = run_distributed(grpo_train, 4, str(tmp_path / "p4"), section, micro_batch, saving(case, opts),
+                          timeout_s=240)[0]
     assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
     _same_logs(got, ref, case)
     if opts.get("sampling"):  # the policy gradient moves the model (the adapter starts at the base: no KL gradient)
@@ -111,6 +119,8 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     assert got["table"]["advantages"] == pytest.approx(ref["table"]["advantages"], rel=1e-5, abs=1e-5), case
     shares = [r["prompts"] for r in got["rollouts"]]  # rank 0's group: each rank generated a quarter
     assert len(shares) == section["sequence_parallel_size"] and len(set(shares)) == 1, got["rollouts"]
+    if case in RESUMED:
+        assert_resumes(grpo_train, got, tmp_path / "p4", section, micro_batch, opts, case=case)
 
 
 def test_sampled_rollouts_split_over_the_group(tmp_path) -> None:

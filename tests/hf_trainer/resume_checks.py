@@ -1,50 +1,39 @@
 """TRL's DPO, KTO, GRPO and RLOO trainers with sequence parallelism resume from a Trainer checkpoint as TRL's own resume
-does: a 4-rank run saves a checkpoint at step 2 and trains on; a second 4-rank run resumes from that checkpoint
-(``trainer.train(resume_from_checkpoint=...)``), trains only the steps after it, and logs every loss and metric of
-the uninterrupted run at those steps (fp32, 1e-6); DPO's and KTO's ``num_tokens`` counts again from the resume, as
-in TRL's own resume (TRL keeps that count on the trainer, not in the checkpoint).
+does. A parity run of ``test_trl_parity.py`` (4 ranks) saves a checkpoint at step ``SAVE_AT`` and trains on; a
+second 4-rank run resumes from it (``trainer.train(resume_from_checkpoint=...)``), trains only the steps after it,
+and must log every loss and metric of the uninterrupted run at those steps (fp32, 1e-6). DPO's and KTO's
+``num_tokens`` counts again from the resume, as in TRL's own resume (TRL keeps that count on the trainer, not in the
+checkpoint).
 
 GRPO and RLOO sample at temperature 1, so the resumed step's rollout must draw the prompts and the random numbers
 the uninterrupted run drew: the Trainer restores each process's random state from the checkpoint, the ranks of a
 group take their first rank's state before every rollout, and TRL's sampler is seeded by ``args.seed``. Their
-completions tables (the last round's) and trained parameters are compared too. RLOO runs as 2 replicas of 2 ranks,
-so each replica's own state must come back.
-"""
+completions tables (the last round's) and trained parameters are compared too. ``rloo-ring-dp`` runs as 2 replicas
+of 2 ranks, so each replica's own state must come back. One resumed run per case: the uninterrupted run is the
+parity run itself (one launch fewer per case)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
-pytest.importorskip("accelerate")
-pytest.importorskip("trl")
-pytest.importorskip("peft")
+from tests.dist_utils import run_distributed
 
-# imported here once, so that the forked ranks share them (see test_trainer_parity.py)
-import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
-import peft  # noqa: E402,F401
-import transformers.trainer  # noqa: E402,F401
-import trl  # noqa: E402,F401
+from .trl_runs import STEPS, dpo_train
 
-from tests.dist_utils import run_distributed  # noqa: E402
-
-from .trl_runs import STEPS, dpo_train, grpo_train  # noqa: E402
+__all__ = ["RESUMED", "SAVE_AT", "assert_resumes", "saving"]
 
 SAVE_AT = 2
+RESUMED = frozenset({"wallfacer-c2-ref-model", "kto-wallfacer-c2-ref-model", "wallfacer-c2-lora", "rloo-ring-dp"})
+"""The parity cases (DPO, KTO, GRPO sampled with LoRA, RLOO sampled over 2 replicas) whose run is also resumed."""
 _TIMED = ("step_time", "runtime", "per_second")
 """Logged keys that measure time: they differ between any two runs."""
 
-CASES = {
-    "dpo-wallfacer-c2-ref-model": (dpo_train, {"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4},
-                                   2, {}),
-    "kto-wallfacer-c2-ref-model": (dpo_train, {"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4},
-                                   2, {"algo": "kto"}),
-    "grpo-wallfacer-c2-lora": (grpo_train, {"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8,
-                               {"lora": True, "sampling": True}),
-    "rloo-ring-dp": (grpo_train, {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}, 4,
-                     {"lora": True, "algo": "rloo", "sampling": True}),
-}
-"""case: (run, section, micro-batch, options)."""
+
+def saving(case: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """The parity run's options: a checkpoint at ``SAVE_AT`` where the case is also resumed."""
+    return {**opts, "save_steps": SAVE_AT} if case in RESUMED else opts
 
 
 def _same(got: dict, want: dict, what: str, *, restarted: dict | None = None) -> None:
@@ -58,15 +47,14 @@ def _same(got: dict, want: dict, what: str, *, restarted: dict | None = None) ->
         assert got[k] == pytest.approx(expected, rel=1e-6, abs=1e-6), f"{what} {k}: {got[k]} != {expected}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_resumed_run_continues_the_uninterrupted_one(case: str, tmp_path: Path) -> None:
-    run, section, micro_batch, opts = CASES[case]
-    full = run_distributed(run, 4, str(tmp_path / "full"), section, micro_batch, {**opts, "save_steps": SAVE_AT},
-                           timeout_s=240)[0]
-    checkpoint = tmp_path / "full" / f"checkpoint-{SAVE_AT}"
-    assert (checkpoint / "trainer_state.json").is_file(), sorted(p.name for p in (tmp_path / "full").iterdir())
-    resumed = run_distributed(run, 4, str(tmp_path / "resumed"), section, micro_batch,
-                              {**opts, "resume": str(checkpoint)}, timeout_s=240)[0]
+def assert_resumes(run: Callable, full: dict, out: Path, section: dict, micro_batch: int, opts: dict[str, Any],
+                   *, case: str) -> None:
+    """Resume ``full`` (a parity run that saved under ``out``) from its checkpoint at ``SAVE_AT``, in ``out``/resumed,
+    and compare the two runs."""
+    checkpoint = out / f"checkpoint-{SAVE_AT}"
+    assert (checkpoint / "trainer_state.json").is_file(), sorted(p.name for p in out.iterdir())
+    resumed = run_distributed(run, 4, str(out / "resumed"), section, micro_batch, {**opts, "resume": str(checkpoint)},
+                              timeout_s=240)[0]
     assert full["steps_run"] == list(range(1, STEPS + 1)), full
     assert resumed["steps_run"] == list(range(SAVE_AT + 1, STEPS + 1)), resumed  # it did resume
     # the log history holds the checkpoint's steps (its trainer_state.json) and then the resumed run's
