@@ -12,7 +12,7 @@ equals one process generating the whole batch (greedy completions of a prompt ar
 terms cancel; ``trl_runs.row_bonus`` gives them different rewards, and with LoRA the adapter starts away from the
 base model, so GRPO trains on its KL term).
 
-Four of the runs (``resume_checks.RESUMED``) also save a checkpoint at step 2, and a second 4-rank run resumes from it
+Three of the runs (``resume_checks.RESUMED``: DPO, GRPO, RLOO) also save a checkpoint at step 2, and a second 4-rank run resumes from it
 and must continue as the uninterrupted run (``resume_checks.py``).
 """
 from __future__ import annotations
