@@ -66,6 +66,14 @@ def test_close_distributed_leaves_the_groups_after_an_uncaught_exception() -> No
     assert run_distributed(_close_after_uncaught_rank, 2, timeout_s=60) == [True, True]
 
 
+def _assert_exit(res: subprocess.CompletedProcess, mode: str) -> None:
+    """``mode`` "leave": the process aborted at finalisation (-6, C++'s message); "close": it ended cleanly."""
+    if mode == "leave":
+        assert res.returncode == -6 and "terminate called without an active exception" in res.stderr, res
+    else:
+        assert res.returncode == 0 and "terminate called" not in res.stderr, res.stderr[-2000:]
+
+
 _STORE_CALL_AT_EXIT = """
 import atexit, datetime, sys, threading, time
 import torch.distributed as dist
@@ -106,10 +114,7 @@ def test_a_thread_inside_a_store_call_at_finalisation_aborts_the_process_unless_
     script.write_text(_STORE_CALL_AT_EXIT)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=120)
-    if mode == "leave":  # the cause, as a rank of the launcher met it
-        assert res.returncode == -6 and "terminate called without an active exception" in res.stderr, res
-    else:
-        assert res.returncode == 0 and "terminate called" not in res.stderr, res.stderr[-2000:]
+    _assert_exit(res, mode)  # "leave": the cause, as a rank of the launcher met it
 
 
 _WORKER_AT_EXIT = """
@@ -158,10 +163,7 @@ def test_a_gloo_worker_handing_back_a_tensor_at_finalisation_aborts_the_rank_unl
                              text=True, timeout=120)
     finally:
         peer.wait(timeout=120)
-    if mode == "leave":  # the cause, as rank 0 of a Trainer run met it after its summary
-        assert res.returncode == -6 and "terminate called without an active exception" in res.stderr, res
-    else:
-        assert res.returncode == 0 and "terminate called" not in res.stderr, res.stderr[-2000:]
+    _assert_exit(res, mode)  # "leave": the cause, as rank 0 of a Trainer run met it after its summary
 
 
 @pytest.mark.skipif(DEEPSPEED is None or not LINUX, reason="needs the deepspeed launcher and /proc")
