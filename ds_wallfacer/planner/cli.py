@@ -3,6 +3,7 @@
     python -m ds_wallfacer.planner --cluster h100x64 --model llama3-8b --seq-len 131072
     python -m ds_wallfacer.planner --cluster h100x64 --model llama3-8b --seq-len 131072 --sp-size 64 --json
     python -m ds_wallfacer.planner --paper          # the paper's worked example and configurations
+    python -m ds_wallfacer.planner --cluster h100x8 --model llama3-8b --rl grpo --completion-len 16384,32768
 
 Prints the ranked table (configuration, comm volume per rank, comm / compute / step time, memory per rank,
 fits?), the best configuration of every strategy (out-of-memory ones with the reason) and the choice with its
@@ -76,6 +77,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="layer checkpointing: DeepSpeed's (reentrant) or torch's non-reentrant one")
     g.add_argument("--keep-attention", choices=("on", "off"),
                    help="with checkpointing: keep attention's results for the backward (off: recompute them)")
+    g = ap.add_argument_group("reinforcement learning (--rl grpo: a GRPO step's phases, planner/rl.py)")
+    g.add_argument("--rl", choices=("grpo",), help="predict an RL step: generation, scoring and training per rank")
+    g.add_argument("--completions", type=int, default=64, help="completions a step, all replicas together")
+    g.add_argument("--prompt-len", type=int, default=1024)
+    g.add_argument("--completion-len", default="16384,32768", help="comma-separated completion lengths")
+    g.add_argument("--generation", default="transformers,vllm", help="comma-separated: transformers, vllm")
+    g.add_argument("--no-reference", action="store_true", help="beta = 0: no reference scoring")
+    g.add_argument("--old-policy", action="store_true", help="score the old policy too (importance sampling)")
     g = ap.add_argument_group("output")
     g.add_argument("--top", type=int, default=12, help="ranked rows to print")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -273,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_paper(out["paper"]["comparisons_no_overlap"], out["paper"]["worked_example"])
             return 0
     cluster, model = _cluster(args), _model(args)
+    if args.rl:
+        return rl_main(args, cluster, model)
     try:
         pl = plan(cluster, model, args.seq_len, fixed=_fixed(args), workload=_workload(args, args.seq_len))
     except PlanError as e:
@@ -290,6 +301,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_plan(pl, top=args.top)
         if "plot" in out:
             print(f"\nplot: {out['plot']}")
+    return 0
+
+
+def rl_main(args: argparse.Namespace, cluster, model: ModelSpec) -> int:
+    """``--rl grpo``: per completion length and generation backend, the training plan's choice and the step's
+    phases per rank (split generation, and redundant with transformers)."""
+    from .rl import Rollout, plan_rl
+
+    out: list[dict[str, Any]] = []
+    for length in (int(x) for x in args.completion_len.split(",") if x.strip()):
+        for backend in (b.strip() for b in args.generation.split(",") if b.strip()):
+            rollout = Rollout(completions=args.completions, prompt_len=args.prompt_len, completion_len=length,
+                              backend=backend, reference=not args.no_reference, old_policy=args.old_policy)
+            try:
+                pl, phases = plan_rl(cluster, model, rollout, fixed=_fixed(args),
+                                     workload=_workload(args, rollout.seq_len))
+            except PlanError as e:
+                out.append({"completion_len": length, "backend": backend, "error": str(e)})
+                continue
+            out += [{"completion_len": length, "training": pl.choice.candidate.label, "dp_size": pl.choice.dp_size,
+                     **p.as_dict()} for p in phases]
+    if args.json:
+        print(json.dumps({"rl": args.rl, "cluster": cluster.name, "model": model.name, "rows": out}))
+        return 0
+    print(f"GRPO step of {model.name} on {cluster.name} ({cluster.world_size} ranks): {args.completions} completions "
+          f"a step of a {args.prompt_len}-token prompt, ZeRO-{args.zero_stage}, reference "
+          f"{'off' if args.no_reference else 'on'}, old policy {'on' if args.old_policy else 'off'}; seconds and "
+          "GiB per rank (planner/rl.py: decode rates are assumptions, Note [An RL step])")
+    print(f"{'completion':>10} {'generation':18} {'seq/rank':>8} {'gen s':>8} {'weights s':>9} {'score s':>8} "
+          f"{'train s':>8} {'step s':>8} {'KV GiB':>7} {'gen GiB':>8} {'train GiB':>9} fits  training")
+    for r in out:
+        if "error" in r:
+            print(f"{r['completion_len']:>10} {r['backend']:18} error: {r['error'].splitlines()[0]}")
+            continue
+        name = f"{r['backend']} {'split' if r['split'] else 'redundant'}"
+        print(f"{r['completion_len']:>10} {name:18} {r['sequences_per_rank']:>8} {r['generation_s']:8.1f} "
+              f"{r['weights_s']:9.2f} {r['scoring_policy_s'] + r['scoring_reference_s']:8.1f} {r['training_s']:8.1f} "
+              f"{r['step_s']:8.1f} {r['kv_cache_bytes'] / GIB:7.1f} {r['generation_bytes'] / GIB:8.1f} "
+              f"{r['training_bytes'] / GIB:9.1f} {'yes' if r['fits'] else 'OOM':4}  {r['training']} "
+              f"(x{r['dp_size']} replicas)")
     return 0
 
 

@@ -49,6 +49,9 @@ class ClusterSpec:
     host_mem_bytes: float = 0.0
     """Host memory per node for offloaded state (0: not checked)."""
     backend: str = "nccl"
+    mem_bw: float = 0.0
+    """Bytes/s the device reads from its own memory (HBM), the rate of a decode step (``planner/rl.py``); 0: not
+    known (the calibration's measured rate, where there is one)."""
     calibration: Any = field(default=None, compare=False, repr=False)
     """This device's measured compute (``planner.calibrate.Calibration``); None: ``flops`` x ``mfu``."""
 
@@ -95,8 +98,10 @@ class ClusterSpec:
         return replace(self, nodes=world_size // self.ranks_per_node)
 
 
-_H100 = dict(intra_bw=450e9, intra_latency=3e-6, mem_bytes=80 * GIB, flops=989e12, host_mem_bytes=2048 * GIB)
-# DGX H100 / H200 nodes: 2 TiB of host memory per 8 GPUs
+_H100 = dict(intra_bw=450e9, intra_latency=3e-6, mem_bytes=80 * GIB, flops=989e12, host_mem_bytes=2048 * GIB,
+             mem_bw=3.35e12)
+# DGX H100 / H200 nodes: 2 TiB of host memory per 8 GPUs. HBM read rate (mem_bw), the vendors' figures: H100 SXM
+# 3.35 TB/s, H200 4.8 TB/s, A100 40GB 1.555 TB/s
 
 CLUSTERS: dict[str, ClusterSpec] = {
     c.name: c
@@ -108,12 +113,12 @@ CLUSTERS: dict[str, ClusterSpec] = {
         # 4 nodes x 8 A100-40GB SXM, NVLink 3 (600 GB/s bidirectional), one 100 Gb/s Ethernet port per node
         ClusterSpec(
             "a100x32-eth", nodes=4, ranks_per_node=8, intra_bw=300e9, intra_latency=3e-6, nic_bw=12.5e9,
-            nics_per_node=1, inter_latency=30e-6, mem_bytes=40 * GIB, flops=312e12,
+            nics_per_node=1, inter_latency=30e-6, mem_bytes=40 * GIB, flops=312e12, mem_bw=1.555e12,
         ),
         # one H200 (141 GB HBM3e), the only job on its DGX H200 node (2 TiB host memory)
         ClusterSpec(
             "h200x1", nodes=1, ranks_per_node=1, intra_bw=450e9, intra_latency=3e-6, nic_bw=50e9, nics_per_node=1,
-            inter_latency=8e-6, mem_bytes=141e9, flops=989e12, host_mem_bytes=2048 * GIB,
+            inter_latency=8e-6, mem_bytes=141e9, flops=989e12, host_mem_bytes=2048 * GIB, mem_bw=4.8e12,
         ),
         # one H100 80 GB, the only job on its DGX H100 node
         ClusterSpec("h100x1", nodes=1, ranks_per_node=1, nic_bw=50e9, nics_per_node=1, inter_latency=8e-6, **_H100),

@@ -16,7 +16,7 @@ from .model import ModelSpec
 from .placement import Links, LinkStats, analyse_links
 
 __all__ = [
-    "CostBreakdown", "attention_shapes", "collective_calls", "estimate", "kernel_calls", "kv_heads_on_wire",
+    "CostBreakdown", "attention_shapes", "collective_calls", "estimate", "forward_s", "kernel_calls", "kv_heads_on_wire",
     "layer_bytes", "oversubscription", "paper_figures",
 ]
 
@@ -404,6 +404,21 @@ def estimate(
                 "oversubscription": over, "attention_exposed_s": attn_exposed, "zero_exposed_s": exposed_zero,
                 "latency_s": latency},
     )
+
+
+def forward_s(model: ModelSpec, cluster: ClusterSpec, cand: Candidate, workload: Workload, *,
+              links: Links | None = None) -> float:
+    """Predicted seconds of one forward pass without gradients (``workload.batch`` sequences per SP group): every
+    layer's projections, MLP and attention with its exposed communication, and the LM head's forward (a third of
+    its forward + backward). What scoring a rollout costs (``planner/rl.py``: the old policy's and the
+    reference's log-probabilities)."""
+    links = links or analyse_links(cand, cluster)
+    t = _kernel_times(model, cluster, cand, workload)
+    fb = layer_bytes(model, cand, workload)["forward"]
+    _, _, exposed = _attention_time(fb, attn=t.attention, backward=False, skew_fwd=fb.get("skew", 0), links=links,
+                                    cand=cand, workload=workload)
+    busy = model.layers * (t.linear + t.attention) + t.head / 3
+    return oversubscription(cluster) * busy + model.layers * exposed
 
 
 def paper_figures(shape: AttnShape, *, sp_size: int, ring_count: int) -> dict[str, float]:
