@@ -23,6 +23,7 @@ __all__ = [
     "normalize_spans",
     "span_tensor",
     "spans_of",
+    "type_runs",
 ]
 
 SPANS_KEY = "bidirectional_spans"
@@ -183,3 +184,30 @@ def span_tensor(spans_per_row: Sequence[Sequence[tuple[int, int]]], *, seq_len: 
 def spans_of(spans: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Inverse of ``span_tensor``: per row its non-empty spans (a host copy of [B, S, 2] numbers)."""
     return tuple(tuple((a, b) for a, b in row if a < b) for row in spans.tolist())
+
+
+def type_runs(token_types: torch.Tensor, value: int, *, starts: Sequence[Sequence[int]] | None = None,
+              single: bool = False) -> list[list[tuple[int, int]]]:
+    """Per row of ``token_types`` [B, N], the maximal runs of tokens of type ``value`` as (start, end) spans, cut at
+    the row's document ``starts`` (a span lies inside one document): what ``bidirectional_spans`` takes for Gemma 3's
+    images (``token_type_ids == 1``; transformers' ``get_block_sequence_ids_for_mask`` starts a block at each image
+    token after a non-image one) and PaliGemma's prefix (``== 0``). ``single``: transformers makes all of a row's
+    tokens of that type one block (PaliGemma), so more than one run in a document is refused."""
+    out = []
+    for r, row in enumerate((token_types == value).tolist()):
+        cuts = set(starts[r]) if starts is not None else {0}
+        spans: list[tuple[int, int]] = []
+        for t, on in enumerate(row):
+            if on and spans and spans[-1][1] == t and t not in cuts:
+                spans[-1] = (spans[-1][0], t + 1)
+            elif on:
+                spans.append((t, t + 1))
+        if single:
+            doc = lambda t: sum(1 for s in cuts if s <= t)  # noqa: E731
+            docs = [doc(a) for a, _ in spans]
+            if len(set(docs)) != len(docs):
+                raise ValueError(f"row {r}: the tokens of type {value} form {len(spans)} runs, some in one document; "
+                                 "the model attends across them as one block, which bidirectional spans cannot "
+                                 "express: give each document one contiguous run")
+        out.append(spans)
+    return out

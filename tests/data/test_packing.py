@@ -158,6 +158,28 @@ def test_bidirectional_spans_travel_beside_the_documents_the_same_on_every_rank(
     assert "document_starts" in packed[0]
 
 
+def test_type_runs_are_transformers_image_blocks_and_paligemma_prefixes() -> None:
+    """Gemma 3: the runs of image tokens (type 1) are transformers' blocks (``get_block_sequence_ids_for_mask``); cut
+    at document starts. PaliGemma: one run of prefix tokens (type 0) per document, more refused."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    from ds_wallfacer.data.packing import type_runs
+
+    g = torch.Generator().manual_seed(0)
+    types = (torch.rand(4, 40, generator=g) < 0.6).long()
+    blocks = get_block_sequence_ids_for_mask(types)
+    for r, spans in enumerate(type_runs(types, 1)):
+        want = torch.full((40,), -1)
+        for s, (a, b) in enumerate(spans):
+            want[a:b] = s
+        assert torch.equal(blocks[r], want)
+    row = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 0, 0]])
+    assert type_runs(row, 1, starts=[[0, 2, 5]]) == [[(0, 2), (2, 3), (5, 8)]]
+    assert type_runs(1 - row, 0, starts=[[0, 5]], single=True) == [[(0, 3), (5, 8)]]
+    with pytest.raises(ValueError, match="row 0: the tokens of type 0 form 2 runs, some in one document"):
+        type_runs(1 - row, 0, single=True)
+
+
 def test_bad_bidirectional_spans_are_refused_clearly() -> None:
     spec = ShardSpec(index=0, sp_size=2)
     ids = torch.ones(2, 8, dtype=torch.long)
