@@ -54,23 +54,20 @@ def full_layers(spans: list[tuple[int, int, int, int]]) -> list[list[tuple[int, 
     varlen call. Spans that share query rows arise only from bidirectional spans (a span row's keys before its chunk
     and its span's keys after it); where the shared rows' key ranges touch, which they do there, they become one
     span, so the row keeps one call; key ranges that do not touch go to further lists. Spans already disjoint in
-    their queries come back as they are, in their order."""
+    their queries come back as they are, in their order. One sweep over the query boundaries."""
     ordered = sorted(spans)
     if all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:])):
         return [spans]
     bounds = sorted({x for a, b, _, _ in spans for x in (a, b)})
     layers: list[list[list[int]]] = []
+    active: list[tuple[int, int, int, int]] = []
+    at = 0
     for lo, hi in zip(bounds, bounds[1:]):
-        keys = sorted((c, d) for a, b, c, d in spans if a <= lo and hi <= b)
-        joined: list[list[int]] = []
-        for c, d in keys:
-            if joined and c <= joined[-1][1]:
-                if c < joined[-1][1]:
-                    raise ValueError(f"full spans {spans} count a key twice for the queries [{lo}, {hi})")
-                joined[-1][1] = d
-            else:
-                joined.append([c, d])
-        for i, (c, d) in enumerate(joined):
+        active = [x for x in active if x[1] > lo]
+        while at < len(ordered) and ordered[at][0] == lo:
+            active.append(ordered[at])
+            at += 1
+        for i, (c, d) in enumerate(_joined(sorted((c, d) for _, _, c, d in active), lo, hi, spans)):
             if i == len(layers):
                 layers.append([])
             last = layers[i][-1] if layers[i] else None
@@ -79,3 +76,16 @@ def full_layers(spans: list[tuple[int, int, int, int]]) -> list[list[tuple[int, 
             else:
                 layers[i].append([lo, hi, c, d])
     return [[tuple(x) for x in layer] for layer in layers]
+
+
+def _joined(keys: list[tuple[int, int]], lo: int, hi: int, spans) -> list[list[int]]:
+    """Sorted key ranges of the queries [lo, hi), touching ones joined; a key counted twice is refused."""
+    joined: list[list[int]] = []
+    for c, d in keys:
+        if joined and c <= joined[-1][1]:
+            if c < joined[-1][1]:
+                raise ValueError(f"full spans {spans} count a key twice for the queries [{lo}, {hi})")
+            joined[-1][1] = d
+        else:
+            joined.append([c, d])
+    return joined
