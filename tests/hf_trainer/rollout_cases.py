@@ -1,9 +1,9 @@
 """The custom rollouts of two GRPO parity cases (``test_trl_parity.py``), given alike to TRL's trainer and to the
 Wallfacer one by ``trl_runs.grpo_train`` (option ``rollout``):
 
-- ``"scripted"``: a rule-based ``rollout_func`` (no generation at all) whose completions mix the model's tokens and an
-  environment's (``env_mask`` 0, which TRL makes the tool mask: left out of the loss), with per-token log-probabilities
-  and an extra per-row field that a reward function reads.
+- ``"scripted"``: a ``rollout_func`` whose completions are the model's words (the trainer's own generation, called
+  from inside it) and an environment's note by rule (``env_mask`` 0, which TRL makes the tool mask: left out of the
+  loss), with per-token log-probabilities and an extra per-row field that a reward function reads.
 - ``"tools"``: conversational prompts, an environment (``Abacus``: its ``add`` tool, and a reward it owns) and a
   standalone tool (``parity``), and greedy generation that really calls them: the byte-level tokenizer gets a chat
   template that renders tool calls and a response template that parses them (``TOOL_TEMPLATE``,
@@ -96,18 +96,21 @@ def forced_calls(tokenizer: Any, *, bias: float = 100.0) -> list[list]:
 
 
 def scripted_rollout(prompts: list[str], trainer: Any) -> dict[str, list]:
-    """A completion per prompt by rule: the model's words, an environment's note (``env_mask`` 0), the model's end;
+    """A completion per prompt: the model's words (the trainer's own greedy generation, which under sequence
+    parallelism generates this rank's share), an environment's note by rule (``env_mask`` 0), a fixed end;
     log-probabilities exact in binary; ``hint``, an extra field for the reward functions."""
     tok = trainer.processing_class
-    out: dict[str, list] = {key: [] for key in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "hint")}
-    for prompt in prompts:
+    prompt_ids = [tok.encode(prompt, add_special_tokens=False) for prompt in prompts]
+    said, _ = trainer._generate_single_turn(prompt_ids, None, {}, 1)
+    out: dict[str, list] = {"prompt_ids": prompt_ids, "completion_ids": [], "logprobs": [], "env_mask": [],
+                            "hint": []}
+    for prompt, words in zip(prompts, said):
         a, b = (int(x) for x in re.findall(r"\d+", prompt)[-2:])
-        said, noted, end = (tok.encode(text, add_special_tokens=False)
-                            for text in (f"{a + b - b % 3}", f" [env: {(a * b) % 7}] ", "."))
-        completion = said + noted + end + [tok.eos_token_id]
-        out["prompt_ids"].append(tok.encode(prompt, add_special_tokens=False))
+        words = words[:-1] if words[-1:] == [tok.eos_token_id] else words
+        noted, end = (tok.encode(text, add_special_tokens=False) for text in (f" [env: {(a * b) % 7}] ", "."))
+        completion = words + noted + end + [tok.eos_token_id]
         out["completion_ids"].append(completion)
-        out["env_mask"].append([1] * len(said) + [0] * len(noted) + [1] * (len(end) + 1))
+        out["env_mask"].append([1] * len(words) + [0] * len(noted) + [1] * (len(end) + 1))
         out["logprobs"].append([-0.25 * (k % 3) for k in range(len(completion))])
         out["hint"].append(b % 3)
     return out

@@ -11,8 +11,8 @@ term, the policy gradient's included, are compared. Two cases decode greedily ag
 equals one process generating the whole batch (greedy completions of a prompt are alike, so their policy-gradient
 terms cancel; ``trl_runs.row_bonus`` gives them different rewards, and with LoRA the adapter starts away from the
 base model, so GRPO trains on its KL term). They are the custom rollouts' cases too (``rollout_cases.py``): one trains
-on a scripted ``rollout_func``'s rows (each rank calls it on its share, the group merges the outputs), whose env mask
-leaves tokens out of the loss; the other calls tools and an environment in TRL's tool loop (the greedy model is made
+on a ``rollout_func``'s rows (each rank calls it on its share and generates there, the group merges the outputs),
+whose env mask leaves tokens out of the loss; the other calls tools and an environment in TRL's tool loop (the greedy model is made
 to write the calls), whose tool mask leaves the tool results out of the loss, and with LoRA's KL term on every kept
 token the loss depends on that mask.
 
