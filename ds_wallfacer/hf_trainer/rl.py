@@ -16,13 +16,17 @@ the reward), and trains on per-token log-probability ratios (clipped). Under seq
   Note [One process per replica for TRL], docs/design/training.md); greedy decoding equals one process generating
   the whole batch. A rank without prompts generates one and drops it, so that under ZeRO-3 every rank enters
   ``generate`` (its parameter gather, its steps synced across ranks) as often as the others.
+- **Generation with vLLM** (``use_vllm=True``, ``vllm_mode="server"`` or ``"colocate"``): a server generates each
+  replica's prompts once and every rank of the group gets its replica's completions; colocated engines take the
+  split above, one engine per rank (``vllm_rollouts.py``, Note [vLLM server under sequence parallelism], Note
+  [Colocated vLLM under sequence parallelism]).
 - **Rewards, advantages, the completions table**: TRL's, with the group counted as one process (``replicas.py``).
 - **The training step and the reference**: the fused LM head runs sequence-parallel (``fused_head.py``); TRL's loss
   (clipping, KL, importance sampling, every ``loss_type``) runs on the gathered per-token values.
 
-Refused by name: vLLM and continuous-batching generation (their engines run outside the group's split), custom
-rollouts and tool calling (a ``rollout_func`` or a tool loop would run on every rank over the whole batch), image
-prompts. Needs ``trl``.
+Refused by name: continuous-batching generation (its engine runs outside the group's split), colocated vLLM with
+``vllm_tensor_parallel_size`` > 1 (its tensor-parallel ranks must generate alike), custom rollouts and tool calling (a
+``rollout_func`` or a tool loop would run on every rank over the whole batch), image prompts. Needs ``trl``.
 """
 from __future__ import annotations
 
@@ -38,11 +42,12 @@ from ..adapters.hf import model_attention
 from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
 from .rollouts import gather_rows, generation_seed, prompt_share, seeded_generation
+from .vllm_rollouts import WallfacerVLLMMixin, vllm_refusals
 
 __all__ = ["WallfacerGRPOTrainer", "WallfacerRLOOTrainer", "WallfacerRolloutMixin"]
 
 
-class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
+class WallfacerRolloutMixin(WallfacerVLLMMixin, WallfacerFusedHeadMixin):
     """What TRL's rollout trainers (GRPO, RLOO) need beyond the fused head: generation per group, the group's
     random state, rounds and seeds counted per replica."""
 
@@ -55,8 +60,7 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
     def _wf_refuse_arguments(cls, kwargs: dict[str, Any]) -> None:
         args = kwargs.get("args")
         checks = [
-            (bool(getattr(args, "use_vllm", False)), f"use_vllm=True (vllm_mode={getattr(args, 'vllm_mode', None)!r})",
-             "generate with transformers (use_vllm=False); vLLM generation is not wired to sequence parallelism yet"),
+            *vllm_refusals(args),
             (bool(getattr(args, "use_transformers_continuous_batching", False)),
              "use_transformers_continuous_batching=True", "use the plain transformers generate"),
             (bool(kwargs.get("tools")) or bool(kwargs.get("environment_factory")), "tools / environments",
@@ -117,6 +121,8 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
         of ``prompt_ids`` and the group all-gathers the completion ids (and the per-token log-probabilities where
         TRL returns them), so every rank returns TRL's result for the whole list, in its order. GRPO returns
         ``(completion_ids, logprobs)``, RLOO the ids alone. Note [Seeds of a split rollout] in ``rollouts.py``."""
+        if self._wf_on_vllm_server():  # the server generates the replica's prompts once (vllm_rollouts.py)
+            return self._wf_generate_on_server(prompt_ids, *args, **kwargs)
         if self.redundant_rollouts:
             return self._wf_generate_redundant(prompt_ids, *args, **kwargs)
         t0, sp = time.perf_counter(), self.sequence_parallel
