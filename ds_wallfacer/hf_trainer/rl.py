@@ -25,8 +25,9 @@ the reward), and trains on per-token log-probability ratios (clipped). Under seq
   (clipping, KL, importance sampling, every ``loss_type``) runs on the gathered per-token values.
 
 Refused by name: continuous-batching generation (its engine runs outside the group's split), colocated vLLM with
-``vllm_tensor_parallel_size`` > 1 (its tensor-parallel ranks must generate alike), custom rollouts and tool calling (a
-``rollout_func`` or a tool loop would run on every rank over the whole batch), image prompts. Needs ``trl``.
+``vllm_tensor_parallel_size`` > 1 (its tensor-parallel ranks must generate alike), vLLM together with a custom
+rollout, tools or environments, custom rollouts and tool calling (a ``rollout_func`` or a tool loop would run on every
+rank over the whole batch), image prompts. Needs ``trl``.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class WallfacerRolloutMixin(WallfacerVLLMMixin, WallfacerFusedHeadMixin):
     def _wf_refuse_arguments(cls, kwargs: dict[str, Any]) -> None:
         args = kwargs.get("args")
         checks = [
-            *vllm_refusals(args),
+            *vllm_refusals(kwargs),
             (bool(getattr(args, "use_transformers_continuous_batching", False)),
              "use_transformers_continuous_batching=True", "use the plain transformers generate"),
             (bool(kwargs.get("tools")) or bool(kwargs.get("environment_factory")), "tools / environments",

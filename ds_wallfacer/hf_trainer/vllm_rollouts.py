@@ -53,17 +53,22 @@ from .replicas import ReplicaView
 __all__ = ["WallfacerVLLMMixin", "vllm_refusals"]
 
 
-def vllm_refusals(args: Any) -> list[tuple[bool, str, str]]:
+def vllm_refusals(kwargs: dict[str, Any]) -> list[tuple[bool, str, str]]:
     """(refused, the setting, what to do) for the vLLM options sequence parallelism cannot run exactly; read from the
-    trainer's config alone, before TRL builds its engine."""
+    trainer's constructor arguments alone, before TRL builds its engine."""
+    args = kwargs.get("args")
     use = bool(getattr(args, "use_vllm", False))
     mode = getattr(args, "vllm_mode", None)
     tp = getattr(args, "vllm_tensor_parallel_size", 1) or 1
+    custom = [name for name in ("rollout_func", "tools", "environment_factory") if kwargs.get(name)]
     return [
         (use and mode == "colocate" and tp > 1, f"vllm_tensor_parallel_size={tp} with vllm_mode='colocate'",
          "the ranks of a vLLM tensor-parallel group must generate the same prompts from one seed, while the ranks of "
          "a sequence-parallel group generate shares of different sizes from different seeds; set "
          "vllm_tensor_parallel_size=1, or use vllm_mode='server' (the server has its own tensor parallelism)"),
+        (use and bool(custom), f"use_vllm=True with {' / '.join(custom)}",
+         "a custom or multi-turn rollout would call vLLM per rank, outside the group's wiring; generate with "
+         "transformers (use_vllm=False) for it, or drop it"),
     ]
 
 
@@ -85,8 +90,7 @@ class WallfacerVLLMMixin:
                 "with vllm_mode='server' the server generates and no rank does: leave redundant_rollouts False"
             )
         t0 = time.perf_counter()
-        import contextlib
-        with contextlib.nullcontext():
+        with self._wf_vllm_view()(self.vllm_generation):
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         ids = out[0] if isinstance(out, tuple) else out
         self._wf_count_rollout([], ids, prompts=0, seconds=time.perf_counter() - t0)  # the server generated

@@ -7,11 +7,10 @@ accumulation 2 (see ``test_trainer_parity.py``). GRPO and RLOO split each rollou
 its share of the prompts, rank i sampling from generators seeded ``s + i``). Four cases (``sampling``) sample at
 temperature 1 against TRL's trainer generating its prompts in the same slices from the same seeds
 (``trl_runs.SlicedRollouts``), so both runs see the same completions and the rewards, advantages and every loss
-term, the policy gradient's included, are compared. One case decodes greedily against plain TRL: the split then
+term, the policy gradient's included, are compared. Two cases decode greedily against plain TRL: the split then
 equals one process generating the whole batch (greedy completions of a prompt are alike, so their policy-gradient
-terms cancel; ``trl_runs.row_bonus`` gives them different rewards). ``test_trl_vllm.py`` runs a greedy GRPO case
-too (hybrid with 2 replicas, LoRA starting away from the base model so GRPO trains on its KL term, ``dr_grpo``,
-ZeRO-3), generating through a vLLM stand-in server.
+terms cancel; ``trl_runs.row_bonus`` gives them different rewards, and with LoRA the adapter starts away from the
+base model, so GRPO trains on its KL term).
 
 Three of the runs (``resume_checks.RESUMED``: DPO, GRPO, RLOO) also save a checkpoint at step 2, and a second 4-rank run resumes from it
 and must continue as the uninterrupted run (``resume_checks.py``).
@@ -84,6 +83,8 @@ GRPO_CASES = {
                                 {"pretrained": True, "zero_stage": 3}),
     "hybrid-dr-grpo": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 4}, 8, 1,
                        {"lora": True, "loss_type": "dr_grpo", "sampling": True}),
+    "hybrid-dp-lora": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 4, 2,
+                       {"lora": True, "loss_type": "dr_grpo"}),
     "rloo-wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
                                {"lora": True, "algo": "rloo", "sampling": True}),
     "rloo-ring-dp": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}, 4, 2,

@@ -74,14 +74,17 @@ def test_server_generates_each_replicas_prompts_once(tmp_path) -> None:
     assert [(r["prompts"], r["tokens"]) for r in stats] == [(0, 0)] * 2 and stats[0]["batch_tokens"] > 0, stats
 
 
-@pytest.mark.parametrize("mode,tp,refused", [("server", 1, False), ("server", 4, False), ("colocate", 1, False),
-                                             ("colocate", 2, True)])
-def test_only_colocated_tensor_parallelism_is_refused(mode: str, tp: int, refused: bool) -> None:
-    from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerRLOOTrainer
+@pytest.mark.parametrize("mode,tp,extra,refused", [
+    ("server", 1, {}, None), ("server", 4, {}, None), ("colocate", 1, {}, None),
+    ("colocate", 2, {}, "vllm_tensor_parallel_size=2 with vllm_mode='colocate'"),
+    ("server", 1, {"rollout_func": len}, "use_vllm=True with rollout_func"),
+])
+def test_vllm_refusals(mode: str, tp: int, extra: dict, refused: str | None) -> None:
+    from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerGRPOTrainer
 
     args = type("Args", (), {"use_vllm": True, "vllm_mode": mode, "vllm_tensor_parallel_size": tp})()
     if refused:
-        with pytest.raises(UnsupportedTrainerOption, match="vllm_tensor_parallel_size=2 with vllm_mode='colocate'"):
-            WallfacerRLOOTrainer._wf_refuse_arguments({"args": args})
+        with pytest.raises(UnsupportedTrainerOption, match=refused):
+            WallfacerGRPOTrainer._wf_refuse_arguments({"args": args, **extra})
     else:
-        WallfacerRLOOTrainer._wf_refuse_arguments({"args": args})
+        WallfacerGRPOTrainer._wf_refuse_arguments({"args": args})

@@ -7,8 +7,8 @@ transport (vLLM's NCCL weight-transfer engine, CUDA only). ``use_standin_client`
 ``VLLMGeneration`` build an ``HttpWeightsClient``: TRL's ``VLLMClient`` with only those CUDA parts replaced. Its
 ``init_communicator`` sends TRL's requests without the NCCL rendezvous, and its ``update_named_params`` sends TRL's
 ``/update_weights`` request with the tensors in the request body instead of over NCCL. Everything else is TRL's own:
-``VLLMGeneration.generate`` and ``sync_weights``, the client's ``generate`` (``/v1/completions``), ``reset_prefix_cache``,
-``get_server_info``, the health check.
+``VLLMGeneration.generate`` and ``sync_weights``, the client's ``generate`` (``/v1/completions``),
+``reset_prefix_cache``, ``get_server_info``, the health check.
 
 The server (``StandInServer``, a ``ThreadingHTTPServer`` on a thread of the test process; the ranks are forked from
 it) decodes greedily whatever the request's sampling parameters, one prompt at a time with no padding (so the answer
