@@ -22,14 +22,19 @@ the reward), and trains on per-token log-probability ratios (clipped). Under seq
   environments and async tools run on every rank, plain standalone tools once, on the group's first rank, which sends
   the result; after each rollout the group checks that its ranks made the same rows and raises naming the
   environments and tools if not.
+- **Generation with vLLM** (``use_vllm=True``, ``vllm_mode="server"`` or ``"colocate"``): a server generates each
+  replica's prompts once and every rank of the group gets its replica's completions; colocated engines take the
+  split above, one engine per rank (``vllm_rollouts.py``, Note [vLLM server under sequence parallelism], Note
+  [Colocated vLLM under sequence parallelism]).
 - **Rewards, advantages, the completions table**: TRL's, with the group counted as one process (``replicas.py``).
 - **The training step and the reference**: the fused LM head runs sequence-parallel (``fused_head.py``); TRL's loss
   (clipping, KL, importance sampling, every ``loss_type``) runs on the gathered per-token values, masked by TRL's
   completion and tool masks as on one process (the packed rows hold every token the attention mask holds).
 
-Refused by name: vLLM and continuous-batching generation (their engines run outside the group's split), image
-prompts, and ``rollout_func`` / ``tools`` / ``environment_factory`` on RLOO (TRL's ``RLOOTrainer`` takes none of
-them). Needs ``trl``.
+Refused by name: continuous-batching generation (its engine runs outside the group's split), colocated vLLM with
+``vllm_tensor_parallel_size`` > 1 (its tensor-parallel ranks must generate alike), vLLM together with a custom
+rollout, tools or environments, image prompts, and ``rollout_func`` / ``tools`` / ``environment_factory`` on RLOO
+(TRL's ``RLOOTrainer`` takes none of them). Needs ``trl``.
 """
 from __future__ import annotations
 
@@ -47,11 +52,12 @@ from .custom_rollouts import GroupRolloutFunc, RolloutMismatch, check_same_rows,
 from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
 from .rollouts import gather_rows, generation_seed, prompt_share, seeded_generation
+from .vllm_rollouts import WallfacerVLLMMixin, vllm_refusals
 
 __all__ = ["WallfacerGRPOTrainer", "WallfacerRLOOTrainer", "WallfacerRolloutMixin"]
 
 
-class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
+class WallfacerRolloutMixin(WallfacerVLLMMixin, WallfacerFusedHeadMixin):
     """What TRL's rollout trainers (GRPO, RLOO) need beyond the fused head: generation per group, the group's
     random state, rounds and seeds counted per replica."""
 
@@ -73,8 +79,7 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
         args = kwargs.get("args")
         custom = [name for name in ("rollout_func", "tools", "environment_factory") if kwargs.get(name)]
         checks = [
-            (bool(getattr(args, "use_vllm", False)), f"use_vllm=True (vllm_mode={getattr(args, 'vllm_mode', None)!r})",
-             "generate with transformers (use_vllm=False); vLLM generation is not wired to sequence parallelism yet"),
+            *vllm_refusals(kwargs),
             (bool(getattr(args, "use_transformers_continuous_batching", False)),
              "use_transformers_continuous_batching=True", "use the plain transformers generate"),
             (bool(custom) and not cls.custom_rollouts, " / ".join(custom),
@@ -167,6 +172,8 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
         if self._wf_local_rollout:  # called by a rollout_func on this rank's share: not split again
             with model_attention(self.model):
                 return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        if self._wf_on_vllm_server():  # the server generates the replica's prompts once (vllm_rollouts.py)
+            return self._wf_generate_on_server(prompt_ids, *args, **kwargs)
         if self.redundant_rollouts:
             return self._wf_generate_redundant(prompt_ids, *args, **kwargs)
         t0, sp = time.perf_counter(), self.sequence_parallel

@@ -54,7 +54,8 @@ def test_the_replica_view_keeps_one_rank_per_group_in_replica_order() -> None:
 def test_grpo_refuses_what_would_run_per_rank_before_trl_acts(option: dict) -> None:
     from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerGRPOTrainer
 
-    args = type("Args", (), {"use_vllm": option.get("use_vllm", False), "vllm_mode": "colocate"})()
+    args = type("Args", (), {"use_vllm": option.get("use_vllm", False), "vllm_mode": "colocate",
+                             "vllm_tensor_parallel_size": 2})()  # colocated tensor parallelism: refused
     kwargs = {"args": args, **{k: v for k, v in option.items() if k != "use_vllm"}}
     with pytest.raises(UnsupportedTrainerOption, match="not supported under sequence parallelism"):
         WallfacerGRPOTrainer._wf_refuse_arguments(kwargs)
