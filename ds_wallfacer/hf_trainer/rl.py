@@ -51,13 +51,14 @@ from ..adapters.hf import model_attention
 from .custom_rollouts import GroupRolloutFunc, RolloutMismatch, check_same_rows, share_sync_tools
 from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
+from .phases import PhaseClockMixin
 from .rollouts import gather_rows, generation_seed, prompt_share, seeded_generation
 from .vllm_rollouts import WallfacerVLLMMixin, vllm_refusals
 
 __all__ = ["WallfacerGRPOTrainer", "WallfacerRLOOTrainer", "WallfacerRolloutMixin"]
 
 
-class WallfacerRolloutMixin(WallfacerVLLMMixin, WallfacerFusedHeadMixin):
+class WallfacerRolloutMixin(PhaseClockMixin, WallfacerVLLMMixin, WallfacerFusedHeadMixin):
     """What TRL's rollout trainers (GRPO, RLOO) need beyond the fused head: generation per group, the group's
     random state, rounds and seeds counted per replica."""
 

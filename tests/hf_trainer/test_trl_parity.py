@@ -124,6 +124,11 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     assert got["table"]["advantages"] == pytest.approx(ref["table"]["advantages"], rel=1e-5, abs=1e-5), case
     if opts.get("rollout") == "tools":  # the tools were called, one call failed, and the tool mask took effect
         _tools_took_effect(ref)
+    for phases in got["phases"]:  # every rank of rank 0's group: where its seconds went (hf_trainer/phases.py)
+        assert phases["generation"] > 0 and phases["training"] > 0, got["phases"]
+        assert phases["scoring_reference"] > 0, got["phases"]  # beta > 0
+        # the old policy: scored by RLOO always, by GRPO when a round spans optimizer steps (not here)
+        assert (phases["scoring_policy"] > 0) == (opts.get("algo") == "rloo"), got["phases"]
     shares = [r["prompts"] for r in got["rollouts"]]  # rank 0's group: each rank generated its share
     assert len(shares) == section["sequence_parallel_size"] and len(set(shares)) == 1, got["rollouts"]
     if case in RESUMED:

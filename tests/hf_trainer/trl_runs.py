@@ -197,7 +197,8 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
             "table": {"prompt": list(table["prompt"]), "completion": list(table["completion"]),
                       "advantages": list(table["advantages"])},
             "digest": _digest(trainer.model_wrapped),
-            "rollouts": trainer.rollout_stats() if section is not None else None}
+            "rollouts": trainer.rollout_stats() if section is not None else None,
+            "phases": trainer.phase_stats() if section is not None else None}
 
 
 def _server_args(url: str | None) -> dict[str, Any]:
