@@ -18,7 +18,9 @@ included), and the activation bytes of step 3 on rank 0 (what autograd saves for
 ``StepActivationBytes``: the part of memory that grows with the sequence and that sequence parallelism divides).
 
 GRPO runs train a LoRA adapter (rank 4) with beta 0.04 (the base model is the reference) and two optimizer passes
-over each generation round (``num_iterations`` 2: the old policy is scored), so that a step has every phase.
+over each generation round (``num_iterations`` 2: the old policy is scored), so that a step has every phase, and
+decode greedily: the split rollouts then equal TRL's one process, and ``grpo_max_loss_diff`` /
+``grpo_max_last_reward_diff`` are the largest differences of the final loss and last reward from TRL's run.
 GRPO's rollouts: the WallFacer run generates split over the group (each rank its share of the group's prompts, then
 one gather); one more run, ``--redundant_rollouts`` (the trainer's ``redundant_rollouts``), has every rank generate
 the group's whole batch, as the trainer did before. Per rank of the group: the completion tokens it generated and the
@@ -50,9 +52,11 @@ from benchmarks.harness import (add_job_options, add_out_option, emit, job_row, 
 
 SCRIPTS = {"dpo": ROOT / "launch" / "train_dpo.py", "grpo": ROOT / "launch" / "train_grpo.py"}
 MEASURED_STEP = 3
-GRPO_OPTIONS = ["--lora_r", 4, "--beta", 0.04, "--num_iterations", 2]
+GRPO_OPTIONS = ["--lora_r", 4, "--lora_away_from_base", "--beta", 0.04, "--num_iterations", 2, "--greedy"]
 """Every GRPO run (TRL's too) scores both: the reference (beta > 0, the base model under the LoRA adapter) and the old
-policy (two optimizer passes over each round: importance sampling)."""
+policy (two optimizer passes over each round: importance sampling); greedy decoding, so that the split rollouts equal
+TRL's one process and the losses and rewards are compared (greedy completions of a prompt are alike and their
+advantages zero: the adapter starts away from the base model, so the KL term trains it)."""
 
 
 def configurations(args: argparse.Namespace) -> list[dict]:
@@ -169,6 +173,10 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
         if ours:
             summary[f"{trainer}_activation_ratio"] = {r["config"]: round(ratio(r, "activation_bytes"), 3) for r in ours}
             summary[f"{trainer}_tokens_per_s_ratio"] = {r["config"]: round(ratio(r, "tokens_per_s"), 3) for r in ours}
+    grpo = [r for r in ok if r["trainer"] == "grpo" and r["impl"] == "wallfacer"]
+    if grpo and "grpo" in ref:
+        summary["grpo_max_loss_diff"] = max(diff(r) for r in grpo)
+        summary["grpo_max_last_reward_diff"] = max(diff(r, "last_reward") for r in grpo)
     summary.update(_rollouts(ok))
     summary["results"] = rows
     save_plot(plot_path(args), lambda plt: _draw(ok, plt), dpi=110)

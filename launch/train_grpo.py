@@ -33,6 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_completion_length", type=int, default=16)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 needs --lora_r: the base model is "
                                                            "the reference)")
+    p.add_argument("--lora_away_from_base", action="store_true",
+                   help="start the LoRA adapter away from the base model (both matrices random): with --beta > 0 the "
+                        "KL term trains from the first step, even on greedy completions")
+    p.add_argument("--greedy", action="store_true",
+                   help="decode greedily (the split rollouts then equal one process generating the whole batch)")
     p.add_argument("--num_iterations", type=int, default=1,
                    help="TRL's num_iterations: optimizer passes over each generation round (> 1: the old policy is "
                         "scored for importance sampling)")
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     run.update(eval_strategy="no", per_device_eval_batch_size=args.micro_batch)
     training = GRPOConfig(**run, beta=args.beta, loss_type=args.loss_type, num_generations=args.num_generations,
                           num_iterations=args.num_iterations,
+                          generation_kwargs={"do_sample": False} if args.greedy else None,
                           max_completion_length=args.max_completion_length, gradient_checkpointing=False)
     start_distributed()
     attention = "sdpa" if args.trainer == "trl" else None  # TRL's own trainer attends with the usual kernels
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model if Path(args.model).is_dir() else loaded.model
     cls = WallfacerGRPOTrainer if args.trainer == "wallfacer" else GRPOTrainer
     trainer = cls(model=model, args=training, processing_class=chat_tokenizer(loaded), reward_funcs=arithmetic_reward,
-                  peft_config=lora_config(args.lora_r),
+                  peft_config=lora_config(args.lora_r, away_from_base=args.lora_away_from_base),
                   train_dataset=Dataset.from_list(make_prompts(args.prompts, seed=training.seed, filler=args.filler)))
     if args.measure_step:
         trainer.add_callback(probe.callback())
