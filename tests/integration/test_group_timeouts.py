@@ -25,7 +25,7 @@ def _timeouts(rank: int, world: int, port: int) -> dict[str, float]:
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "wallfacer": {"mode": "ulysses", "collective_timeout_s": 77}}
+           "wallfacer": {"mode": "ulysses", "collective_timeout_s": 577}}
     engine, sp = initialize(model=tiny_model("llama"), config=cfg)
     out = {"world": _timeout(dist.group.WORLD), "deepspeed data parallel": _timeout(engine.data_parallel_group),
            "sequence parallel": _timeout(sp.groups.sp_group), "ulysses": _timeout(sp.groups.ulysses_group)}
@@ -35,4 +35,4 @@ def _timeouts(rank: int, world: int, port: int) -> dict[str, float]:
 
 def test_every_group_gets_the_configured_timeout() -> None:
     for rank, got in enumerate(run_distributed(_timeouts, 2, free_port(), timeout_s=180)):
-        assert got == dict.fromkeys(got, 77.0) and len(got) == 4, (rank, got)
+        assert got == dict.fromkeys(got, 577.0) and len(got) == 4, (rank, got)
