@@ -239,17 +239,17 @@ def prepare_batch(
 
 def _media_fields(batch: Mapping[str, Any], ids: torch.Tensor, docs: list[list[int]] | None, vision: VisionAdapter,
                   shard: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A batch with images or videos: the M-RoPE positions of the full (padded) rows and each token's feature row,
-    sharded like the tokens (``shard``: ``shard_sequence``'s keywords), and the media as they are; {} without."""
+    """A batch with images or videos: each token's feature row and (M-RoPE models) the positions of the full (padded)
+    rows, sharded like the tokens (``shard``: ``shard_sequence``'s keywords), and the media as they are; {} without."""
     media = {k: torch.as_tensor(batch[k]) for k in MEDIA_KEYS if batch.get(k) is not None}
     if not media:
         return {}
     types = vision.token_types(ids, batch.get(TOKEN_TYPES_KEY))
-    return {
-        "mrope_position_ids": shard_sequence(vision.positions(ids, types, media, docs), **{**shard, "dim": 2}),
-        "media_index": shard_sequence(vision.media_index(types), **shard).contiguous(),
-        **media,
-    }
+    out = {"media_index": shard_sequence(vision.media_index(types), **shard).contiguous(), **media}
+    positions = vision.positions(ids, types, media, docs)
+    if positions is not None:  # M-RoPE; None: image tokens are numbered like text (the loader's positions)
+        out["mrope_position_ids"] = shard_sequence(positions, **{**shard, "dim": 2})
+    return out
 
 
 def collate_right_padded(

@@ -23,7 +23,8 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.sweep.run import LR, STEPS, WORLD, Row, _compare, _first_line
-from tests.sweep.tiny import NotBuildable, build_tiny
+from tests.sweep.tiny import NotBuildable
+from tests.sweep.tiny_multimodal import build_tiny_vlm, vlm_batch
 
 MODE = {"mode": "hybrid", "ulysses_degree": 2, "ring_count": 1}
 TIMEOUT_S = 180.0
@@ -42,22 +43,32 @@ def multimodal_classes() -> list[tuple[str, str]]:
     return sorted(((t, c) for c, t in seen.items()), key=lambda tc: tc[1])
 
 
-def _family(cls: str) -> str | None:
+def _build(model_type: str, cls: str) -> Any:
+    """The tiny model: ``examples.vlm.tiny_vlm`` for the Qwen-VL classes, else ``tiny_multimodal.build_tiny_vlm``."""
     from ds_wallfacer.adapters.vision import ADAPTED
+    from ds_wallfacer.examples.vlm import tiny_vlm
 
-    return ADAPTED.get(cls)
+    return tiny_vlm(ADAPTED[cls]) if cls in ADAPTED else build_tiny_vlm(model_type, cls)
 
 
 def _batch(model: Any) -> dict[str, Any]:
+    """One row of text with two images (two units of each kind the model takes) cut across shard boundaries."""
+    from ds_wallfacer.adapters.vision import ADAPTED
     from ds_wallfacer.examples.vlm import conversation, conversation_batch
 
+    if type(model).__name__ not in ADAPTED:
+        return vlm_batch(model)
     return conversation_batch([conversation(model, text=40, images=[(2, 3), (3, 2)], seed=7)])
 
 
-def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from ds_wallfacer.examples.vlm import tiny_vlm
+def _adapted(model: Any) -> bool:
+    from ds_wallfacer.adapters.vision import runs_images
 
-    model = tiny_vlm(family)
+    return runs_images(model)
+
+
+def _reference(model_type: str, cls: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = _build(model_type, cls)
     batch = _batch(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -71,13 +82,12 @@ def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], dict[
     return losses, start, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _rank(rank: int, world: int, family: str) -> tuple[str, Any]:
+def _rank(rank: int, world: int, model_type: str, cls: str) -> tuple[str, Any]:
     import ds_wallfacer.integration as wfi
     from ds_wallfacer.audit.model_audit import RefusedModel
-    from ds_wallfacer.examples.vlm import tiny_vlm
 
     try:
-        model = tiny_vlm(family)
+        model = _build(model_type, cls)
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 1},
                   "zero_allow_untested_optimizer": True, "wallfacer": {"sequence_parallel_size": WORLD, **MODE}}
         try:
@@ -97,12 +107,11 @@ def _rank(rank: int, world: int, family: str) -> tuple[str, Any]:
         return "FAILED", traceback.format_exc(limit=6)
 
 
-def _refusal(model_type: str, cls: str) -> tuple[str, str]:
+def _refusal(model: Any, cls: str) -> tuple[str, str]:
     """The loader's answer to a batch with pixels for a class without an adapter: (verdict, detail)."""
     from ds_wallfacer.adapters.vision import vision_language
     from ds_wallfacer.data.loader import ShardSpec, prepare_batch
 
-    model = build_tiny(model_type, cls, check=False)
     vision = vision_language(model)
     try:
         prepare_batch({"input_ids": torch.ones(1, 16, dtype=torch.long), "pixel_values": torch.zeros(1, 3, 8, 8)},
@@ -120,19 +129,19 @@ def _refusal(model_type: str, cls: str) -> tuple[str, str]:
 def sweep_one(model_type: str, cls: str) -> Row:
     t0 = time.perf_counter()
     row = Row(cls, model_type, "")
-    family = _family(cls)
     try:
-        if family is None:
-            row.verdict, row.detail = _refusal(model_type, cls)
+        model = _build(model_type, cls)
+        if not _adapted(model):
+            row.verdict, row.detail = _refusal(model, cls)
             return row
-        ref = _reference(family)
+        ref = _reference(model_type, cls)
     except NotBuildable as err:
         row.verdict, row.detail = "not buildable", str(err)
         return row
     finally:
         row.seconds = time.perf_counter() - t0
     try:
-        got = run_distributed(_rank, WORLD, family, timeout_s=TIMEOUT_S, start_method="fork")
+        got = run_distributed(_rank, WORLD, model_type, cls, timeout_s=TIMEOUT_S, start_method="fork")
     except AssertionError as err:
         row.verdict = "HANG" if "did not finish" in str(err) else "FAILED"
         row.detail = str(err).splitlines()[0]
@@ -150,7 +159,10 @@ def sweep_one(model_type: str, cls: str) -> Row:
 
 
 def run(only: list[str] | None = None, *, log: Any = sys.stdout) -> list[Row]:
+    from tests.sweep.run import _preload
+
     torch.set_num_threads(1)
+    _preload()
     rows = []
     for model_type, cls in multimodal_classes():
         if only and model_type not in only and cls not in only:

@@ -385,8 +385,10 @@ def _merge(d: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
                     for k, v in patch.items()}}
 
 
-def tiny_config(model_type: str, class_name: str, *, per_kind: int = 1) -> transformers.PretrainedConfig:
-    """The shrunk config of ``class_name``, with ``per_kind`` layers of each kind (see the module docstring)."""
+def tiny_config(model_type: str, class_name: str, *, per_kind: int = 1,
+                adjust: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> transformers.PretrainedConfig:
+    """The shrunk config of ``class_name``, with ``per_kind`` layers of each kind (see the module docstring);
+    ``adjust``: a last change to the shrunk dict (the multimodal sweep's tiny images, ``tiny_multimodal.py``)."""
     if class_name in _NOT_TEXT_ONLY:
         raise NotBuildable(_NOT_TEXT_ONLY[class_name])
     cls = _model_class(class_name)
@@ -397,12 +399,14 @@ def tiny_config(model_type: str, class_name: str, *, per_kind: int = 1) -> trans
         raise NotBuildable(f"default config invalid: {_reason(exc)}") from exc
     d = _merge(_as_dict(default), _DEFAULT_PATCHES.get(default.model_type, {}))
     try:
-        return config_cls.from_dict(_shrink(d, per_kind))
+        shrunk = _shrink(d, per_kind)
+        return config_cls.from_dict(adjust(shrunk) if adjust is not None else shrunk)
     except Exception as exc:
         raise NotBuildable(f"shrunk config rejected: {_reason(exc)}") from exc
 
 
-def build_tiny(model_type: str, class_name: str, *, seed: int = 0, check: bool = True) -> torch.nn.Module:
+def build_tiny(model_type: str, class_name: str, *, seed: int = 0, check: bool = True,
+               adjust: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> torch.nn.Module:
     """A tiny fp32 ``class_name`` in train mode, weights from ``torch.manual_seed(seed)``.
 
     The fewest layers that show each kind of layer once are tried first, two of each kind if that fails (zamba
@@ -411,7 +415,7 @@ def build_tiny(model_type: str, class_name: str, *, seed: int = 0, check: bool =
     cls = _model_class(class_name)
     attn = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     for per_kind in (1, 2):
-        config = tiny_config(model_type, class_name, per_kind=per_kind)
+        config = tiny_config(model_type, class_name, per_kind=per_kind, adjust=adjust)
         torch.manual_seed(seed)
         try:
             model = cls._from_config(config, dtype=torch.float32, attn_implementation=attn).float().train()
