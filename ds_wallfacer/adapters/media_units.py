@@ -47,6 +47,9 @@ class Unit:
 
     args: dict[str, torch.Tensor]
     rows: int
+    independent: bool
+    """Whether two units (this one and its negated pixels) together give the rows each gives alone: the tower treats
+    every unit on its own, so the group may split them."""
 
 
 def _grid_key(args: Mapping[str, Any]) -> str | None:
@@ -125,7 +128,16 @@ def pixel_row(vision_config: Any) -> int:
     """Values per patch row of ``pixel_values``: channels x temporal patch x patch side^2 (1,176 in Qwen2.5-VL)."""
     vc = vision_config
     channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
-    return channels * int(getattr(vc, "temporal_patch_size", 1)) * int(vc.patch_size) ** 2
+    return channels * _temporal(vc) * int(vc.patch_size) ** 2
+
+
+def _temporal(vc: Any) -> int:
+    return int(getattr(vc, "temporal_patch_size", None) or getattr(vc, "patch_temporal", None) or 1)
+
+
+def _merge(vc: Any) -> int:
+    return _first_int(getattr(vc, "spatial_merge_size", None) or getattr(vc, "merge_kernel_size", None)
+                      or getattr(vc, "merge_size", None), 1)
 
 
 def _vision_config(config: Any) -> Any:
@@ -162,12 +174,14 @@ def _candidates(method: Callable, config: Any, kind: str, g: torch.Generator) ->
     out: list[dict[str, Any]] = []
     grid = next((p for p in params if p.endswith("grid_thw")), None)
     if grid is not None:
-        merge = _first_int(getattr(vc, "spatial_merge_size", None), 1)
-        t = _first_int(getattr(vc, "temporal_patch_size", None), 1) if kind == "video" else 1
+        merge = _merge(vc)
+        t = _temporal(vc) if kind == "video" else 1
+        patch = _first_int(getattr(vc, "patch_size", None), 14)
         extra = {p: torch.tensor([merge]) for p in params if p.endswith("merge_sizes")}
         for m in (merge, 2 * merge):
-            cells = t * m * m
-            out.append({pixel: rand(cells, pixel_row(vc)), grid: torch.tensor([[t, m, m]]), **extra})
+            cells, thw = t * m * m, torch.tensor([[t, m, m]])
+            out.append({pixel: rand(cells, pixel_row(vc)), grid: thw, **extra})  # flattened patch rows (Qwen)
+            out.append({pixel: rand(cells, ch, patch, patch), grid: thw, **extra})  # patch images (Kimi)
         return out
     image = (ch, side, side)
     patch = _first_int(getattr(vc, "patch_size", None), side)
@@ -229,14 +243,33 @@ def probe_unit(merger: nn.Module, kind: str, method: str, *, hidden: int, field:
     tower without gradients, random state kept."""
     fn = getattr(merger, method)
     g = torch.Generator().manual_seed(0x1A6E)
-    for args in _candidates(fn, merger.config, kind, g):
+
+    def run(args: Mapping[str, torch.Tensor]) -> torch.Tensor:
         moved = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and dtype is not None else v.dtype)
                  for k, v in args.items()}
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            return feature_rows(fn(**moved, **(extra or {}), return_dict=True), hidden, field).float()
+
+    for args in _candidates(fn, merger.config, kind, g):
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                rows = feature_rows(fn(**moved, **(extra or {}), return_dict=True), hidden, field)
+            rows = run(args)
         except Exception:  # noqa: BLE001 - the tower rejects this layout: try the next
             continue
         if rows.shape[0] > 0 and bool(torch.isfinite(rows).all()):
-            return Unit(args={k: v.cpu() for k, v in args.items()}, rows=int(rows.shape[0]))
+            return Unit(args={k: v.cpu() for k, v in args.items()}, rows=int(rows.shape[0]),
+                        independent=_independent(run, args, rows, dtype))
     return None
+
+
+def _independent(run: Callable, args: Mapping[str, torch.Tensor], rows: torch.Tensor,
+                 dtype: torch.dtype | None) -> bool:
+    """Whether the tower gives two units together the rows it gives each alone (relative 1e-4 in fp32, 1e-2 in
+    half precision, of the largest value)."""
+    other = {k: -v if v.is_floating_point() else v for k, v in args.items()}
+    try:
+        pair = run({k: torch.cat([args[k], other[k]]) for k in args})
+        alone = torch.cat([rows, run(other)])
+    except Exception:  # noqa: BLE001 - two units at once are not accepted: the batch runs whole
+        return False
+    tol = (1e-4 if dtype in (None, torch.float32, torch.float64) else 1e-2) * float(alone.abs().max()) + 1e-6
+    return pair.shape == alone.shape and float((pair - alone).abs().max()) <= tol

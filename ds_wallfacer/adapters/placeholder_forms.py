@@ -26,6 +26,8 @@ from typing import Any
 
 from torch import nn
 
+from ..hf_config import backbone
+
 __all__ = ["MediaKind", "PlaceholderForm", "placeholder_form"]
 
 
@@ -61,8 +63,9 @@ not use (a cache) or the loss module passes itself."""
 _HARMLESS = re.compile(
     r"(ValueError|TypeError|isinstance|len|self\.loss_function|torch\.cat|torch\.tensor|torch_compilable_check|DynamicCache|"
     r"logger\.warning(_once)?|\w*Output\w*|self(\.(language_model|text_model))?\.get_input_embeddings(\(\))?|"
-    r"[\w.\[\]()]+\.(to|flatten|reshape|view|size|contiguous|masked_scatter|get))$")
-"""Calls that convert, check or build outputs: none changes what the language model computes."""
+    r"input_ids\.clone|[\w.\[\]()]+\.(to|flatten|reshape|view|size|contiguous|unsqueeze|masked_scatter|get))$")
+"""Calls that convert, check or build outputs: none changes what the language model computes (``input_ids.clone``:
+a copy whose placeholders are set to a constant before embedding, ``_read``)."""
 _KNOWN = (
     (re.compile(r"compute_3d_position_ids|get_rope_index"),
      "it numbers its tokens with 3-D (M-RoPE) positions computed from the images"),
@@ -74,8 +77,10 @@ _KNOWN = (
 )
 _OUTPUT_DICTS = frozenset({"mm_encoder_outputs", "kwargs"})
 """Dicts the forward fills: the towers' outputs (returned beside the logits), the keywords it passes on."""
-_HEAD_SCALES = frozenset({"logit_scale", "logits_scaling", "final_logit_softcapping"})
+_HEAD_SCALES = frozenset({"logit_scale", "logits_scaling", "output_multiplier", "final_logit_softcapping"})
 """What ``mst.lm_head.HeadTransform`` applies after the LM head (the loss module applies it too)."""
+_PLACEHOLDER_IDS = frozenset({"image_token_id", "image_token_index", "video_token_id", "video_token_index"})
+"""The config attributes a placeholder mask may compare the token ids with."""
 _DEFAULT_POSITIONS = re.compile(r"(torch\.arange|cache\.get_seq_length|[\w.]+\.(unsqueeze|expand|view|to))$")
 """Calls that fill default 1-D positions (``if position_ids is None: position_ids = arange(...)``): the positions
 the loader gives, per document."""
@@ -138,12 +143,22 @@ class _Reading:
     position_writes: int
 
 
+def _placeholders_blanked(node: ast.AST, clones: set[str]) -> bool:
+    """``ids[mask] = 0`` on a copy of ``input_ids`` (Kimi-K2.5 embeds its placeholders as token 0; the scatter
+    replaces those rows, and their embedding gets no gradient either way)."""
+    return (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript)
+            and _name(node.targets[0].value) in clones and isinstance(node.value, ast.Constant))
+
+
 def _read(fn: ast.FunctionDef) -> _Reading:
     walked = _walk(fn)
     nodes = [n for n, _ in walked]
     calls = [(_name(n.func), n) for n, d in walked if isinstance(n, ast.Call) and not d]
     default_calls = [_name(n.func) for n, d in walked if isinstance(n, ast.Call) and d]
+    clones = {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+              and _name(n.value.func) == "input_ids.clone" for t in n.targets if isinstance(t, ast.Name)}
     in_place = [_name(t.value) for n in nodes if isinstance(n, (ast.Assign, ast.AugAssign))
+                and not _placeholders_blanked(n, clones)
                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
                 if isinstance(t, ast.Subscript) and _name(t.value) not in _OUTPUT_DICTS]
     writes = sum(1 for n, d in walked if isinstance(n, ast.Assign) and not d
@@ -158,7 +173,7 @@ def _token_refs(module: nn.Module, helpers: list[str], forward: ast.FunctionDef)
     for name in helpers:
         fn = _source_tree(getattr(type(module), name, None))
         refs += [_name(n.comparators[0]) for n in ast.walk(fn) if fn is not None and isinstance(n, ast.Compare)
-                 and _name(n.left) == "input_ids" and len(n.comparators) == 1]
+                 and _name(n.left) == "input_ids" and len(n.comparators) == 1 and isinstance(n.ops[0], ast.Eq)]
     helper_calls = {f"self.{h}" for h in helpers}
     refs += [_name(a) for n in ast.walk(forward) if isinstance(n, ast.Call) and _name(n.func) in helper_calls
              for a in n.args if _name(a).startswith("self.config.")]
@@ -230,7 +245,8 @@ def _head_step(v: ast.AST) -> bool:
     (``logits * ...logit_scale``, ``logits / ...logits_scaling``, soft-capping by ``final_logit_softcapping``)."""
     if isinstance(v, ast.Call):
         return _name(v.func) == "self.lm_head" or (_name(v.func) == "torch.tanh" and _name(v.args[0]) == "logits")
-    if isinstance(v, ast.BinOp) and isinstance(v.op, (ast.Mult, ast.Div)) and _name(v.left) == "logits":
+    if isinstance(v, ast.BinOp) and isinstance(v.op, (ast.Mult, ast.Div)) and (
+            _name(v.left) == "logits" or (isinstance(v.left, ast.Call) and _name(v.left.func) == "self.lm_head")):
         return _name(v.right).rsplit(".", 1)[-1] in _HEAD_SCALES
     return _name(v) in ("outputs[]", "outputs.logits")
 
@@ -249,7 +265,7 @@ def _check_head(model: nn.Module, merger: nn.Module, text: nn.Module) -> str | N
     """Why the loss module's logits (the decoder's hidden states through ``get_output_embeddings``) would differ
     from the model's; None when they agree."""
     try:
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        decoder, head = backbone(model), model.get_output_embeddings()
     except (AttributeError, NotImplementedError, ValueError):
         return "its decoder or LM head cannot be found"
     if decoder is not text and decoder is not getattr(text, "model", None):
@@ -299,7 +315,12 @@ def placeholder_form(model: nn.Module) -> PlaceholderForm | str:
     why = _check_head(model, merger, getattr(merger, text[0]))
     if why is not None:
         return why
-    ids = _token_ids(merger, _token_refs(merger, helpers, fn))
+    refs = _token_refs(merger, helpers, fn)
+    other = sorted({r.rsplit(".", 1)[-1] for r in refs} - _PLACEHOLDER_IDS - {"token_id"})
+    if other:
+        return (f"it tells its placeholders apart by more than their ids (it compares the tokens with "
+                f"{', '.join(other)})")
+    ids = _token_ids(merger, refs)
     missing = [k for k in methods if k not in ids]
     if missing:
         return f"its {' and '.join(missing)} placeholder token ids are not read from its config"

@@ -134,7 +134,8 @@ class PlaceholderVisionLanguage:
         """(this rank's feature rows of ``kind``, whether the group split the units): its run of units, or all
         of them when the batch does not split (one unit, no probed unit, one rank)."""
         pixel = self._params(kind)[0]
-        u = units(args, pixel) if p > 1 and (self._units or {}).get(kind) is not None else None
+        probed = (self._units or {}).get(kind)
+        u = units(args, pixel) if p > 1 and probed is not None and probed.independent else None
         if u is None or u.count < 2:
             return self._run(kind, args, emb), False
         start, end = contiguous_split(u.work, p)[me]

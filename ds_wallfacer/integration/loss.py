@@ -20,6 +20,7 @@ from torch import nn
 
 from ..comm import CommLayer
 from ..data.media import MEDIA_KEYS, VisionAdapter
+from ..hf_config import backbone
 from ..adapters.mixer_shards import MixerInputs
 from ..adapters.moe import RouterAuxLoss
 from ..adapters.positional import POSITIONS_KWARG
@@ -102,8 +103,8 @@ def local_loss_for(mini_sequence: MiniSequenceConfig | None, *, given: LocalLoss
 
 
 def _decoder_hidden(lm: nn.Module, position_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> torch.Tensor:
-    """The backbone's last hidden states [B, S_l, H] (``lm.get_decoder()``)."""
-    out = lm.get_decoder()(position_ids=position_ids, use_cache=False, **model_kwargs)
+    """The backbone's last hidden states [B, S_l, H] (``hf_config.backbone``)."""
+    out = backbone(lm)(position_ids=position_ids, use_cache=False, **model_kwargs)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 

@@ -213,6 +213,8 @@ def chunked_linear_cross_entropy(
 _KNOWN_SCALES = {
     "granite": ("logits_scaling", "divisor"),  # granite, granitemoe*, granite_swa: logits / logits_scaling
     "cohere": ("logit_scale", "scale"),  # cohere, cohere2, cohere2_moe: logits * logit_scale
+    "hyperclovax": ("logits_scaling", "scale"),  # hyperclovax (and its vision model): logits * logits_scaling
+    "muse_": ("output_multiplier", "scale"),  # muse_glimmer, muse_spark: logits * output_multiplier, then soft-capped
 }
 _SCALE_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 

@@ -1,10 +1,11 @@
-"""Vision-language models with images under sequence parallelism: tiny Qwen2.5-VL and Qwen3-VL (deepstack) through the
-real integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one process, each
-conversation run alone with its images and video (the model's own M-RoPE positions and vision tower): the loss at every step
-and every parameter, the vision tower's included, after the SGD steps (fp32, clipping off). Rows of two
-conversations right-padded, or packed into one row of documents; images cut across shard boundaries.
-Data-parallel replicas with and without images in the same step. Gemma 3 with images is refused (its image tokens
-attend bidirectionally)."""
+"""Vision-language models with images under sequence parallelism: tiny Qwen2.5-VL and Qwen3-VL (deepstack), and the
+placeholder pattern's LLaVA-OneVision (images and a video), InternVL, Idefics3 and Mistral 3, through the real
+integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one process, each
+conversation run alone with its images and video (the model's own positions and vision tower): the loss at every
+step and every parameter, the vision tower's included, after the SGD steps (fp32, clipping off). Rows of two
+conversations right-padded, or packed into one row of documents; images cut across shard boundaries; a step without
+images (the tower touched times 0). Modes and ZeRO stages spread over the families. Data-parallel replicas with and
+without images in the same step. Gemma 3 with images is refused (its image tokens attend bidirectionally)."""
 from __future__ import annotations
 
 import pytest
@@ -135,8 +136,88 @@ def _gemma_refusal() -> str | None:
         engine.destroy()
 
 
+# (model type, class, wallfacer section, ZeRO stage, packed): the placeholder pattern (adapters/placeholder_vision.py)
+PLACEHOLDER_CASES = [
+    ("llava_onevision", "LlavaOnevisionForConditionalGeneration", {"mode": "wallfacer", "ring_count": 2}, 2, False),
+    ("internvl", "InternVLForConditionalGeneration", {"mode": "hybrid", "ulysses_degree": 2}, 3, True),
+    ("idefics3", "Idefics3ForConditionalGeneration", {"mode": "ulysses"}, 1, False),
+    ("mistral3", "Mistral3ForConditionalGeneration",
+     {"mode": "wallfacer", "ring_count": 1, "mini_sequence": {"lm_head_chunk_tokens": 8}}, 2, True),
+]
+
+
+def _placeholder_row(model, *, text: int, images: int, videos: int, seed: int) -> dict:
+    """One conversation: ``text`` random tokens with ``images`` images and ``videos`` videos spread among them, each
+    a unit of the layout the model's tower took at the probe (fresh random pixels)."""
+    from ds_wallfacer.adapters.vision import vision_language
+
+    adapter = vision_language(model)
+    found = adapter.probed()
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(8, 100, (text,), generator=g)
+    items = ["image"] * images + ["video"] * videos
+    pieces, media, at = [], {}, 0
+    for i, kind in enumerate(items):
+        cut = round(text * (i + 1) / (len(items) + 1))
+        unit = found[kind]
+        pieces += [words[at:cut], torch.full((unit.rows,), adapter.kinds[kind].token_id)]
+        for key, value in unit.args.items():
+            media.setdefault(key, []).append(torch.randn(value.shape, generator=g) if value.is_floating_point()
+                                             else value)
+        at = cut
+    return {"input_ids": torch.cat(pieces + [words[at:]]), **{k: torch.cat(v) for k, v in media.items()}}
+
+
+def _placeholder_rows(model, step: int) -> list[dict]:
+    """Two conversations (one image; two images and, where the model takes videos, a video); none at step 1 for
+    the packed runs (a batch without images: every rank touches the tower)."""
+    videos = 1 if "video" in type(model).__name__.lower() or "Onevision" in type(model).__name__ else 0
+    images = (0, 0) if step == 1 and model.config.model_type in ("internvl",) else (1, 2)
+    return [_placeholder_row(model, text=21 + 4 * step, images=images[0], videos=0, seed=10 * step),
+            _placeholder_row(model, text=15, images=images[1], videos=videos if images[1] else 0, seed=10 * step + 1)]
+
+
+def _placeholder_loss(ref, rows: list[dict]) -> torch.Tensor:
+    """The token mean over the conversations, each run alone through the model's own forward."""
+    total, count = 0.0, 0
+    for r in rows:
+        ids = r["input_ids"][None]
+        logits = ref(input_ids=ids, use_cache=False, **{k: v for k, v in r.items() if k != "input_ids"}).logits
+        total = total + F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+        count += ids.shape[1] - 1
+    return total / count
+
+
+def _train_placeholder(model_type: str, cls: str, wallfacer: dict, stage: int, packed: bool) -> list[str]:
+    from ds_wallfacer.examples.vlm import conversation_batch
+    from ds_wallfacer.integration import initialize
+    from tests.sweep.tiny_multimodal import build_tiny_vlm
+
+    ours, ref = build_tiny_vlm(model_type, cls), build_tiny_vlm(model_type, cls)
+    config = {"train_micro_batch_size_per_gpu": 1 if packed else 2, "gradient_clipping": 0,
+              "zero_optimization": zero_section(stage), "zero_allow_untested_optimizer": True, "wallfacer": wallfacer}
+    engine, sp = initialize(model=ours, config=config, optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    failures = []
+    for step in range(STEPS):
+        rows = _placeholder_rows(ref, step)
+        want = _placeholder_loss(ref, rows)
+        loss = engine(**sp.shard(conversation_batch(rows, packed=packed, token_ids=None)))
+        if abs(loss.item() - want.item()) > 1e-5 * max(1.0, abs(want.item())):
+            failures.append(f"step {step} loss {loss.item():.7f} != reference {want.item():.7f}")
+        engine.backward(loss)
+        engine.step()
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+    failures += param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)
+    engine.destroy()
+    return [f"{cls} {wallfacer} zero {stage} packed={packed}: {f}" for f in failures]
+
+
 def _body(rank: int, world: int) -> dict:
     failures = [f for case in CASES for f in _train(*case)] + _train_mixed(rank)
+    failures += [f for case in PLACEHOLDER_CASES for f in _train_placeholder(*case)]
     return {"failures": failures, "gemma": _gemma_refusal()}
 
 

@@ -1,13 +1,16 @@
 """The sweep's multimodal half: every image-text-to-text class of transformers (and every multimodal class of the
 causal-LM mapping) given a batch with images, under sequence parallelism. Verdicts, as in ``run.py``:
 
-- ``exact``: a class ds_wallfacer adapts (``adapters.vision.ADAPTED``), built tiny (``examples.vlm.tiny_vlm``: the
-  placeholder ids must fit the vocabulary), trained ``STEPS`` SGD steps on one row of text with two images cut across
-  shard boundaries on 4 CPU ranks (Ulysses 2 x ring 2, ZeRO-1) against the same model on one process: loss within
-  1e-5 and every update within 1e-3;
-- ``refused``: the class built tiny (``tiny.build_tiny``) and a batch with ``pixel_values`` handed to the loader
-  (``prepare_batch`` with the adapter the integration would pass) is refused with a message naming the class;
-- ``not buildable``: the class cannot be built tiny.
+- ``exact``: a class whose images train on shards (``adapters.vision.runs_images``: the Qwen-VL classes of
+  ``ADAPTED``, built by ``examples.vlm.tiny_vlm``; every class with the placeholder pattern, built by
+  ``tiny_multimodal.build_tiny_vlm`` with a row from its adapter's probed units), trained ``STEPS`` SGD steps on one
+  row of text with two images (two units of each kind it takes) cut across shard boundaries on 4 CPU ranks (Ulysses
+  2 x ring 2, ZeRO-1) against the same model on one process: loss within 1e-5 and every update within 1e-3;
+- ``refused``: a batch with ``pixel_values`` handed to the loader (``prepare_batch`` with the adapter the
+  integration would pass) is refused with a message naming the class and what its forward does, or ``initialize``
+  refuses the class (its text path, or the start-up self-check with images);
+- ``not buildable``: the class cannot be built tiny, or no batch with images can be built for it (its tower takes
+  none of the probed layouts).
 
     python -m tests.sweep.multimodal [--only qwen2_5_vl,gemma3]
 """
@@ -183,11 +186,18 @@ def table_lines(rows: list[Row]) -> list[str]:
         "## With images",
         "",
         "Every image-text-to-text class (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, and the multimodal classes of the",
-        "causal-LM mapping) given a batch with images. **exact**: built tiny, trained 2 SGD steps on one row of text",
-        "with two images cut across shard boundaries on 4 CPU ranks (Ulysses 2 x ring 2, ZeRO-1) against the same",
-        "model on one process, loss within 1e-5 and every update (the vision tower's included) within 1e-3;",
-        "**refused**: a batch with `pixel_values` is refused by the loader, with the reason; such a class still trains",
-        "on text as the table above says. " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",
+        "causal-LM mapping) given a batch with images. **exact**: built tiny (`tests/sweep/tiny_multimodal.py`: small",
+        "images, placeholder ids inside the tiny vocabulary, a few per-class sizes), trained 2 SGD steps on one row of",
+        "text with two images (two of each kind of media the class takes) cut across shard boundaries on 4 CPU ranks",
+        "(Ulysses 2 x ring 2, ZeRO-1) against the same model on one process, loss within 1e-5 and every update (the",
+        "vision tower's included) within 1e-3. The Qwen-VL classes run with their M-RoPE positions; every other exact",
+        "class has the placeholder pattern, recognised from its own code",
+        "(Note [One adapter for the placeholder pattern] in docs/design/documents.md).",
+        "**refused**: a batch with `pixel_values` is refused by the loader with what the class's forward does",
+        "that no adapter reproduces (its own 3-D positions, its own attention masks, audio, ...), or `initialize`",
+        "refuses the class (its language model, or the self-check); such a class still trains on text as the table",
+        "above says. **not buildable**: it cannot be built tiny (the reason shown), or no batch with images can be built",
+        "for it. " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",
         "",
         *table_rows(rows),
     ]

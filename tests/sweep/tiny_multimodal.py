@@ -39,6 +39,8 @@ def _move_ids(d: dict[str, Any], free: list[int], moved: dict[int, int]) -> None
     for key, value in list(d.items()):
         if isinstance(value, dict) and key not in _VISION_KEYS:
             _move_ids(value, free, moved)
+        elif _is_token_key(key) and value is None and key in ("image_token_id", "video_token_id"):
+            d[key] = free.pop()  # placeholders the released checkpoints set (MiniCPM-V: None by default)
         elif _is_token_key(key):
             fix = lambda t: moved.setdefault(t, free.pop()) if isinstance(t, int) and t not in _RESERVED else t  # noqa
             d[key] = [fix(t) for t in value] if isinstance(value, list) else fix(value)
@@ -57,6 +59,17 @@ def _small_images(vc: dict[str, Any]) -> float:
     first = old[0] if isinstance(old, list) else old
     vc["image_size"] = [side, side] if isinstance(old, list) else side
     return side / float(first)
+
+
+def _own_widths(d: dict[str, Any]) -> None:
+    """Widths a tower's config checks against its own (shrunk) width: its adapter's input, its quantiser's codes."""
+    for key, value in d.items():
+        if isinstance(value, dict):
+            _own_widths(value)
+    if isinstance(d.get("hidden_size"), int):
+        for key in ("adapter_in_dim", "adapter_input_size", "codebook_dim"):
+            if isinstance(d.get(key), int):
+                d[key] = d["hidden_size"]
 
 
 def adjust(d: dict[str, Any], cls: str = "") -> dict[str, Any]:
@@ -78,6 +91,9 @@ def adjust(d: dict[str, Any], cls: str = "") -> dict[str, Any]:
     for width in _TEXT_WIDTHS:
         if isinstance(d.get(width), int):
             d[width] = HIDDEN
+    if isinstance(d.get("audio_config"), dict):  # an audio tower's output feeds the text model too
+        d["audio_config"] = {**d["audio_config"], **{w: HIDDEN for w in _TEXT_WIDTHS if w in d["audio_config"]}}
+    _own_widths(d)
     fix = _PER_CLASS.get(cls)
     return fix(d) if fix is not None else d
 
@@ -88,6 +104,37 @@ def _nested(key: str, **values: Any) -> Callable[[dict[str, Any]], dict[str, Any
 
 _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # the pixel-shuffle MLP takes the shuffled width (4 x hidden) and its output is the projector's input
+    # five feature layers (-11 among them) of a 24-layer tower; the tiny tower has 2
+    "VipLlavaForConditionalGeneration": lambda d: {**d, "vision_feature_layers": [-2, -1]},
+    # its sliding layers need a window (None by default: the released checkpoints set it)
+    "Step3p7ForConditionalGeneration": _nested("text_config", sliding_window=16),
+    # the projector normalises the tower's width, 1152 in the full model
+    "Kimi_K25ForConditionalGeneration": lambda d: {**d, "projection_hidden_size": HIDDEN},
+    # the projector takes the tower's 2 x 2 merged patches: 4 x its width
+    "MuseGlimmerForConditionalGeneration": lambda d: {**d, "out_hidden_size": 4 * HIDDEN},
+    # M-RoPE sections split the rotary half of MLA's rope dims (8): 4, not the 8 of a plain head
+    "HYV4VLForConditionalGeneration": lambda d: {**d, "text_config": {**d["text_config"], "rope_parameters": {
+        **d["text_config"]["rope_parameters"], "mrope_section": [2, 1, 1]}}},
+    # image and audio codes are token ranges of the vocabulary: 16 codes each inside the tiny one
+    "Apertus1p5ForConditionalGeneration": lambda d: {
+        **d, "image_token_offset": 64, "audio_token_offset": 80, "vision_config": {**d["vision_config"], "codebook_size": 16},
+        "audio_config": {**d["audio_config"], "codebook_size": 16}},
+    # per-layer MLP kinds, None by default (the released checkpoints list them): one dense, one sparse layer
+    "DeepseekOcr2ForConditionalGeneration": _nested("text_config", mlp_layer_types=["dense", "sparse"]),
+    # the experts' width, None by default
+    "DiffusionGemmaForBlockDiffusion": _nested("text_config", moe_intermediate_size=32),
+    # the indexer's sizes, None by default (as for the text model, tiny._DEFAULT_PATCHES)
+    "Qwen4ExpForConditionalGeneration": _nested("text_config", indexer_n_heads=4, indexer_kv_heads=1,
+                                                indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4),
+    # RoPE per layer type, as for the text model (tiny._DEFAULT_PATCHES)
+    "CohereCompassForConditionalGeneration": _nested("text_config", rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5e4},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5e4}}),
+    # its sparse-attention layers take no rotary dims
+    "Glm5NextForConditionalGeneration": _nested("text_config", qk_rope_head_dim=0),
+    # the adapter reads two of the tower's layers (24 and 18 of the full tower)
+    "Molmo2ForConditionalGeneration": lambda d: {**d, "adapter_config": {**d["adapter_config"],
+                                                                         "vision_feature_layer": [-1, -2]}},
     # the aligner's width is the text width (2048 in the full model)
     "JanusForConditionalGeneration": _nested("vision_config", projection_dim=HIDDEN),
     # the resampler's 64 latents are 64 placeholders per image: 4 keep the row short
@@ -113,7 +160,7 @@ def vlm_batch(model: torch.nn.Module, *, seed: int = 7, text: int = 40) -> dict[
     adapter = vision_language(model)
     units = adapter.probed()
     if not any(units.values()):
-        raise NotBuildable("the tower took none of the probed image layouts")
+        raise NotBuildable("no batch with images: its tower takes none of the probed layouts (media_units.probe_unit)")
     rows = sum(2 * (u.rows + 1) for u in units.values() if u is not None)
     n = -(-(text + rows) // 8) * 8
     low = min([k.token_id for k in adapter.kinds.values()] + [VOCAB - 16])
