@@ -19,6 +19,7 @@ Design: Note [One adapter for the placeholder pattern] in docs/design/documents.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
@@ -47,9 +48,19 @@ class Unit:
 
     args: dict[str, torch.Tensor]
     rows: int
+    pixel: str
+    """The pixel argument."""
+    packed: bool
+    """Whether units join along the pixel tensor's last dimension (MiniCPM-V packs every image's patches in one row)
+    rather than its first."""
     independent: bool
     """Whether two units (this one and its negated pixels) together give the rows each gives alone: the tower treats
     every unit on its own, so the group may split them."""
+
+    def join(self, many: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The arguments of several units of this layout (each like ``args``) as one call's."""
+        return {k: torch.cat([a[k] for a in many], dim=-1 if self.packed and k == self.pixel else 0)
+                for k in many[0]}
 
 
 def _grid_key(args: Mapping[str, Any]) -> str | None:
@@ -196,6 +207,10 @@ def _candidates(method: Callable, config: Any, kind: str, g: torch.Generator) ->
         out.append({pixel: rand(1, n * n, ch * patch * patch), "spatial_shapes": torch.tensor([[n, n]]),
                     "pixel_attention_mask": torch.ones(1, n * n, dtype=torch.bool)})
     out.append({pixel: rand(1, cells, ch * patch * patch)})  # patch rows (Fuyu)
+    sizes_key = next((p for p in params[1:] if p.startswith("target_sizes")), None)
+    if sizes_key is not None:  # patches packed along one row, each image's [h, w] in patches (MiniCPM-V)
+        n = side // patch
+        out.append({pixel: rand(1, ch, patch, n * n * patch), sizes_key: torch.tensor([[n, n]])})
     if sizes:
         out.append({pixel: rand(1, *image), **sizes})
     tiles = _tiles(method, config, side)
@@ -250,24 +265,26 @@ def probe_unit(merger: nn.Module, kind: str, method: str, *, hidden: int, field:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             return feature_rows(fn(**moved, **(extra or {}), return_dict=True), hidden, field).float()
 
+    pixel = next(iter(inspect.signature(fn).parameters))
     for args in _candidates(fn, merger.config, kind, g):
         try:
             rows = run(args)
         except Exception:  # noqa: BLE001 - the tower rejects this layout: try the next
             continue
         if rows.shape[0] > 0 and bool(torch.isfinite(rows).all()):
-            return Unit(args={k: v.cpu() for k, v in args.items()}, rows=int(rows.shape[0]),
-                        independent=_independent(run, args, rows, dtype))
+            packed = args[pixel].shape[0] == 1 and any(k.startswith("target_sizes") for k in args)
+            unit = Unit(args={k: v.cpu() for k, v in args.items()}, rows=int(rows.shape[0]), pixel=pixel,
+                        packed=packed, independent=False)
+            return dataclasses.replace(unit, independent=_independent(run, unit, rows, dtype))
     return None
 
 
-def _independent(run: Callable, args: Mapping[str, torch.Tensor], rows: torch.Tensor,
-                 dtype: torch.dtype | None) -> bool:
+def _independent(run: Callable, unit: Unit, rows: torch.Tensor, dtype: torch.dtype | None) -> bool:
     """Whether the tower gives two units together the rows it gives each alone (relative 1e-4 in fp32, 1e-2 in
     half precision, of the largest value)."""
-    other = {k: -v if v.is_floating_point() else v for k, v in args.items()}
+    other = {k: -v if v.is_floating_point() else v for k, v in unit.args.items()}
     try:
-        pair = run({k: torch.cat([args[k], other[k]]) for k in args})
+        pair = run(unit.join([unit.args, other]))
         alone = torch.cat([rows, run(other)])
     except Exception:  # noqa: BLE001 - two units at once are not accepted: the batch runs whole
         return False

@@ -217,12 +217,13 @@ class PlaceholderVisionLanguage:
         if not pieces:
             return {"input_ids": ids}
         gap, at = (n - sum(u.rows for _, u, _ in pieces)) // (len(pieces) + 1), 0
-        media: dict[str, list[torch.Tensor]] = {}
+        media: dict[str, list[dict[str, torch.Tensor]]] = {}
         for kind, unit, sign in pieces:
             at += gap
             ids[0, at:at + unit.rows] = self.kinds[kind].token_id
             at += unit.rows
-            pixel = self._params(kind)[0]
-            for key, value in unit.args.items():
-                media.setdefault(key, []).append(value * sign if key == pixel else value)
-        return {"input_ids": ids, **{k: torch.cat(v) for k, v in media.items()}}
+            media.setdefault(kind, []).append({k: v * sign if k == unit.pixel else v for k, v in unit.args.items()})
+        out = {"input_ids": ids}
+        for kind, many in media.items():
+            out.update(found[kind].join(many))
+        return out

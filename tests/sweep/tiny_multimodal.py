@@ -102,6 +102,15 @@ def _nested(key: str, **values: Any) -> Callable[[dict[str, Any]], dict[str, Any
     return lambda d: {**d, key: {**d[key], **values}}
 
 
+def _sam(d: dict[str, Any], patches: int) -> dict[str, Any]:
+    vc = dict(d["vision_config"])
+    sam = vc["sam_config"] = dict(vc["sam_config"])
+    sam["image_size"] = sam["patch_size"] * patches
+    width = vc["encoder_config"]["hidden_size"]
+    sam["downsample_channels"] = [width, width]
+    return {**d, "vision_config": vc}
+
+
 _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # the pixel-shuffle MLP takes the shuffled width (4 x hidden) and its output is the projector's input
     # five feature layers (-11 among them) of a 24-layer tower; the tiny tower has 2
@@ -119,8 +128,6 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Apertus1p5ForConditionalGeneration": lambda d: {
         **d, "image_token_offset": 64, "audio_token_offset": 80, "vision_config": {**d["vision_config"], "codebook_size": 16},
         "audio_config": {**d["audio_config"], "codebook_size": 16}},
-    # per-layer MLP kinds, None by default (the released checkpoints list them): one dense, one sparse layer
-    "DeepseekOcr2ForConditionalGeneration": _nested("text_config", mlp_layer_types=["dense", "sparse"]),
     # the experts' width, None by default
     "DiffusionGemmaForBlockDiffusion": _nested("text_config", moe_intermediate_size=32),
     # the indexer's sizes, None by default (as for the text model, tiny._DEFAULT_PATCHES)
@@ -135,6 +142,22 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # the adapter reads two of the tower's layers (24 and 18 of the full tower)
     "Molmo2ForConditionalGeneration": lambda d: {**d, "adapter_config": {**d["adapter_config"],
                                                                          "vision_feature_layer": [-1, -2]}},
+    # its 3-D rotary sections default to [22, 22, 20] of a 128-wide head; the tiny head has 8 frequencies
+    "Ernie4_5_VLMoeForConditionalGeneration": lambda d: {**d, "text_config": {**d["text_config"], "rope_parameters": {
+        **d["text_config"]["rope_parameters"], "mrope_section": [3, 3, 2]}}},
+    # which tower layer feeds which text layer, None by default: the tiny stacks' layers
+    "Granite4VisionForConditionalGeneration": lambda d: {**d, "deepstack_layer_map": [[-1, 0], [-2, 1]],
+                                                         "downsample_rate": "1/2", "spatial_target_layers": [0, 1, 0, 1]},
+    # the image tokens' names in the vocabulary, None by default (every checkpoint's tokenizer gives them)
+    "ChameleonForConditionalGeneration": lambda d: {**d, "vocabulary_map": {"<image>": 120, "IMGIMGAZ": 121,
+                                                                            "IMGIMGBZ": 122}},
+    "Emu3ForConditionalGeneration": lambda d: {**d, "vocabulary_map": {"<image>": 120, "IMGIMGAZ": 121,
+                                                                       "IMGIMGBZ": 122}},
+    # SAM's 1024-pixel images and its neck's 512 / 896 channels into the encoder: 8 x 8 patches, the encoder's width
+    # (and its per-layer MLP kinds, None by default: one dense, one sparse layer)
+    "DeepseekOcr2ForConditionalGeneration": lambda d: _nested("text_config", mlp_layer_types=["dense", "sparse"])(
+        _sam(d, 8)),
+    "UnlimitedOcrForConditionalGeneration": lambda d: _sam(d, 8),
     # the aligner's width is the text width (2048 in the full model)
     "JanusForConditionalGeneration": _nested("vision_config", projection_dim=HIDDEN),
     # the resampler's 64 latents are 64 placeholders per image: 4 keep the row short
