@@ -17,12 +17,18 @@ over all ranks (TRL's ``num_tokens`` / ``train_runtime``: generation, the refere
 included), and the activation bytes of step 3 on rank 0 (what autograd saves for backward in one micro-step,
 ``StepActivationBytes``: the part of memory that grows with the sequence and that sequence parallelism divides).
 
+GRPO runs train a LoRA adapter (rank 4) with beta 0.04 (the base model is the reference) and two optimizer passes
+over each generation round (``num_iterations`` 2: the old policy is scored), so that a step has every phase, and
+decode greedily: the split rollouts then equal TRL's one process, and ``grpo_max_loss_diff`` /
+``grpo_max_last_reward_diff`` are the largest differences of the final loss and last reward from TRL's run.
 GRPO's rollouts: the WallFacer run generates split over the group (each rank its share of the group's prompts, then
 one gather); one more run, ``--redundant_rollouts`` (the trainer's ``redundant_rollouts``), has every rank generate
 the group's whole batch, as the trainer did before. Per rank of the group: the completion tokens it generated and the
 seconds it spent in rollouts (generation and the gather); ``generated_token_share_per_rank`` is the largest rank's
 tokens over the group's batch (1 when redundant; at best 1/P plus a completion's share when split) and
-``generation_split_over_redundant`` the slowest rank's rollout seconds, split over redundant.
+``generation_split_over_redundant`` the slowest rank's rollout seconds, split over redundant. A second table gives
+per rank the seconds of each phase of the run (``hf_trainer/phases.py``): generation, scoring the old policy and the
+reference, the rest of the rollouts (rewards, advantages), training (forward and backward of the loss).
 
 TRL + ALST: TRL's DPO and GRPO trainers have no DeepSpeed-Ulysses path (accelerate's ``ParallelismConfig`` sequence
 parallelism is wired into its SFT trainer only; their losses sum over whole sequences, which a sharded batch would
@@ -46,6 +52,11 @@ from benchmarks.harness import (add_job_options, add_out_option, emit, job_row, 
 
 SCRIPTS = {"dpo": ROOT / "launch" / "train_dpo.py", "grpo": ROOT / "launch" / "train_grpo.py"}
 MEASURED_STEP = 3
+GRPO_OPTIONS = ["--lora_r", 4, "--lora_away_from_base", "--beta", 0.04, "--num_iterations", 2, "--greedy"]
+"""Every GRPO run (TRL's too) scores both: the reference (beta > 0, the base model under the LoRA adapter) and the old
+policy (two optimizer passes over each round: importance sampling); greedy decoding, so that the split rollouts equal
+TRL's one process and the losses and rewards are compared (greedy completions of a prompt are alike and their
+advantages zero: the adapter starts away from the base model, so the KL term trains it)."""
 
 
 def configurations(args: argparse.Namespace) -> list[dict]:
@@ -82,7 +93,8 @@ def _run(cfg: dict, args: argparse.Namespace) -> dict:
     def options(out: str) -> list:
         return ["--deepspeed_config", _config(cfg["config"], out), "--trainer", cfg["impl"], "--filler", args.filler,
                 "--steps", args.steps, "--measure_step", MEASURED_STEP, "--eval_steps", 10 * args.steps,
-                "--output_dir", out] + (["--redundant_rollouts"] if cfg.get("generation") == "redundant" else [])
+                "--output_dir", out] + (GRPO_OPTIONS if cfg["trainer"] == "grpo" else []) \
+            + (["--redundant_rollouts"] if cfg.get("generation") == "redundant" else [])
 
     row = job_row(cfg, SCRIPTS[cfg["trainer"]], options, args, label=_name(cfg))
     if "error" not in row:
@@ -108,6 +120,14 @@ def _rollouts(ok: list[dict]) -> dict[str, Any]:
                  for name, r in runs.items() for i, s in enumerate(r["rollouts"])],
                 title=f"\nGRPO rollouts over {len(runs['split']['rollouts'])} ranks (one group, config wallfacer)")
 
+    phases = {name: r["phases"] for name, r in runs.items() if r.get("phases")}
+    if phases:
+        print_table([("phases", "<"), ("rank", "d"), ("generation s", ".2f"), ("score policy s", ".2f"),
+                     ("score ref s", ".2f"), ("rest of rollout s", ".2f"), ("training s", ".2f")],
+                    [[name, i, p["generation"], p["scoring_policy"], p["scoring_reference"], p["rollout_other"],
+                      p["training"]] for name, every in phases.items() for i, p in enumerate(every)],
+                    title="\nGRPO step phases per rank, seconds over the run (hf_trainer/phases.py)")
+
     def share(r: dict) -> float:
         return max(s["tokens"] / max(s["batch_tokens"], 1) for s in r["rollouts"])
 
@@ -117,7 +137,9 @@ def _rollouts(ok: list[dict]) -> dict[str, Any]:
     return {"generated_token_share_per_rank": round(share(runs["split"]), 4),
             "generated_token_share_per_rank_redundant": round(share(runs["redundant"]), 4),
             "generation_seconds": {k: round(seconds(r), 3) for k, r in runs.items()},
-            "generation_split_over_redundant": round(seconds(runs["split"]) / seconds(runs["redundant"]), 4)}
+            "generation_split_over_redundant": round(seconds(runs["split"]) / seconds(runs["redundant"]), 4),
+            "phases_seconds_per_rank": {name: [{k: round(v, 3) for k, v in p.items()} for p in every]
+                                        for name, every in phases.items()}}
 
 
 def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
@@ -151,6 +173,10 @@ def _report(args: argparse.Namespace, rows: list[dict], wall_s: float) -> dict:
         if ours:
             summary[f"{trainer}_activation_ratio"] = {r["config"]: round(ratio(r, "activation_bytes"), 3) for r in ours}
             summary[f"{trainer}_tokens_per_s_ratio"] = {r["config"]: round(ratio(r, "tokens_per_s"), 3) for r in ours}
+    grpo = [r for r in ok if r["trainer"] == "grpo" and r["impl"] == "wallfacer"]
+    if grpo and "grpo" in ref:
+        summary["grpo_max_loss_diff"] = max(diff(r) for r in grpo)
+        summary["grpo_max_last_reward_diff"] = max(diff(r, "last_reward") for r in grpo)
     summary.update(_rollouts(ok))
     summary["results"] = rows
     save_plot(plot_path(args), lambda plt: _draw(ok, plt), dpi=110)

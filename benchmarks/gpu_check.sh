@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks of the attention core in one run on a lent H200 (about 5 minutes, under 8 with every cap hit;
-# needs no DeepSpeed and no network):
+# The GPU checks of the attention core and of vLLM generation in one run on a lent H200 (about 5 minutes, under 8 with every cap hit;
+# (a)-(c) need no DeepSpeed and no network):
 #  (a) the CUDA tests: every block-kernel backend this machine runs against the float32 reference, cuDNN masks,
 #      the Triton merge against the PyTorch merge, varlen calls (packed documents) against a call per span;
 #  (b) block kernels' fwd+bwd TFLOP/s at 4K and 16K tokens, causal, bf16, 32/8 heads, d = 128 (target >= 550 at 16K);
-#  (c) WallFacer attention at P = 1 against its bare block kernel at 16K and 128K tokens (target ratio <= 1.03).
+#  (c) WallFacer attention at P = 1 against its bare block kernel at 16K and 128K tokens (target ratio <= 1.03);
+#  (d) vLLM generation (server and colocated) through WallfacerGRPOTrainer against TRL's GRPOTrainer on this one GPU
+#      (benchmarks/vllm_check.py, a few minutes; it also runs alone): needs vllm, trl, deepspeed, peft and datasets,
+#      skipped with a message where vllm is not installed (the lent machines' image has none of them).
 # Results: logs and JSON under $OUT (default runs/bench/gpu_check), verdicts last.
 #
 # Optional backends travel as wheels in .whl/ (or $WHEELS): installed with --no-deps into /tmp/site. flash-attn-4
@@ -61,5 +64,8 @@ timeout 150 python3 benchmarks/bench_kernels.py --seq-lens 4096,16384 --heads 32
 # (c) WallFacer at P = 1 against its bare kernel, 16K and 128K
 timeout 150 python3 benchmarks/bench_p1.py --seq-lens 16384,131072 --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 \
   --iters 3 --json "$OUT/bench_p1.json" 2>&1 | tee "$OUT/bench_p1.log" | tail -6
+
+# (d) vLLM, server and colocated, one GPU (skips itself without vllm)
+timeout 480 python3 benchmarks/vllm_check.py --out "$OUT" 2>&1 | tee "$OUT/vllm_check.log" | tail -4
 
 python3 benchmarks/gpu_check_summary.py "$OUT" 2>&1 | tee "$OUT/summary.log"

@@ -1,10 +1,11 @@
 """The verdict lines of ``benchmarks/gpu_check.sh``: block-kernel speed and WallFacer's P = 1 overhead against
 targets.
 
-    python benchmarks/gpu_check_summary.py OUT_DIR    # reads bench_kernels.json and bench_p1.json there
+    python benchmarks/gpu_check_summary.py OUT_DIR    # reads bench_kernels.json, bench_p1.json, vllm_check.json
 
 Targets: the fastest block kernel at >= 550 TFLOP/s fwd+bwd at 16K tokens (causal, bf16; PyTorch's cuda_sdpa path
-measured 311 on an H200), and WallFacer at P = 1 within 1.03x of its bare kernel. Prints one line per check and
+measured 311 on an H200), WallFacer at P = 1 within 1.03x of its bare kernel, and (``vllm_check.json``) vLLM's runs
+in both modes finished, with the trained weights in vLLM and TRL's completions. Prints one line per check and
 a last JSON line (also written to OUT_DIR/summary.json); a missing result file is reported, not fatal.
 """
 from __future__ import annotations
@@ -47,8 +48,29 @@ def summarize(out_dir: str | Path) -> dict:
                   f"(target <= {TARGET_RATIO}: {'met' if r['ratio'] <= TARGET_RATIO else 'NOT met'})")
     else:
         print(f"no {p1}")
+    verdict.update(_vllm_verdicts(out / "vllm_check.json"))
     emit(dict(summary="gpu_check", **verdict), out / "summary.json")
     return verdict
+
+
+def _vllm_verdicts(path: Path) -> dict:
+    """``vllm_check.py``'s verdicts per mode (it printed them in full): one line each."""
+    if not path.exists():
+        print(f"no {path}")
+        return {}
+    found = json.loads(path.read_text())
+    if "skipped" in found:
+        print(f"vLLM: skipped ({found['skipped']})")
+        return {"vllm": "skipped"}
+    out = {}
+    for mode in ("server", "colocate"):
+        v = found.get(mode)
+        if v is None:
+            continue
+        ok = bool(v.get("ran")) and bool(v.get("weights_reached_vllm")) and bool(v.get("table_equal"))
+        out[f"vllm_{mode}"] = "met" if ok else "NOT met"
+        print(f"vLLM {mode}: ran, weights reached vLLM and completions equal TRL's: {out[f'vllm_{mode}']}")
+    return out
 
 
 if __name__ == "__main__":

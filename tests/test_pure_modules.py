@@ -29,6 +29,7 @@ PURE = [
     "ds_wallfacer.data.balance",
     "ds_wallfacer.data.steps",
     "ds_wallfacer.attention.blocks",
+    "ds_wallfacer.attention.spans",
     "ds_wallfacer.attention.schedule",
     "ds_wallfacer.attention.fetch",
     "ds_wallfacer.attention.volume",

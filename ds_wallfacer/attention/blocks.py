@@ -3,11 +3,12 @@ against sorted key chunks (``block_calls``: full, causal-diagonal or skipped), a
 (``kernel_calls``): one per block call, or, with packed documents (``documents.BatchDocuments``) or a sliding window,
 the block call split into one segment per document present on both sides (``segments``) and a windowed segment
 into tiles (``window_tiles``), run as one varlen call for a block's diagonal segments and one for its off-diagonal
-ones (``KernelCall.spans``), plus the window tiles. The one place that splits calls by documents and windows: the
-ring schedule (``schedule.py``), the direct fetch (``fetch.py``) and Ulysses' local attention (``local.py``) ask it.
+ones (``KernelCall.spans``), plus the window tiles; bidirectional spans add the pairs above the diagonal that lie in
+one span (``spans.py``). The one place that splits calls by documents, spans and windows: the ring schedule
+(``schedule.py``), the direct fetch (``fetch.py``) and Ulysses' local attention (``local.py``) ask it.
 
 Design: Note [Documents and windows in block calls] and Note [Sliding windows in block calls] in
-docs/design/documents.md.
+docs/design/documents.md; Note [Bidirectional spans] in docs/design/spans.md.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .documents import BatchDocuments
+from .spans import full_layers, span_pieces, upper_runs
 
 __all__ = ["BlockCall", "KernelCall", "Segment", "Tile", "block_calls", "buffer_runs", "call_work", "global_ranges",
            "kernel_calls", "segments", "window_tiles"]
@@ -85,6 +87,10 @@ class KernelCall:
     to its keys [k_lo, k_hi) (relative to ``ks.start``), independently; causal spans (``causal``) are diagonal
     (the same range on both sides). Query ranges are disjoint; rows of ``qs`` in no span get nothing (out 0, lse
     -inf). None: one ordinary call."""
+    reverse: bool = False
+    """A varlen call of causal spans whose queries and keys are both taken in descending order, keys one position
+    after the queries: query i then sees exactly the keys j > i of its span, the strictly upper triangle that a
+    bidirectional span adds on the diagonal (Note [Bidirectional spans])."""
 
 
 @dataclass(frozen=True)
@@ -247,12 +253,13 @@ def window_tiles(
 
 def kernel_calls(
     q_chunks, k_chunks, calls: list[BlockCall], *, chunk_len: int, rows: int, docs: BatchDocuments | None,
-    window: int | None, qm: int = 0, km: int = 0,
+    window: int | None, qm: int = 0, km: int = 0, causal: bool = True,
 ) -> list[KernelCall]:
     """The kernel calls of one ring step: one per block call, or, with packed documents or a sliding window, the
     document segments (``documents.py``) as varlen calls: consecutive causal segments of a row as one, every
-    unmasked off-diagonal segment of a row as one (``_varlen_call``), and each window tile as its own; ``qm`` /
-    ``km``: the members they read (``KernelCall``)."""
+    unmasked off-diagonal segment of a row as one (``_varlen_call``), and each window tile as its own; with
+    bidirectional spans (``causal`` attention only), also the pairs they add above the diagonal (``_span_calls``);
+    ``qm`` / ``km``: the members they read (``KernelCall``)."""
     L, out = chunk_len, []
     if docs is None and window is None:
         for call in calls:
@@ -263,48 +270,93 @@ def kernel_calls(
     docs = docs or BatchDocuments.single(seq_len=10**18, rows=rows)
     full: dict = {}  # per row (None: all): the unmasked full segments of every block call, buffer offsets absolute
     for call in calls:
-        qc, kc = q_chunks[call.q_lo:call.q_hi], k_chunks[call.k_lo:call.k_hi]
-        q_runs, k_runs = buffer_runs(qc, L), buffer_runs(kc, L)
-        q0, k0 = call.q_lo * L, call.k_lo * L  # buffer offsets of the call inside the team / step buffer
-        diagonal: list = []  # consecutive causal segments of one row, end to end: one varlen call
-
-        def flush() -> None:
-            if diagonal:
-                out.append(_varlen_call([(x.q_lo + q0, x.q_hi + q0, x.k_lo + k0, x.k_hi + k0) for x in diagonal],
-                                        diagonal[0].row, rows, True, qm, km))
-                diagonal.clear()
-
-        for seg in segments(qc, kc, chunk_len=L, causal=call.causal, docs=docs, window=window):
-            r = slice(0, rows) if seg.row is None else slice(seg.row, seg.row + 1)
-            n_rows = rows if seg.row is None else 1
-            if seg.causal and not seg.windowed:
-                if diagonal and (diagonal[-1].row != seg.row or diagonal[-1].q_hi != seg.q_lo):
-                    flush()
-                diagonal.append(seg)
-                continue
-            flush()
-            if not seg.windowed:
-                full.setdefault(seg.row, []).append((q0 + seg.q_lo, q0 + seg.q_hi, k0 + seg.k_lo, k0 + seg.k_hi))
-                continue
-            for t in window_tiles(seg, q_runs, k_runs, window=window):
-                gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
-                mask = (tuple(gq), tuple(gk)) if t.masked else None
-                sq, sk = t.q_hi - t.q_lo, t.k_hi - t.k_lo
-                work = n_rows * (_masked_work(gq, gk, window) if t.masked else
-                                 sq * (sq + 1) // 2 if t.causal else sq * sk)
-                out.append(KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
-                                      t.causal, mask, work, qm, km))
-        flush()
+        _segment_calls(q_chunks, k_chunks, call, chunk_len=L, rows=rows, docs=docs, window=window, qm=qm, km=km,
+                       out=out, full=full)
+    if causal and docs.has_spans:
+        _span_calls(q_chunks, k_chunks, calls, chunk_len=L, rows=rows, docs=docs, qm=qm, km=km, out=out, full=full)
     for row, spans in full.items():
-        out.append(_varlen_call(spans, row, rows, False, qm, km))
+        out.extend(_varlen_call(layer, row, rows, False, qm, km) for layer in full_layers(spans))
     return out
 
 
+def _segment_calls(q_chunks, k_chunks, call: BlockCall, *, chunk_len: int, rows: int, docs: BatchDocuments,
+                   window: int | None, qm: int, km: int, out: list, full: dict) -> None:
+    """One block call's document segments: its causal ones as varlen calls (appended to ``out``), its window tiles
+    (likewise), its unmasked full ones into ``full`` (per row, buffer offsets absolute; ``kernel_calls`` runs them)."""
+    L = chunk_len
+    qc, kc = q_chunks[call.q_lo:call.q_hi], k_chunks[call.k_lo:call.k_hi]
+    q_runs, k_runs = buffer_runs(qc, L), buffer_runs(kc, L)
+    q0, k0 = call.q_lo * L, call.k_lo * L  # buffer offsets of the call inside the team / step buffer
+    diagonal: list = []  # consecutive causal segments of one row, end to end: one varlen call
+
+    def flush() -> None:
+        if diagonal:
+            out.append(_varlen_call([(x.q_lo + q0, x.q_hi + q0, x.k_lo + k0, x.k_hi + k0) for x in diagonal],
+                                    diagonal[0].row, rows, True, qm, km))
+            diagonal.clear()
+
+    for seg in segments(qc, kc, chunk_len=L, causal=call.causal, docs=docs, window=window):
+        r = slice(0, rows) if seg.row is None else slice(seg.row, seg.row + 1)
+        n_rows = rows if seg.row is None else 1
+        if seg.causal and not seg.windowed:
+            if diagonal and (diagonal[-1].row != seg.row or diagonal[-1].q_hi != seg.q_lo):
+                flush()
+            diagonal.append(seg)
+            continue
+        flush()
+        if not seg.windowed:
+            full.setdefault(seg.row, []).append((q0 + seg.q_lo, q0 + seg.q_hi, k0 + seg.k_lo, k0 + seg.k_hi))
+            continue
+        for t in window_tiles(seg, q_runs, k_runs, window=window):
+            gq, gk = global_ranges(q_runs, t.q_lo, t.q_hi), global_ranges(k_runs, t.k_lo, t.k_hi)
+            mask = (tuple(gq), tuple(gk)) if t.masked else None
+            sq, sk = t.q_hi - t.q_lo, t.k_hi - t.k_lo
+            work = n_rows * (_masked_work(gq, gk, window) if t.masked else
+                             sq * (sq + 1) // 2 if t.causal else sq * sk)
+            out.append(KernelCall(r, slice(q0 + t.q_lo, q0 + t.q_hi), slice(k0 + t.k_lo, k0 + t.k_hi),
+                                  t.causal, mask, work, qm, km))
+    flush()
+
+
+def _span_calls(q_chunks, k_chunks, calls: list[BlockCall], *, chunk_len: int, rows: int, docs: BatchDocuments,
+                qm: int, km: int, out: list, full: dict) -> None:
+    """What bidirectional spans add to causal attention: the pairs of one span with the key after the query
+    (Note [Bidirectional spans]). On a causal-diagonal block call, each span's piece [a, b) of the buffer adds its
+    strictly upper triangle: queries [a, b - 1) against keys [a + 1, b), taken in descending order so that the
+    causal kernel keeps exactly j > i (one ``reverse`` varlen call per row for all pieces). Between disjoint chunk
+    lists, every key chunk after a run of query chunks (``upper_runs``) adds the span's keys there to the span's
+    queries, unmasked: full spans into ``full``, where they join the row's others (``full_layers``). Nothing is
+    windowed: a window limits only the keys before a query (docs/design/spans.md)."""
+    L = chunk_len
+    per_row = not (docs.uniform and docs.uniform_spans)
+    uppers = [] if list(q_chunks) == list(k_chunks) else upper_runs(q_chunks, k_chunks)
+    for row in range(len(docs.spans)) if per_row else [None]:
+        spans = docs.row_spans(row)
+        if not spans:
+            continue
+        triangles = []
+        for call in calls:
+            if call.causal:
+                q0, k0 = call.q_lo * L, call.k_lo * L
+                for _, a, b in span_pieces(buffer_runs(q_chunks[call.q_lo:call.q_hi], L), spans):
+                    if b - a > 1:
+                        triangles.append((q0 + a, q0 + b - 1, k0 + a + 1, k0 + b))
+        if triangles:
+            out.append(_varlen_call(triangles, row, rows, True, qm, km, reverse=True))
+        for q_lo, q_hi, k_lo, k_hi in uppers:
+            keys = {s: (a, b) for s, a, b in span_pieces(buffer_runs(k_chunks[k_lo:k_hi], L), spans)}
+            for s, a, b in span_pieces(buffer_runs(q_chunks[q_lo:q_hi], L), spans):
+                if s in keys:
+                    full.setdefault(row, []).append((q_lo * L + a, q_lo * L + b, k_lo * L + keys[s][0],
+                                                     k_lo * L + keys[s][1]))
+
+
 def _varlen_call(spans: list[tuple[int, int, int, int]], row: int | None, rows: int, causal: bool, qm: int,
-                 km: int) -> KernelCall:
+                 km: int, *, reverse: bool = False) -> KernelCall:
     """Segments of one row (None: all rows), as buffer ranges (q_lo, q_hi, k_lo, k_hi): one ordinary call when there
     is one, else one varlen call over them all (``KernelCall.spans``; Note [Varlen calls on any kernel] in
-    ``kernels/varlen.py``). Causal segments are diagonal ones."""
+    ``kernels/varlen.py``). Causal segments are diagonal ones, or with ``reverse`` strictly upper triangles
+    (``KernelCall.reverse``: always a varlen call, which takes them in descending order)."""
     r = slice(0, rows) if row is None else slice(row, row + 1)
     n_rows = rows if row is None else 1
     work = n_rows * sum((b - a) * (b - a + 1) // 2 if causal else (b - a) * (d - c) for a, b, c, d in spans)
@@ -312,7 +364,7 @@ def _varlen_call(spans: list[tuple[int, int, int, int]], row: int | None, rows: 
     k_lo, k_hi = min(x[2] for x in spans), max(x[3] for x in spans)
     rel = tuple((a - q_lo, b - q_lo, c - k_lo, d - k_lo) for a, b, c, d in spans)
     return KernelCall(r, slice(q_lo, q_hi), slice(k_lo, k_hi), causal, None, work, qm, km,
-                      spans=rel if len(spans) > 1 else None)
+                      spans=rel if len(spans) > 1 or reverse else None, reverse=reverse)
 
 
 def _masked_work(gq, gk, window: int) -> int:

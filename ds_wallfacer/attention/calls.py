@@ -23,7 +23,7 @@ def call_forward(kernel: BlockKernel, call: KernelCall, q, k, v, *, scale: float
                                q, k, v, call.spans)
         return varlen_forward(lambda a, b, c, m: kernel.forward(a, b, c, causal=call.causal, scale=scale, mask=m,
                                                                 softcap=softcap),
-                              q, k, v, call.spans, causal=call.causal)
+                              q, k, v, call.spans, causal=call.causal, reverse=call.reverse)
     mask = None if call.mask is None else window_mask(call.mask, window, q.device)
     return kernel.forward(q, k, v, causal=call.causal, scale=scale, mask=mask, softcap=softcap)
 
@@ -47,7 +47,7 @@ def call_backward(kernel: BlockKernel, call: KernelCall, expand: bool, do, q, k,
         o = out if delta is None else delta
         if not call.causal and not kernel.supports_mask:
             return _one_by_one(one, q, k, v, call.spans, grads=(do, o, lse))
-        return varlen_backward(one, do, q, k, v, o, lse, call.spans, causal=call.causal)
+        return varlen_backward(one, do, q, k, v, o, lse, call.spans, causal=call.causal, reverse=call.reverse)
     mask = None if call.mask is None else window_mask(call.mask, window, q.device)
     return _grads(kernel, expand, do, q, k, v, out, lse, delta=delta, causal=call.causal, scale=scale, mask=mask,
                   softcap=softcap)

@@ -10,7 +10,7 @@ every rank, so both ends of every message derive it alike, with no handshake.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..comm.layout import RankLayout
 from ..data.chunks import rank_chunks
@@ -115,7 +115,7 @@ def pair_calls(
 ) -> list[KernelCall]:
     """The kernel calls of one rank's queries (its sorted chunks ``q_chunks``) against another's keys."""
     return kernel_calls(q_chunks, k_chunks, block_calls(q_chunks, k_chunks, causal=causal), chunk_len=chunk_len,
-                        rows=rows, docs=batch.documents, window=window)
+                        rows=rows, docs=batch.documents, window=window, causal=causal)
 
 
 def _key_spans(call: KernelCall) -> list[tuple[int, int]]:
@@ -153,7 +153,7 @@ def _to_buffer(calls: list[KernelCall], ranges: tuple[tuple[int, int], ...]) -> 
         lo, hi = min(a for a, _ in keys), max(b for _, b in keys)
         spans = None if c.spans is None else tuple((qa, qb, a - lo, b - lo) for (qa, qb, _, _), (a, b)
                                                    in zip(c.spans, keys))
-        out.append(KernelCall(c.rows, c.qs, slice(lo, hi), c.causal, c.mask, c.work, spans=spans))
+        out.append(replace(c, ks=slice(lo, hi), spans=spans))
     return out
 
 
@@ -167,12 +167,13 @@ def needed(layout: RankLayout, *, sharding: str, causal: bool, batch: SequenceBa
     """``volume.needed_positions`` of this batch and layout: what each rank needs of each other's shard."""
     held = shards(layout, sharding=sharding, batch=batch)
     docs = batch.documents
-    return _needed(None if docs is None else docs.starts, held, local_len // len(held[0]), causal, window)
+    return _needed(None if docs is None else docs.starts, held, local_len // len(held[0]), causal, window,
+                   None if docs is None else docs.spans)
 
 
 @functools.lru_cache(maxsize=64)
-def _needed(starts, held, chunk_len, causal, window):
-    return needed_positions(starts, shards=held, chunk_len=chunk_len, causal=causal, window=window)
+def _needed(starts, held, chunk_len, causal, window, spans=None):
+    return needed_positions(starts, shards=held, chunk_len=chunk_len, causal=causal, window=window, spans=spans)
 
 
 @functools.lru_cache(maxsize=64)

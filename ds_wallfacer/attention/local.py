@@ -25,7 +25,8 @@ def local_calls(rows: int, n: int, causal: bool, batch: SequenceBatch | None, wi
     docs = batch.documents if batch is not None else None
     if docs is None and window is None:
         return None
-    return kernel_calls([0], [0], [BlockCall(0, 1, 0, 1, causal)], chunk_len=n, rows=rows, docs=docs, window=window)
+    return kernel_calls([0], [0], [BlockCall(0, 1, 0, 1, causal)], chunk_len=n, rows=rows, docs=docs, window=window,
+                        causal=causal)
 
 
 @torch.no_grad()

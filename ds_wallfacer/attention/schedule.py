@@ -88,7 +88,7 @@ class RingSchedule:
             for a, qc in enumerate(q_members):
                 for b, kc in enumerate(k_members):
                     pairs[(a, b)] = kernel_calls(qc, kc, block_calls(qc, kc, causal=causal), chunk_len=L, rows=rows,
-                                                 docs=batch.documents, window=window, qm=a, km=b)
+                                                 docs=batch.documents, window=window, qm=a, km=b, causal=causal)
             calls, after = pipeline_order(pairs, ring_count=c, local=place.local,
                                           self_kv=self_kv if s == 0 else None, first=s == 0, last=s == n_steps - 1)
             steps.append(calls)

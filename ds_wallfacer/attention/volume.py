@@ -120,14 +120,15 @@ def wallfacer_bytes(
 
 def needed_positions(
     starts: tuple[tuple[int, ...], ...] | None, *, shards: tuple[tuple[int, ...], ...], chunk_len: int,
-    causal: bool = True, window: int | None = None,
+    causal: bool = True, window: int | None = None, spans: tuple[tuple[tuple[int, int], ...], ...] | None = None,
 ) -> list[list[int]]:
     """needed[i][j]: key positions of rank j's shard that some query of rank i sees (i != j; 0 on the diagonal),
     some row of the batch at least: what a rank must receive from another and no more (the direct fetch,
     ``fetch.py``). ``starts``: per batch row the documents' global starts (None: one document); ``shards``: the chunks
-    each rank holds. Counted token by token, independently of the kernel-call schedule: a key t is seen from rank i
-    iff the first position u >= t that i holds is in t's document and (with a window) u - t < window (non-causal:
-    iff i holds any position of t's document)."""
+    each rank holds; ``spans``: per row its bidirectional spans (``documents.BatchDocuments.spans``). Counted token
+    by token, independently of the kernel-call schedule: a key t is seen from rank i iff the first position u >= t
+    that i holds is in t's document and (with a window) u - t < window, or t lies in a span of which i holds a
+    position before t (non-causal: iff i holds any position of t's document)."""
     import torch
 
     p = len(shards)
@@ -139,8 +140,12 @@ def needed_positions(
     owner = owner_of_chunk[pos // chunk_len]
     held = [pos[owner == i] for i in range(p)]
     seen = torch.zeros(p, n, dtype=torch.bool)
-    for row in sorted(set(starts or ((0,),))):
+    rows = starts or ((0,),) * (len(spans) if spans else 1)
+    for row, row_spans in sorted(set(zip(rows, spans or ((),) * len(rows)))):
         doc = torch.searchsorted(torch.tensor(row), pos, right=True) - 1
+        span = torch.full((n,), -1, dtype=torch.long)  # each position's span, -1 outside
+        for s, (a, b) in enumerate(row_spans):
+            span[a:b] = s
         for i in range(p):
             if causal:
                 at = torch.searchsorted(held[i], pos)
@@ -149,6 +154,11 @@ def needed_positions(
                 vis = has & (doc[u] == doc)
                 if window is not None:
                     vis &= (u - pos) < window
+                if row_spans:  # the first position rank i holds in each span: every later key of it is seen
+                    first = torch.full((len(row_spans),), n, dtype=torch.long)
+                    inside = span[held[i]] >= 0
+                    first.scatter_reduce_(0, span[held[i]][inside], held[i][inside], "amin")
+                    vis |= (span >= 0) & (first[span.clamp(min=0)] < pos)
             else:
                 vis = torch.isin(doc, doc[held[i]].unique())
             seen[i] |= vis & (owner != i)

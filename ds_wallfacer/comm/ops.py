@@ -10,10 +10,11 @@ Note [Device of collective tensors] in docs/design/dependencies.md.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -243,6 +244,20 @@ class CommLayer:
             all_gather_single(out, flat, group=group)
         self._count(kind, (n - 1) * _nbytes(x))
         return out.view(n, *x.shape)
+
+    def all_gather_object(self, obj: Any, group: dist.ProcessGroup) -> list:
+        """A picklable object on each of n ranks -> the n objects, in group-rank order (copies, this rank's too).
+        Two ``all_gather``s on the layer's device, of the pickles' sizes and of their bytes: an NCCL group takes
+        no CPU tensors, which ``torch.distributed.all_gather_object`` would need the current device set for."""
+        data = pickle.dumps(obj)
+        n = dist.get_world_size(group)
+        if n == 1:
+            return [pickle.loads(data)]
+        sizes = self.all_gather(self.place(torch.tensor([len(data)], dtype=torch.int64)), group).cpu()[:, 0]
+        buf = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = self.all_gather(self.place(buf), group).cpu()  # [n, longest pickle]
+        return [pickle.loads(every[r, : int(sizes[r])].numpy().tobytes()) for r in range(n)]
 
     def reduce_scatter(self, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """[n, *s] on each of n ranks -> [*s]: the sum over ranks of slice ``group_rank``."""

@@ -22,12 +22,16 @@ from .balance import balanced_assignment, zigzag_assignment
 from .chunks import DEFAULT_CHUNKS_PER_RANK, padded_length
 from .media import MEDIA_KEYS, TOKEN_TYPES_KEY, VisionAdapter
 from .packing import (
+    SPANS_KEY,
     document_ids,
     document_lengths_from_position_ids,
     document_positions,
     document_starts,
     mask_document_ends,
     normalize_document_lengths,
+    normalize_spans,
+    span_tensor,
+    starts_of,
 )
 from .pieces import check_sequence_length, sequence_chunk_ids, sequence_position_ids, shard_sequence, unshard_sequence
 from .steps import balanced_order, check_rounds, row_work
@@ -118,11 +122,24 @@ def _documents(batch: Mapping[str, Any], mask: torch.Tensor | None, shape: torch
     return docs
 
 
+def _spans(value: Any, mask: torch.Tensor | None, shape: torch.Size, starts: torch.Tensor | None,
+           n: int) -> torch.Tensor:
+    """The batch's bidirectional spans as [B, S, 2] int64, checked against the rows and their documents (the
+    attention's own check, ``BatchDocuments``, here at the loader with the row named)."""
+    from ..attention.documents import BatchDocuments
+
+    real = mask.sum(dim=1).tolist() if mask is not None else [shape[1]] * shape[0]
+    spans = normalize_spans(value, real_lengths=real)
+    BatchDocuments(starts=starts_of(starts, n) if starts is not None else ((0,),) * shape[0], seq_len=n,
+                   spans=tuple(tuple(r) for r in spans))
+    return span_tensor(spans, seq_len=n)
+
+
 def _checked_ids(batch: Mapping[str, Any], vision: VisionAdapter | None = None) -> torch.Tensor:
     """``input_ids`` [B, N] as int64, after checking the batch's keys and the shapes beside it."""
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
-    known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"}
+    known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths", SPANS_KEY}
     media = sorted(set(batch) & {*MEDIA_KEYS, TOKEN_TYPES_KEY})
     if media and getattr(vision, "refusal", None):
         raise ValueError(vision.refusal)
@@ -179,6 +196,10 @@ def prepare_batch(
     document starts (global, right padding one more document, the tail filled with N_padded), the same on every
     rank: the attention's whole view of the documents, a few numbers per document.
 
+    ``bidirectional_spans`` (``SPANS_KEY``): per row (start, end) token ranges whose tokens attend to each other
+    both ways, each inside one document (Note [Bidirectional spans] in docs/design/spans.md; ``normalize_spans``); the
+    output carries them as [B, S, 2] int64, the same on every rank, beside ``document_starts``.
+
     ``spec.scheme == "balanced"``: a packed batch is cut into R x ``spec.chunks_per_rank`` ring chunks
     (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
     zigzag); ``chunk_assignment`` [R, chunks per rank] int64 says which ring chunks each ring rank holds, ascending.
@@ -214,6 +235,8 @@ def prepare_batch(
         pos = document_positions(doc_ids)
         shift = mask_document_ends(shift, doc_ids, ignore_index=ignore_index)
         extra["document_starts"] = document_starts(docs, seq_len=n)
+    if batch.get(SPANS_KEY) is not None:
+        extra[SPANS_KEY] = _spans(batch[SPANS_KEY], mask, ids.shape, extra.get("document_starts"), n)
     if spec.scheme == "balanced":
         ring = spec.sp_size // spec.ulysses_degree
         if balanced:

@@ -1,8 +1,9 @@
 """Packed batches: several documents per row, read from HF-style position ids (restarting at 0 at each document) or
 from document lengths, and turned into what the loader hands on: each token's position inside its document, the
 labels of document ends dropped, and one ``document_ids`` row per sequence (right padding is one more document).
+Bidirectional spans travel beside the documents the same way (``normalize_spans``, ``span_tensor``, ``spans_of``).
 
-Design: Note [Packed documents] in docs/design/documents.md.
+Design: Note [Packed documents] in docs/design/documents.md; Note [Bidirectional spans] in docs/design/spans.md.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = [
+    "SPANS_KEY",
     "document_ids",
     "document_lengths_from_position_ids",
     "document_positions",
@@ -18,7 +20,14 @@ __all__ = [
     "starts_of",
     "mask_document_ends",
     "normalize_document_lengths",
+    "normalize_spans",
+    "span_tensor",
+    "spans_of",
+    "type_runs",
 ]
+
+SPANS_KEY = "bidirectional_spans"
+"""The batch key of the rows' bidirectional spans, in the loader's input and in its output."""
 
 _COLLATOR_HINT = (
     "packed position ids restart at 0 at each document start and increase by 1 inside a document "
@@ -137,3 +146,68 @@ def mask_document_ends(shift_labels: torch.Tensor, doc_ids: torch.Tensor, *, ign
     end = torch.ones_like(doc_ids, dtype=torch.bool)
     end[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
     return shift_labels.masked_fill(end, ignore_index)
+
+
+def normalize_spans(value: Any, *, real_lengths: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """A batch's ``bidirectional_spans``: per row a list of (start, end) pairs, or a [B, S, 2] tensor, in the row's
+    token indices; a pair with start == end is padding. Checked: sorted, disjoint, within the row's real tokens
+    (whether each lies inside one document is ``attention.documents.BatchDocuments``'s check)."""
+    rows = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+    if len(rows) != len(real_lengths):
+        raise ValueError(f"{SPANS_KEY} has {len(rows)} rows, the batch {len(real_lengths)}: give one list of "
+                         "(start, end) pairs per row")
+    out = []
+    for r, (row, n) in enumerate(zip(rows, real_lengths)):
+        spans, end = [], 0
+        for pair in row:
+            if len(pair) != 2:
+                raise ValueError(f"row {r}: {SPANS_KEY} entry {pair} is not a (start, end) pair")
+            a, b = int(pair[0]), int(pair[1])
+            if a == b:
+                continue
+            if not end <= a < b <= n:
+                raise ValueError(f"row {r}: bidirectional span [{a}, {b}) must lie in the row's {n} tokens, after "
+                                 f"the previous span (which ends at {end}): give spans sorted and disjoint")
+            spans.append((a, b))
+            end = b
+        out.append(spans)
+    return out
+
+
+def span_tensor(spans_per_row: Sequence[Sequence[tuple[int, int]]], *, seq_len: int) -> torch.Tensor:
+    """[B, S, 2] int64: per row its spans, the rows' tails filled with the empty span (seq_len, seq_len)."""
+    width = max((len(r) for r in spans_per_row), default=0) or 1
+    rows = [[list(p) for p in r] + [[seq_len, seq_len]] * (width - len(r)) for r in spans_per_row]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width, 2)
+
+
+def spans_of(spans: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Inverse of ``span_tensor``: per row its non-empty spans (a host copy of [B, S, 2] numbers)."""
+    return tuple(tuple((a, b) for a, b in row if a < b) for row in spans.tolist())
+
+
+def type_runs(token_types: torch.Tensor, value: int, *, starts: Sequence[Sequence[int]] | None = None,
+              single: bool = False) -> list[list[tuple[int, int]]]:
+    """Per row of ``token_types`` [B, N], the maximal runs of tokens of type ``value`` as (start, end) spans, cut at
+    the row's document ``starts`` (a span lies inside one document): what ``bidirectional_spans`` takes for Gemma 3's
+    images (``token_type_ids == 1``; transformers' ``get_block_sequence_ids_for_mask`` starts a block at each image
+    token after a non-image one) and PaliGemma's prefix (``== 0``). ``single``: transformers makes all of a row's
+    tokens of that type one block (PaliGemma), so more than one run in a document is refused."""
+    out = []
+    for r, row in enumerate((token_types == value).tolist()):
+        cuts = set(starts[r]) if starts is not None else {0}
+        spans: list[tuple[int, int]] = []
+        for t, on in enumerate(row):
+            if on and spans and spans[-1][1] == t and t not in cuts:
+                spans[-1] = (spans[-1][0], t + 1)
+            elif on:
+                spans.append((t, t + 1))
+        if single:
+            doc = lambda t: sum(1 for s in cuts if s <= t)  # noqa: E731
+            docs = [doc(a) for a, _ in spans]
+            if len(set(docs)) != len(docs):
+                raise ValueError(f"row {r}: the tokens of type {value} form {len(spans)} runs, some in one document; "
+                                 "the model attends across them as one block, which bidirectional spans cannot "
+                                 "express: give each document one contiguous run")
+        out.append(spans)
+    return out

@@ -90,13 +90,16 @@ def chat_tokenizer(loaded: Any) -> Any:
     return byte_chat_tokenizer()
 
 
-def lora_config(r: int) -> Any:
-    """A LoRA adapter of rank ``r`` on every linear layer (peft), or None for ``r`` <= 0 (full training)."""
+def lora_config(r: int, *, away_from_base: bool = False) -> Any:
+    """A LoRA adapter of rank ``r`` on every linear layer (peft), or None for ``r`` <= 0 (full training);
+    ``away_from_base``: both matrices random (peft's ``init_lora_weights=False``), so that the adapted model starts
+    away from its base model (a KL term to the base then has a gradient from the first step)."""
     if r <= 0:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear")
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear",
+                      init_lora_weights=not away_from_base)
 
 
 def resume_argument(args: argparse.Namespace) -> bool | str | None:

@@ -50,12 +50,13 @@ def rl_seq_len(args: argparse.Namespace) -> int:
 
 def rl_summary(trainer: Any, result: Any, metrics: dict, output_dir: str, **extra: Any) -> dict[str, Any]:
     """The last line: the last logged loss, the eval loss, steps, tokens per second over all ranks (TRL's
-    ``num_tokens``: the batches' real tokens), the layout (TRL's own trainer: one rank's, no mode)."""
+    ``num_tokens``, the largest logged: the batches' real tokens; GRPO logs it on generation steps only), the layout
+    (TRL's own trainer: one rank's, no mode)."""
     logs = [h for h in trainer.state.log_history if "loss" in h]
     last = logs[-1] if logs else {}
     sp = getattr(trainer, "sequence_parallel", None)  # None: TRL's own trainer (--trainer trl)
     runtime = result.metrics.get("train_runtime") or float("nan")
     return {"final_loss": last.get("loss"), "eval_loss": metrics.get("eval_loss"), "steps": result.global_step,
-            "tokens_per_s": (last.get("num_tokens") or 0) / runtime,
+            "tokens_per_s": max((h.get("num_tokens") or 0 for h in logs), default=0) / runtime,
             "sequence_parallel_size": sp.setup.dims.sp_size if sp else 1, "mode": sp.setup.dims.mode if sp else None,
             "world_size": trainer.args.world_size, "output_dir": os.path.abspath(output_dir), **extra}

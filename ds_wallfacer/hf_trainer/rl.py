@@ -16,16 +16,29 @@ the reward), and trains on per-token log-probability ratios (clipped). Under seq
   Note [One process per replica for TRL], docs/design/training.md); greedy decoding equals one process generating
   the whole batch. A rank without prompts generates one and drops it, so that under ZeRO-3 every rank enters
   ``generate`` (its parameter gather, its steps synced across ranks) as often as the others.
+- **Custom and multi-turn rollouts** (GRPO; ``custom_rollouts.py``, Note [Custom rollouts and tools in a group]): a
+  ``rollout_func`` runs on each rank's share of the prompts and the group merges the outputs (its ``env_mask`` is
+  TRL's tool mask); TRL's tool loop runs on every rank over the group's batch, its generation split like the rest;
+  environments and async tools run on every rank, plain standalone tools once, on the group's first rank, which sends
+  the result; after each rollout the group checks that its ranks made the same rows and raises naming the
+  environments and tools if not.
+- **Generation with vLLM** (``use_vllm=True``, ``vllm_mode="server"`` or ``"colocate"``): a server generates each
+  replica's prompts once and every rank of the group gets its replica's completions; colocated engines take the
+  split above, one engine per rank (``vllm_rollouts.py``, Note [vLLM server under sequence parallelism], Note
+  [Colocated vLLM under sequence parallelism]).
 - **Rewards, advantages, the completions table**: TRL's, with the group counted as one process (``replicas.py``).
 - **The training step and the reference**: the fused LM head runs sequence-parallel (``fused_head.py``); TRL's loss
-  (clipping, KL, importance sampling, every ``loss_type``) runs on the gathered per-token values.
+  (clipping, KL, importance sampling, every ``loss_type``) runs on the gathered per-token values, masked by TRL's
+  completion and tool masks as on one process (the packed rows hold every token the attention mask holds).
 
-Refused by name: vLLM and continuous-batching generation (their engines run outside the group's split), custom
-rollouts and tool calling (a ``rollout_func`` or a tool loop would run on every rank over the whole batch), image
-prompts. Needs ``trl``.
+Refused by name: continuous-batching generation (its engine runs outside the group's split), colocated vLLM with
+``vllm_tensor_parallel_size`` > 1 (its tensor-parallel ranks must generate alike), vLLM together with a custom
+rollout, tools or environments, image prompts, and ``rollout_func`` / ``tools`` / ``environment_factory`` on RLOO
+(TRL's ``RLOOTrainer`` takes none of them). Needs ``trl``.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from collections import defaultdict, deque
 from functools import partial
@@ -35,34 +48,44 @@ import torch
 from trl import GRPOTrainer, RLOOTrainer
 
 from ..adapters.hf import model_attention
+from .custom_rollouts import GroupRolloutFunc, RolloutMismatch, check_same_rows, share_sync_tools
 from .fused_trainer import WallfacerFusedHeadMixin
 from .options import UnsupportedTrainerOption
+from .phases import PhaseClockMixin
 from .rollouts import gather_rows, generation_seed, prompt_share, seeded_generation
+from .vllm_rollouts import WallfacerVLLMMixin, vllm_refusals
 
 __all__ = ["WallfacerGRPOTrainer", "WallfacerRLOOTrainer", "WallfacerRolloutMixin"]
 
 
-class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
+class WallfacerRolloutMixin(PhaseClockMixin, WallfacerVLLMMixin, WallfacerFusedHeadMixin):
     """What TRL's rollout trainers (GRPO, RLOO) need beyond the fused head: generation per group, the group's
     random state, rounds and seeds counted per replica."""
 
     redundant_rollouts: bool = False
     """True: every rank of a group generates the group's whole batch and the group keeps its first rank's
     completions (P times the generation work and memory); the benchmark's baseline (``benchmarks/bench_rl.py``),
-    set on the trainer before ``train()``. False (the default): each rank generates its share."""
+    set on the trainer before ``train()``. False (the default): each rank generates its share. With a ``rollout_func``:
+    every rank calls it on the whole batch (Note [Custom rollouts and tools in a group])."""
+
+    custom_rollouts: bool = False
+    """Whether the TRL trainer takes ``rollout_func``, ``tools`` and ``environment_factory`` (``custom_rollouts.py``
+    runs them per group); without, they are refused by name."""
+
+    _wf_local_rollout: bool = False
+    """True while a user's ``rollout_func`` runs on this rank's share: the trainer's generation is then local."""
 
     @classmethod
     def _wf_refuse_arguments(cls, kwargs: dict[str, Any]) -> None:
         args = kwargs.get("args")
+        custom = [name for name in ("rollout_func", "tools", "environment_factory") if kwargs.get(name)]
         checks = [
-            (bool(getattr(args, "use_vllm", False)), f"use_vllm=True (vllm_mode={getattr(args, 'vllm_mode', None)!r})",
-             "generate with transformers (use_vllm=False); vLLM generation is not wired to sequence parallelism yet"),
+            *vllm_refusals(kwargs),
             (bool(getattr(args, "use_transformers_continuous_batching", False)),
              "use_transformers_continuous_batching=True", "use the plain transformers generate"),
-            (bool(kwargs.get("tools")) or bool(kwargs.get("environment_factory")), "tools / environments",
-             "tool-calling rollouts are not supported yet"),
-            (kwargs.get("rollout_func") is not None, "rollout_func",
-             "a custom rollout would run per rank; use the trainer's own generation"),
+            (bool(custom) and not cls.custom_rollouts, " / ".join(custom),
+             "custom rollouts are wired for GRPO only (TRL's RLOOTrainer takes none of them); use "
+             "WallfacerGRPOTrainer"),
         ]
         cls._wf_raise_first(checks)
 
@@ -102,6 +125,8 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
         from accelerate.utils import set_seed
 
         set_seed(args.seed + self.sequence_parallel.groups.dp_index)
+        if getattr(self, "rollout_func", None) is not None:  # each rank runs it on its share of the prompts
+            self.rollout_func = GroupRolloutFunc(self.rollout_func)
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
         """TRL's rollout and batching, as one process per replica, with the group's random state made one: the
@@ -112,11 +137,44 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
         with self._wf_view(self):
             return super()._prepare_inputs(generation_batch)
 
+    def _generate(self, prompts: list) -> Any:
+        """TRL's rollout of the replica's prompts. With a ``rollout_func``, tools or environments (Note [Custom
+        rollouts and tools in a group] in ``custom_rollouts.py``): the plain standalone tools run on the group's
+        first rank, the group checks that its ranks made the same rows, and takes its first rank's random state."""
+        if getattr(self, "rollout_func", None) is None and not getattr(self, "tools", None):
+            return super()._generate(prompts)
+        faults: list[str] = []
+        if self.tools:
+            share_sync_tools(self, faults)
+        out = super()._generate(prompts)
+        if faults:  # TRL's tool loop caught them as failed calls
+            raise RolloutMismatch(f"{type(self).__name__}: {faults[0]}")
+        prompt_ids, completion_ids, tool_mask, _, logprobs = out[:5]
+        sp = self.sequence_parallel
+        check_same_rows((prompt_ids, completion_ids, tool_mask, logprobs), comm=sp.comm, group=sp.groups.sp_group,
+                        sources=self._wf_rollout_sources(), trainer=type(self).__name__)
+        self._wf_share_random_state()
+        return out
+
+    def _wf_rollout_sources(self) -> str:
+        """What runs on every rank of a group in a custom rollout, by name (for ``RolloutMismatch``)."""
+        pools = getattr(self, "_environment_pool", None) or {}
+        envs = sorted({type(e).__name__ for pool in pools.values() for e in pool})
+        tools = [getattr(t, "__name__", "?") for t in getattr(self, "_standalone_tools", None) or []
+                 if inspect.iscoroutinefunction(t)]
+        named = ([f"environments {envs}"] if envs else []) + ([f"async tools {tools}"] if tools else [])
+        return "The " + " and ".join(named) if named else "Tools and environments"
+
     def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
         """TRL's generation with the model's own attention, split over the group: this rank generates its share
         of ``prompt_ids`` and the group all-gathers the completion ids (and the per-token log-probabilities where
         TRL returns them), so every rank returns TRL's result for the whole list, in its order. GRPO returns
         ``(completion_ids, logprobs)``, RLOO the ids alone. Note [Seeds of a split rollout] in ``rollouts.py``."""
+        if self._wf_local_rollout:  # called by a rollout_func on this rank's share: not split again
+            with model_attention(self.model):
+                return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        if self._wf_on_vllm_server():  # the server generates the replica's prompts once (vllm_rollouts.py)
+            return self._wf_generate_on_server(prompt_ids, *args, **kwargs)
         if self.redundant_rollouts:
             return self._wf_generate_redundant(prompt_ids, *args, **kwargs)
         t0, sp = time.perf_counter(), self.sequence_parallel
@@ -186,6 +244,8 @@ class WallfacerRolloutMixin(WallfacerFusedHeadMixin):
 
 class WallfacerGRPOTrainer(WallfacerRolloutMixin, GRPOTrainer):
     """``trl.GRPOTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
+
+    custom_rollouts = True
 
 
 class WallfacerRLOOTrainer(WallfacerRolloutMixin, RLOOTrainer):

@@ -181,7 +181,8 @@ class WallfacerTrainerMixin:
         media = {k: inputs[k] for k in MEDIA_KEYS if inputs.get(k) is not None}  # images: adapters/vision.py
         ids, positions, kwargs = sp.module.model_inputs(
             inputs["input_ids"], inputs["position_ids"], document_starts=inputs.get("document_starts"),
-            chunk_assignment=inputs.get("chunk_assignment"), mrope_position_ids=inputs.get("mrope_position_ids"),
+            chunk_assignment=inputs.get("chunk_assignment"), bidirectional_spans=inputs.get("bidirectional_spans"),
+            mrope_position_ids=inputs.get("mrope_position_ids"),
             media_index=inputs.get("media_index"), **media)
         return logits_loss(model, input_ids=ids, position_ids=positions, shift_labels=inputs["shift_labels"],
                            ignore_index=sp.ignore_index, **kwargs)

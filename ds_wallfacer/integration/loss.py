@@ -162,17 +162,20 @@ class SequenceParallelCausalLM(nn.Module):
         return self._rope
 
     def attention_kwargs(self, position_ids: torch.Tensor, document_starts: torch.Tensor | None = None,
-                         chunk_assignment: torch.Tensor | None = None) -> dict[str, Any]:
-        """The model-forward keywords attention needs beyond the tensors: a packed batch's documents (checked across
-        the group) and, for layers that scale by position, the tokens' positions. The mixer layers get the same
-        through ``MixerInputs`` (models need not pass keywords down to them)."""
+                         chunk_assignment: torch.Tensor | None = None,
+                         bidirectional_spans: torch.Tensor | None = None) -> dict[str, Any]:
+        """The model-forward keywords attention needs beyond the tensors: a packed batch's documents and its rows'
+        bidirectional spans (checked across the group) and, for layers that scale by position, the tokens' positions.
+        The mixer layers get the same through ``MixerInputs`` (models need not pass keywords down to them)."""
         kwargs: dict[str, Any] = {}
-        if document_starts is not None or chunk_assignment is not None:
+        if document_starts is not None or chunk_assignment is not None or bidirectional_spans is not None:
             if self._packing is None:
-                raise ValueError("this batch packs documents (document_starts / chunk_assignment), but the model was "
-                                 "not built by ds_wallfacer.integration.initialize, which sets up packed batches")
-            kwargs[BATCH_KWARG] = self._packing.batch(position_ids, document_starts, chunk_assignment)
-            if self._rope is not None:
+                raise ValueError("this batch packs documents (document_starts / chunk_assignment / "
+                                 "bidirectional_spans), but the model was not built by "
+                                 "ds_wallfacer.integration.initialize, which sets up packed batches")
+            kwargs[BATCH_KWARG] = self._packing.batch(position_ids, document_starts, chunk_assignment,
+                                                      bidirectional_spans)
+            if self._rope is not None and document_starts is not None:
                 raise ValueError(
                     "packed documents with a RoPE type that reads the sequence length (dynamic / longrope): each "
                     "document would need its own scaling; train without packing or with a fixed RoPE type"
@@ -204,6 +207,7 @@ class SequenceParallelCausalLM(nn.Module):
         sequence_length: torch.Tensor | None = None,
         document_starts: torch.Tensor | None = None,
         chunk_assignment: torch.Tensor | None = None,
+        bidirectional_spans: torch.Tensor | None = None,
         sequence_parallel_size: torch.Tensor | None = None,
         loss_weight: torch.Tensor | None = None,
         mrope_position_ids: torch.Tensor | None = None,
@@ -226,7 +230,8 @@ class SequenceParallelCausalLM(nn.Module):
             self.dynamic.use(self.dynamic.sp_size)
         ids, rope_positions, model_kwargs = self.model_inputs(
             input_ids, position_ids, document_starts=document_starts, chunk_assignment=chunk_assignment,
-            mrope_position_ids=mrope_position_ids, media_index=media_index, **media)
+            bidirectional_spans=bidirectional_spans, mrope_position_ids=mrope_position_ids, media_index=media_index,
+            **media)
         length = int(sequence_length.max()) if sequence_length is not None else position_ids.shape[-1] * self._sp_size
         rope = self._rope.use(length) if self._rope is not None else contextlib.nullcontext()
         self._captured = [] if self.router_aux is not None else None
@@ -247,13 +252,14 @@ class SequenceParallelCausalLM(nn.Module):
 
     def model_inputs(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, document_starts: torch.Tensor | None = None,
-        chunk_assignment: torch.Tensor | None = None, mrope_position_ids: torch.Tensor | None = None,
-        media_index: torch.Tensor | None = None, **media: torch.Tensor,
+        chunk_assignment: torch.Tensor | None = None, bidirectional_spans: torch.Tensor | None = None,
+        mrope_position_ids: torch.Tensor | None = None, media_index: torch.Tensor | None = None,
+        **media: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, Any]]:
         """(input_ids, position_ids, model keywords) for the local loss from a loader batch: ``attention_kwargs``;
         for a batch with images or videos, ``input_ids`` None, the M-RoPE positions and this rank's
         ``inputs_embeds`` (``adapters/vision.py``)."""
-        kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment)
+        kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment, bidirectional_spans)
         if media:
             return None, self._vision_inputs(input_ids, position_ids, mrope_position_ids, media_index, media,
                                              kwargs), kwargs

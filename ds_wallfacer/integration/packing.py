@@ -1,11 +1,13 @@
-"""Packed batches at the model's forward: the loader's ``document_starts`` / ``chunk_assignment`` turned into what
-attention needs (``attention.documents.SequenceBatch``), handed down as the forward keyword ``wallfacer_batch``
-(``BATCH_KWARG``) and checked across the sequence-parallel group by one small all-gather per step.
+"""Packed batches at the model's forward: the loader's ``document_starts`` / ``chunk_assignment`` /
+``bidirectional_spans`` turned into what attention needs (``attention.documents.SequenceBatch``), handed down as the
+forward keyword ``wallfacer_batch`` (``BATCH_KWARG``) and checked across the sequence-parallel group by one small
+all-gather per step.
 
-The documents travel as their starts, a few numbers per document ([B, D]): nothing sequence-long is rebuilt or copied
-to the host per step. The check that this rank's position ids restart at each document runs where they are.
+The documents travel as their starts, a few numbers per document ([B, D]), the spans as theirs ([B, S, 2]): nothing
+sequence-long is rebuilt or copied to the host per step. The check that this rank's position ids restart at each
+document runs where they are.
 
-Design: Note [Packed documents] in docs/design/documents.md.
+Design: Note [Packed documents] in docs/design/documents.md; Note [Bidirectional spans] in docs/design/spans.md.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from ..attention.documents import BatchDocuments, SequenceBatch
 from ..comm import CommLayer
 from ..data.loader import ShardSpec
-from ..data.packing import starts_of
+from ..data.packing import spans_of, starts_of
 from ..data.pieces import sequence_position_ids
 from ..adapters.hf import BATCH_KWARG
 
@@ -58,36 +60,45 @@ class PackedBatches:
     """This rank's place (shard index, P, U), to check its position ids."""
 
     def batch(
-        self, position_ids: torch.Tensor, document_starts: torch.Tensor | None, chunk_assignment: torch.Tensor | None
+        self, position_ids: torch.Tensor, document_starts: torch.Tensor | None, chunk_assignment: torch.Tensor | None,
+        bidirectional_spans: torch.Tensor | None = None,
     ) -> SequenceBatch:
+        """``bidirectional_spans`` [B, S, 2] (the loader's): a row's spans, with or without packed documents (a row
+        without them is one document)."""
         # what every rank of the group must agree on, signed first (on the host, like the rest of ``sig``: the
         # comm layer places it on the group's device); then this rank's own position check
         n = position_ids.shape[-1] * self.spec.sp_size
         starts_host = document_starts.cpu() if document_starts is not None else None  # [B, D]: small
+        spans_host = bidirectional_spans.cpu() if bidirectional_spans is not None else None  # [B, S, 2]: small
         signed = [_signature(x.cpu()) if x is not None else torch.zeros(3, dtype=torch.int64)
-                  for x in (starts_host, chunk_assignment)]
+                  for x in (starts_host, chunk_assignment, spans_host)]
         assignment = None
         if chunk_assignment is not None:
             rows_of = chunk_assignment.reshape(chunk_assignment.shape[0], -1).tolist()
             assignment = tuple(tuple(int(c) for c in row) for row in rows_of)
-        docs, ok = None, True
+        ok = True
         if document_starts is not None:
-            docs = BatchDocuments(starts=starts_of(starts_host, n), seq_len=n)
             index = _global_index(n, self.spec, assignment, position_ids.device)
             ok = positions_agree(position_ids, document_starts, index)
         sig = torch.cat([*signed, torch.tensor([int(ok)])])
         with self.comm.phase("data"):
             rows = self.comm.all_gather(self.comm.place(sig.cpu()), self.group, kind="check").cpu()
-        if not bool((rows[:, :6] == rows[0, :6]).all()):
+        if not bool((rows[:, :9] == rows[0, :9]).all()):
             raise ValueError(
-                "the ranks of a sequence-parallel group received different document_starts or chunk_assignment: "
-                "every rank of the group must get the same full batch (use the sequence-parallel loader)"
+                "the ranks of a sequence-parallel group received different document_starts, chunk_assignment or "
+                "bidirectional_spans: every rank of the group must get the same full batch (use the "
+                "sequence-parallel loader)"
             )
-        bad = [i for i, r in enumerate(rows.tolist()) if not r[6]]
+        bad = [i for i, r in enumerate(rows.tolist()) if not r[9]]
         if bad:
             raise ValueError(
                 f"position ids on sequence-parallel rank(s) {bad} are not the positions inside the documents of "
                 "document_starts (they restart at 0 at each document): build packed batches with the "
                 "sequence-parallel loader, which shards position_ids, labels and documents together"
             )
+        docs = None  # checked once every rank has the same: all raise together, none waits in a collective
+        spans = spans_of(spans_host) if spans_host is not None else None
+        if document_starts is not None or spans is not None:
+            starts = starts_of(starts_host, n) if starts_host is not None else ((0,),) * position_ids.shape[0]
+            docs = BatchDocuments(starts=starts, seq_len=n, spans=spans)
         return SequenceBatch(documents=docs, assignment=assignment)

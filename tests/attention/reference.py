@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["document_mask", "full_inputs", "reference_attention", "shard_errors"]
+__all__ = ["document_mask", "full_inputs", "reference_attention", "shard_errors", "span_mask"]
 
 
 def full_inputs(
@@ -65,6 +65,27 @@ def document_mask(doc_lengths: list[list[int]], *, window: int | None = None) ->
         m = ids[:, None] == ids[None, :]
         if window is not None:
             i = torch.arange(len(ids))
+            m &= (i[:, None] - i[None, :]) < window
+        rows.append(m)
+    return torch.stack(rows).unsqueeze(1)
+
+
+def span_mask(doc_lengths: list[list[int]], spans: list[list[tuple[int, int]]], *, window: int | None = None
+              ) -> torch.Tensor:
+    """[B, 1, N, N] bool, the whole mask (use with ``causal=False``): key j visible from query i iff both are in one
+    document, i - j < window, and j <= i or both lie in one bidirectional span [start, end) of the row: HF's
+    AND(sliding window, OR(causal, blockwise)) of Gemma 3, written out pair by pair."""
+    rows = []
+    for lengths, row_spans in zip(doc_lengths, spans):
+        n = sum(lengths)
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        i = torch.arange(n)
+        span = torch.full((n,), -1)
+        for s, (a, b) in enumerate(row_spans):
+            span[a:b] = s
+        m = (i[None, :] <= i[:, None]) | ((span[:, None] == span[None, :]) & (span[:, None] >= 0))
+        m &= ids[:, None] == ids[None, :]
+        if window is not None:
             m &= (i[:, None] - i[None, :]) < window
         rows.append(m)
     return torch.stack(rows).unsqueeze(1)

@@ -1,9 +1,12 @@
-"""Packed documents, sliding windows and soft-capping in every sequence-parallel mode, against a float64
-single-process attention that never lets a token see another document (and applies the window / cap).
+"""Packed documents, bidirectional spans, sliding windows and soft-capping in every sequence-parallel mode, against
+a float64 single-process attention that never lets a token see another document (and applies the spans, the window,
+the cap).
 
 One launch per P runs every mode and case: WallFacer C = 1 and 2, Ulysses, hybrid; documents that straddle rank
 boundaries, a document longer than a rank's shard, a batch row that is a single document; windows shorter than a
-chunk and longer than a shard; soft-capping with the reference kernel. Also the pure segment math.
+chunk and longer than a shard; soft-capping with the reference kernel; bidirectional spans at position 0, across
+chunk and rank boundaries, several per row, in packed documents, under a window shorter than a span, with balanced
+sharding, and on the ring / teams as well as the direct fetch. Also the pure segment math.
 """
 from __future__ import annotations
 
@@ -54,10 +57,23 @@ def _modes(world: int):
         yield "hybrid", 2, 2 if world == 8 else 1
 
 
+def _span_cases(n: int) -> list[tuple]:
+    """(window, balanced, force the ring, document lengths, spans per row): spans at 0, across chunks (L = n / 2P)
+    and ranks, several per row; then in packed documents under a window shorter than a span, balanced; then the
+    first again on the ring and teams instead of the direct fetch (``fetch.prefer_fetch`` chooses the fetch here)."""
+    chunk, third = n // (2 * n // SEQ_PER_RANK), n // 3
+    single = ([[n], [n]], [[(0, 3 * chunk + 3)], [(chunk - 2, 2 * chunk + 5), (2 * chunk + 5, 2 * chunk + 9),
+                                                 (n - chunk + 1, n - 1)]])
+    packed = ([[third, n - third], [n // 2, n // 2]],
+              [[(1, third - 2), (third + 4, min(n, third + 3 * chunk))], [(5, n // 2 - 1), (n // 2 + 2, n // 2 + 9)]])
+    return [(None, False, False, *single), (5, False, False, *packed), (3 * chunk // 2, True, False, *packed),
+            (None, False, True, *single)]
+
+
 def _references(world: int) -> list[tuple]:
-    """Per case: (window, softcap, packed, balanced), the document lengths, the full inputs and the float64
-    reference. Computed once here, not once per rank and mode."""
-    from tests.attention.reference import document_mask, full_inputs, reference_attention
+    """Per case: (window, softcap, packed, balanced, spans, ring), the document lengths, the full inputs and the
+    float64 reference. Computed once here, not once per rank and mode."""
+    from tests.attention.reference import document_mask, full_inputs, reference_attention, span_mask
 
     n = SEQ_PER_RANK * world
     refs = []
@@ -69,7 +85,13 @@ def _references(world: int) -> list[tuple]:
         q, k, v, do = full_inputs(batch=2, q_heads=8, kv_heads=2, seq_len=n, head_dim=16, dtype=torch.float32, seed=i)
         want = reference_attention(q, k, v, do, causal=True, scale=SCALE, softcap=softcap,
                                    keep=document_mask(lengths, window=window))
-        refs.append(((window, softcap, packed, balanced), lengths, (q, k, v, do), want))
+        refs.append(((window, softcap, packed, balanced, None, False), lengths, (q, k, v, do), want))
+    for i, (window, balanced, ring, lengths, spans) in enumerate(_span_cases(n)):
+        q, k, v, do = full_inputs(batch=2, q_heads=8, kv_heads=2, seq_len=n, head_dim=16, dtype=torch.float32,
+                                  seed=10 + i)
+        want = reference_attention(q, k, v, do, causal=False, scale=SCALE, keep=span_mask(lengths, spans,
+                                                                                          window=window))
+        refs.append(((window, 0.0, True, balanced, spans, ring), lengths, (q, k, v, do), want))
     return refs
 
 
@@ -77,6 +99,7 @@ SCALE = 2.5 / 4  # large logits, so the cap matters
 
 
 def _run(rank: int, world: int, refs: list[tuple]) -> list[dict]:
+    from ds_wallfacer.attention import wallfacer
     from ds_wallfacer.attention.documents import SequenceBatch
     from ds_wallfacer.comm import CommLayer
     from ds_wallfacer.comm.dims import ParallelDims
@@ -92,7 +115,9 @@ def _run(rank: int, world: int, refs: list[tuple]) -> list[dict]:
         lay = ParallelSetup(dims, kernel="reference")
         groups = build_sequence_parallel(lay)
         attn = attention_for(groups, comm=CommLayer())
-        for (window, softcap, packed, balanced), lengths, (q, k, v, do), want in refs:
+        for (window, softcap, packed, balanced, spans, ring), lengths, (q, k, v, do), want in refs:
+            if ring and c == 1:
+                continue
             assignment = None
             if balanced:  # the loader's cost-aware layout: 4 chunks per ring rank, assigned by document work
                 from ds_wallfacer.data.balance import balanced_assignment
@@ -102,19 +127,27 @@ def _run(rank: int, world: int, refs: list[tuple]) -> list[dict]:
             sh = lambda x: shard_sequence(x, dim=2, index=groups.shard_index, sp_size=world,  # noqa: E731
                                           ulysses_degree=u, scheme="zigzag", assignment=assignment)
             starts = tuple(tuple(int(s) for s in torch.tensor([0] + r[:-1]).cumsum(0)) for r in lengths)
-            docs = BatchDocuments(starts=starts, seq_len=n)
+            docs = BatchDocuments(starts=starts, seq_len=n,
+                                  spans=None if spans is None else tuple(tuple(r) for r in spans))
             batch = SequenceBatch(documents=docs, assignment=assignment) if packed else None
             ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
-            o = attn(ql, kl, vl, causal=True, scale=scale, batch=batch, window=window, softcap=softcap)
-            o.backward(sh(do))
+            if ring:  # the ring / teams with spans, which the byte rule would not choose for this batch
+                wallfacer.prefer_fetch, chosen = (lambda *a, **kw: False), wallfacer.prefer_fetch
+            try:
+                o = attn(ql, kl, vl, causal=True, scale=scale, batch=batch, window=window, softcap=softcap)
+                o.backward(sh(do))
+            finally:
+                if ring:
+                    wallfacer.prefer_fetch = chosen
             errs = [(a.double() - sh(b)).abs().max().item() for a, b in zip((o, ql.grad, kl.grad, vl.grad), want)]
-            with torch.no_grad():  # control: the same call without the documents / window must differ
+            with torch.no_grad():  # control: the same call without the documents / window (spans) must differ
                 plain = attn(ql, kl, vl, causal=True, scale=scale, softcap=softcap,
-                             batch=SequenceBatch(assignment=assignment) if balanced else None)
+                             batch=SequenceBatch(assignment=assignment) if balanced else None) if spans is None else \
+                    attn(ql, kl, vl, causal=True, scale=scale, window=window,
+                         batch=SequenceBatch(documents=docs.without_spans(), assignment=assignment))
             control = (plain.double() - sh(want[0])).abs().max().item()
             out.append(dict(mode=mode, u=u, c=c, window=window, softcap=softcap, packed=packed, balanced=balanced,
-                            errs=errs,
-                            control=control))
+                            spans=spans is not None, ring=ring, errs=errs, control=control))
     return out
 
 
@@ -125,7 +158,9 @@ def test_documents_windows_softcap_match_single_process(world: int) -> None:
         for r in res:
             # fp32 against float64; logits at 2.5x the usual scale (so soft-capping bites), gradients up to ~10
             assert max(r["errs"]) <= 5e-5, f"P={world} rank {rank}: {r}"
-            assert r["control"] > 1e-2, f"P={world} rank {rank}: documents / window changed nothing: {r}"
+            assert r["control"] > 1e-2 or r["spans"], f"P={world} rank {rank}: documents / window changed nothing: {r}"
+    for case in zip(*results):  # spans change some rank's rows (not every rank holds a span's query)
+        assert max(r["control"] for r in case) > 1e-2 or not case[0]["spans"], f"P={world}: spans changed nothing"
 
 
 def _window_fetch(rank: int, world: int) -> list[dict]:

@@ -2,7 +2,8 @@
 (``kernels/varlen.py``): each rank fetches exactly the k/v rows its queries see (the schedule's ranges against
 ``volume.needed_positions``, counted token by token), the bytes the comm layer counts equal ``volume.fetch_bytes``,
 dense data keeps the ring's bytes, a window no longer than a shard moves at most two shards' worth per rank at any
-P, and a varlen call equals one call per document. Parity of outputs and gradients in every mode is
+P, and a varlen call equals one call per document; with bidirectional spans too (the keys a span adds after a query,
+and no more), in a few calls per block whatever the number of spans. Parity of outputs and gradients in every mode is
 ``test_documents.py``'s.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ def _starts(lengths: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _random_docs(n: int, seed: int, rows: int = 1, longest: int | None = None) -> BatchDocuments:
+def _random_docs(n: int, seed: int, rows: int = 1, longest: int | None = None, spans: bool = False
+                 ) -> BatchDocuments:
+    """Random documents; with ``spans``, a random span in about every other document (``_random_spans``)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(rows):
@@ -34,7 +37,21 @@ def _random_docs(n: int, seed: int, rows: int = 1, longest: int | None = None) -
             row.append(x)
             left -= x
         out.append(_starts(row))
-    return BatchDocuments(starts=tuple(out), seq_len=n)
+    docs = BatchDocuments(starts=tuple(out), seq_len=n)
+    return BatchDocuments(starts=docs.starts, seq_len=n, spans=_random_spans(docs, g)) if spans else docs
+
+
+def _random_spans(docs: BatchDocuments, g: torch.Generator) -> tuple:
+    """Per row, in about every other document of three tokens or more, one span somewhere inside it."""
+    rows = []
+    for r, starts in enumerate(docs.starts):
+        spans = []
+        for a, n in zip(starts, docs.doc_lengths(r)):
+            if n >= 3 and int(torch.randint(0, 2, (1,), generator=g)):
+                lo = a + int(torch.randint(0, n - 2, (1,), generator=g))
+                spans.append((lo, lo + 2 + int(torch.randint(0, a + n - lo - 1, (1,), generator=g))))
+        rows.append(tuple(spans))
+    return tuple(rows)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
@@ -43,8 +60,9 @@ def test_fetched_rows_are_exactly_the_needed_ones(p: int, sharding: str) -> None
     from ds_wallfacer.data.balance import balanced_assignment
 
     n, local = 32 * p, 32
-    for seed, (rows, window) in enumerate([(1, None), (2, None), (1, 7), (2, 40), (1, 300)]):
-        docs = _random_docs(n, seed, rows)
+    for seed, (rows, window, spans) in enumerate([(1, None, False), (2, None, False), (1, 7, False), (2, 40, False),
+                                                  (1, 300, False), (2, None, True), (1, 9, True)]):
+        docs = _random_docs(n, seed, rows, spans=spans)
         assignment = None
         if sharding == "balanced":
             lengths = [[b - a for a, b in zip(s, (*s[1:], n))] for s in docs.starts]
@@ -64,7 +82,8 @@ def test_fetched_rows_are_exactly_the_needed_ones(p: int, sharding: str) -> None
             # every fetched key is read by a call
             for src in plan.sources.values():
                 assert key_ranges(list(src.calls)) == ((0, src.size),)
-                assert len(src.calls) <= 2 * rows or window is not None  # a varlen call per row at most
+                # a varlen call per query run and row at most (spans: the row's own calls)
+                assert len(src.calls) <= 2 * rows * (1 + spans) or window is not None
 
 
 def test_window_within_a_shard_moves_at_most_two_shards_at_any_p() -> None:
@@ -151,6 +170,14 @@ def test_kernel_calls_per_block_do_not_grow_with_documents() -> None:
     ring = RingSchedule.plan(lay, 1, sharding="zigzag", causal=True, batch=SequenceBatch(documents=docs),
                              window=None, rows=1, local_len=local)
     assert len(ring.steps[0]) <= 3
+    # a span in every other document (about 170): one more call on the own diagonal (their strictly upper
+    # triangles), and the keys they add after a query join the block's one call
+    spans = _random_docs(p * local, 0, longest=24, spans=True)
+    assert len(spans.spans[0]) > 100
+    plan = FetchSchedule.plan(lay, 1, sharding="zigzag", causal=True, batch=SequenceBatch(documents=spans),
+                              window=None, rows=1, local_len=local)
+    assert len(plan.own) == 2 and plan.own[1].reverse and len(plan.own[1].spans) >= 30
+    assert all(len(src.calls) == 1 for src in plan.sources.values())
 
 
 def _bytes(rank: int, world: int) -> list[dict]:
@@ -161,12 +188,17 @@ def _bytes(rank: int, world: int) -> list[dict]:
 
     n, out = 32 * world, []
     docs = _random_docs(n, 3, rows=2)
+    # one document per row, spans from position 0 and across chunks and ranks (chunks of 16); documents with spans
+    span_row = BatchDocuments(starts=((0,), (0,)), seq_len=n, spans=(((0, 40), (n - 30, n - 2)), ((13, n // 2 + 7),)))
+    packed_spans = _random_docs(n, 3, rows=2, spans=True)
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(2, h, n, 16, generator=g) for h in (4, 2, 2, 4))
     for c in [1, 2] if world % 4 == 0 else [1]:
         groups = build_groups([RankLayout(tuple(range(world)), c)])
         for name, batch, window in [("dense", None, None), ("packed", SequenceBatch(documents=docs), None),
-                                    ("window", None, 9), ("packed+window", SequenceBatch(documents=docs), 9)]:
+                                    ("window", None, 9), ("packed+window", SequenceBatch(documents=docs), 9),
+                                    ("spans", SequenceBatch(documents=span_row), None),
+                                    ("packed+spans+window", SequenceBatch(documents=packed_spans), 9)]:
             attn = WallFacerAttention(groups, kernel="cpu_flash")
             sh = lambda x: shard_sequence(x, dim=2, index=rank, sp_size=world).contiguous()  # noqa: E731
             ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))

@@ -142,6 +142,62 @@ def test_bad_document_descriptions_are_refused_clearly() -> None:
         prepare_batch({"input_ids": ids, "position_ids": torch.zeros(2, 7)}, spec)
 
 
+def test_bidirectional_spans_travel_beside_the_documents_the_same_on_every_rank() -> None:
+    """Given as lists or as a [B, S, 2] tensor padded with empty pairs, with or without packed documents: every rank
+    gets the same [B, S, 2] int64 (tails filled with the empty span at the padded length), the shards unchanged."""
+    ids = torch.arange(1, 29).view(2, 14)
+    as_lists = {"input_ids": ids, "bidirectional_spans": [[(0, 3), (5, 9)], [(2, 12)]]}
+    as_tensor = {"input_ids": ids, "bidirectional_spans": torch.tensor([[[0, 3], [5, 9]], [[2, 12], [0, 0]]])}
+    for batch in (as_lists, as_tensor):
+        parts = _all_ranks(batch, 2)  # padded to 16
+        assert all(q["bidirectional_spans"].tolist() == [[[0, 3], [5, 9]], [[2, 12], [16, 16]]] for q in parts)
+        plain = _all_ranks({"input_ids": ids}, 2)
+        assert all(torch.equal(q[k], r[k]) for q, r in zip(parts, plain) for k in r)
+    packed = _all_ranks({**as_lists, "document_lengths": [[4, 10], [1, 13]]}, 2)
+    assert packed[1]["bidirectional_spans"].tolist() == packed[0]["bidirectional_spans"].tolist()
+    assert "document_starts" in packed[0]
+
+
+def test_type_runs_are_transformers_image_blocks_and_paligemma_prefixes() -> None:
+    """Gemma 3: the runs of image tokens (type 1) are transformers' blocks (``get_block_sequence_ids_for_mask``); cut
+    at document starts. PaliGemma: one run of prefix tokens (type 0) per document, more refused."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    from ds_wallfacer.data.packing import type_runs
+
+    g = torch.Generator().manual_seed(0)
+    types = (torch.rand(4, 40, generator=g) < 0.6).long()
+    blocks = get_block_sequence_ids_for_mask(types)
+    for r, spans in enumerate(type_runs(types, 1)):
+        want = torch.full((40,), -1)
+        for s, (a, b) in enumerate(spans):
+            want[a:b] = s
+        assert torch.equal(blocks[r], want)
+    row = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 0, 0]])
+    assert type_runs(row, 1, starts=[[0, 2, 5]]) == [[(0, 2), (2, 3), (5, 8)]]
+    assert type_runs(1 - row, 0, starts=[[0, 5]], single=True) == [[(0, 3), (5, 8)]]
+    with pytest.raises(ValueError, match="row 0: the tokens of type 0 form 2 runs, some in one document"):
+        type_runs(1 - row, 0, single=True)
+
+
+def test_bad_bidirectional_spans_are_refused_clearly() -> None:
+    spec = ShardSpec(index=0, sp_size=2)
+    ids = torch.ones(2, 8, dtype=torch.long)
+    bad = {"crosses a document start": ([[(2, 6)], []], [[4, 4], [8]]),
+           "sorted and disjoint": ([[(2, 6), (5, 7)], []], None),
+           "must lie in the row's 8 tokens": ([[(2, 9)], []], None),
+           "give one list of": ([[(2, 6)]], None)}
+    for message, (spans, docs) in bad.items():
+        batch = {"input_ids": ids, "bidirectional_spans": spans}
+        if docs:
+            batch["document_lengths"] = docs
+        with pytest.raises(ValueError, match=message):
+            prepare_batch(batch, spec)
+    mask = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])  # a span into right padding
+    with pytest.raises(ValueError, match="row 1: .* must lie in the row's 6 tokens"):
+        prepare_batch({"input_ids": ids, "attention_mask": mask, "bidirectional_spans": [[], [(3, 8)]]}, spec)
+
+
 @pytest.mark.parametrize("p,u,m", [(4, 1, 4), (4, 2, 2), (2, 1, 3), (8, 4, 4)])
 def test_balanced_packed_batch_shards_by_the_assignment_and_round_trips(p: int, u: int, m: int) -> None:
     docs = [[40, 3, 17, 4], [2, 2, 60]]  # 64 tokens, padded to a multiple of P x m

@@ -50,11 +50,23 @@ def test_the_replica_view_keeps_one_rank_per_group_in_replica_order() -> None:
     assert view.reduce(torch.tensor([1.0, 2.0]), "mean").tolist() == [101.0, 102.0]
 
 
-@pytest.mark.parametrize("option", [{"use_vllm": True}, {"tools": [len]}, {"rollout_func": len}])
+@pytest.mark.parametrize("option", [{"use_vllm": True}])
 def test_grpo_refuses_what_would_run_per_rank_before_trl_acts(option: dict) -> None:
     from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerGRPOTrainer
 
-    args = type("Args", (), {"use_vllm": option.get("use_vllm", False), "vllm_mode": "colocate"})()
+    args = type("Args", (), {"use_vllm": option.get("use_vllm", False), "vllm_mode": "colocate",
+                             "vllm_tensor_parallel_size": 2})()  # colocated tensor parallelism: refused
     kwargs = {"args": args, **{k: v for k, v in option.items() if k != "use_vllm"}}
     with pytest.raises(UnsupportedTrainerOption, match="not supported under sequence parallelism"):
         WallfacerGRPOTrainer._wf_refuse_arguments(kwargs)
+
+
+@pytest.mark.parametrize("option", [{"tools": [len]}, {"rollout_func": len}, {"environment_factory": dict}])
+def test_custom_rollouts_run_on_grpo_and_are_refused_on_rloo(option: dict) -> None:
+    """GRPO takes a rollout_func, tools and environments (``custom_rollouts.py``); TRL's RLOOTrainer takes none."""
+    from ds_wallfacer.hf_trainer import UnsupportedTrainerOption, WallfacerGRPOTrainer, WallfacerRLOOTrainer
+
+    kwargs = {"args": type("Args", (), {"use_vllm": False})(), **option}
+    WallfacerGRPOTrainer._wf_refuse_arguments(kwargs)
+    with pytest.raises(UnsupportedTrainerOption, match=f"{next(iter(option))} is not supported .* RLOOTrainer"):
+        WallfacerRLOOTrainer._wf_refuse_arguments(kwargs)

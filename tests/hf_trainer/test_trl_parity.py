@@ -10,7 +10,11 @@ temperature 1 against TRL's trainer generating its prompts in the same slices fr
 term, the policy gradient's included, are compared. Two cases decode greedily against plain TRL: the split then
 equals one process generating the whole batch (greedy completions of a prompt are alike, so their policy-gradient
 terms cancel; ``trl_runs.row_bonus`` gives them different rewards, and with LoRA the adapter starts away from the
-base model, so GRPO trains on its KL term).
+base model, so GRPO trains on its KL term). They are the custom rollouts' cases too (``rollout_cases.py``): one trains
+on a ``rollout_func``'s rows (each rank calls it on its share and generates there, the group merges the outputs),
+whose env mask leaves tokens out of the loss; the other calls tools and an environment in TRL's tool loop (the greedy model is made
+to write the calls), whose tool mask leaves the tool results out of the loss, and with LoRA's KL term on every kept
+token the loss depends on that mask.
 
 Three of the runs (``resume_checks.RESUMED``: DPO, GRPO, RLOO) also save a checkpoint at step 2, and a second 4-rank run resumes from it
 and must continue as the uninterrupted run (``resume_checks.py``).
@@ -79,19 +83,20 @@ def test_dpo_equals_trl_on_one_rank(case: str, tmp_path) -> None:
 GRPO_CASES = {
     "wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
                           {"lora": True, "sampling": True}),
-    "ulysses-zero3-ref-model": ({"mode": "ulysses", "sequence_parallel_size": 4}, 8, 1,
-                                {"pretrained": True, "zero_stage": 3}),
+    "ulysses-zero3-ref-model-rollout-func": ({"mode": "ulysses", "sequence_parallel_size": 4}, 8, 1,
+                                             {"pretrained": True, "zero_stage": 3, "rollout": "scripted"}),
     "hybrid-dr-grpo": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 4}, 8, 1,
                        {"lora": True, "loss_type": "dr_grpo", "sampling": True}),
-    "hybrid-dp-lora": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 4, 2,
-                       {"lora": True, "loss_type": "dr_grpo"}),
+    "hybrid-dp-lora-tools": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 4, 2,
+                             {"lora": True, "loss_type": "dr_grpo", "rollout": "tools"}),
     "rloo-wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
                                {"lora": True, "algo": "rloo", "sampling": True}),
     "rloo-ring-dp": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}, 4, 2,
                      {"lora": True, "algo": "rloo", "sampling": True}),
 }
 """case: (section, micro-batch, reference ranks, options). ``sampling``: temperature 1, against TRL generating in
-the group's slices (``trl_runs.SlicedRollouts``); else greedy, against plain TRL."""
+the group's slices (``trl_runs.SlicedRollouts``); else greedy, against plain TRL. ``rollout``: a custom rollout
+given to both (``rollout_cases.py``): a scripted ``rollout_func`` with an env mask, or tools and an environment."""
 
 
 @pytest.mark.parametrize("case", list(GRPO_CASES))
@@ -117,10 +122,29 @@ def test_grpo_equals_trl(case: str, tmp_path) -> None:
     for column in ("prompt", "completion"):
         assert got["table"][column] == ref["table"][column], (column, got["table"], ref["table"])
     assert got["table"]["advantages"] == pytest.approx(ref["table"]["advantages"], rel=1e-5, abs=1e-5), case
-    shares = [r["prompts"] for r in got["rollouts"]]  # rank 0's group: each rank generated a quarter
+    if opts.get("rollout") == "tools":  # the tools were called, one call failed, and the tool mask took effect
+        _tools_took_effect(ref)
+    for phases in got["phases"]:  # every rank of rank 0's group: where its seconds went (hf_trainer/phases.py)
+        assert phases["generation"] > 0 and phases["training"] > 0, got["phases"]
+        assert phases["scoring_reference"] > 0, got["phases"]  # beta > 0
+        # the old policy: scored by RLOO always, by GRPO when a round spans optimizer steps (not here)
+        assert (phases["scoring_policy"] > 0) == (opts.get("algo") == "rloo"), got["phases"]
+    shares = [r["prompts"] for r in got["rollouts"]]  # rank 0's group: each rank generated its share
     assert len(shares) == section["sequence_parallel_size"] and len(set(shares)) == 1, got["rollouts"]
     if case in RESUMED:
         assert_resumes(grpo_train, got, tmp_path / "p4", section, micro_batch, opts, case=case)
+
+
+def _tools_took_effect(ref: dict) -> None:
+    """The tool case's reference run called the environment's tool and the standalone one (their results are tool
+    turns of the completions, which TRL's tool mask leaves out of the loss), one call failed, and the environment's
+    own reward saw its calls."""
+    logs = ref["logs"]
+    assert all(log["tools/call_frequency"] > 0 for log in logs), logs
+    assert any(log["tools/failure_frequency"] > 0 for log in logs), logs
+    assert any(log["rewards/Abacus/mean"] > 0 for log in logs), logs
+    called = {m["name"] for c in ref["table"]["completion"] for m in c if m["role"] == "tool"}
+    assert called == {"add", "parity"}, ref["table"]["completion"]
 
 
 def test_sampled_rollouts_split_over_the_group(tmp_path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .rollout_cases import rollout_setup
 from .runs import checkpoint_args, ds_config, train_steps
 
 STEPS = 3
@@ -133,8 +134,10 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
     accumulation 2. ``options``: ``lora`` (greedy: the adapter starts away from the base, see ``_lora``; sampling:
     at the base), ``beta`` (default 0.1: the KL to the reference, the base model under LoRA, else a second model TRL
     loads from ``pretrained``), ``pretrained`` (a saved tiny model, the policy's and reference's checkpoint),
-    ``zero_stage``, ``loss_type``, ``rollout_parts`` (TRL's trainer, ``section=None``: generate as a group of that
-    many ranks, ``SlicedRollouts``), ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from).
+    ``zero_stage``, ``loss_type``, ``vllm_server`` (the URL of a ``vllm_standin.StandInServer``: TRL's vLLM server mode,
+    generating there), ``rollout_parts`` (TRL's trainer, ``section=None``: generate as a group of that
+    many ranks, ``SlicedRollouts``), ``rollout`` (a custom rollout, ``rollout_cases.py``: ``"scripted"`` or
+    ``"tools"``), ``save_steps`` (checkpoints), ``resume`` (a checkpoint folder to resume from).
     Returns this rank's log history, the steps this run trained, TRL's completions table, a digest of the trained
     parameters and (the Wallfacer trainer) what each rank of its group generated."""
     from datasets import Dataset
@@ -146,28 +149,36 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
 
     opts = options or {}
     rloo, sampling = opts.get("algo") == "rloo", opts.get("sampling", False)
-    config_kwargs = {} if rloo else {"loss_type": opts.get("loss_type", "grpo")}
-    args = (RLOOConfig if rloo else GRPOConfig)(
-        output_dir=out, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=2, max_steps=STEPS,
-        learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
-        disable_tqdm=True, use_cpu=True, bf16=False, **checkpoint_args(opts),
-        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
-        num_generations=opts.get("num_generations", 4), max_completion_length=12, temperature=1.0,
-        generation_kwargs=None if sampling else {"do_sample": False}, beta=opts.get("beta", 0.1),
-        num_iterations=opts.get("num_iterations", 1), **config_kwargs,
-        gradient_checkpointing=opts.get("gradient_checkpointing", True),
-    )
+    server = opts.get("vllm_server")
+    tokenizer, rewards = chat_tokenizer(), [arithmetic_reward] if sampling else [arithmetic_reward, row_bonus]
+    rows = make_prompts(16, seed=1, filler=0 if opts.get("rollout") == "tools" else 1)
+    config_kwargs, custom = {} if rloo else {"loss_type": opts.get("loss_type", "grpo")}, {}
+    if opts.get("rollout"):  # the same custom rollout for TRL's trainer and ours
+        rollout_config, custom, rows = rollout_setup(opts["rollout"], tokenizer, rows, rewards)
+        config_kwargs.update(rollout_config)
+    args = (RLOOConfig if rloo else GRPOConfig)(**{
+        **dict(output_dir=out, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=2,
+               max_steps=STEPS, learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1,
+               report_to=[], seed=0, disable_tqdm=True, use_cpu=True, bf16=False, **checkpoint_args(opts),
+               deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
+               num_generations=opts.get("num_generations", 4), max_completion_length=12, temperature=1.0,
+               generation_kwargs=None if sampling or server else {"do_sample": False}, beta=opts.get("beta", 0.1),
+               num_iterations=opts.get("num_iterations", 1),
+               gradient_checkpointing=opts.get("gradient_checkpointing", True), **_server_args(server)),
+        **config_kwargs,
+    })
     if opts.get("pretrained") and opts.get("zero_stage") == 3:
         import deepspeed
 
         # TRL loads the checkpoint under zero.Init, sized by DeepSpeed's world; use_cpu does not start it
         deepspeed.init_distributed(dist_backend="gloo")
     model = opts["pretrained"] if opts.get("pretrained") else tiny_model("llama", seed=0)
-    kwargs: dict[str, Any] = dict(
-        model=model, args=args, processing_class=chat_tokenizer(),
-        reward_funcs=arithmetic_reward if sampling else [arithmetic_reward, row_bonus],
-        train_dataset=Dataset.from_list(make_prompts(16, seed=1, filler=1)),
-    )
+    kwargs: dict[str, Any] = {"model": model, "args": args, "processing_class": tokenizer, "reward_funcs": rewards,
+                              "train_dataset": Dataset.from_list(rows), **custom}
+    if server:  # TRL's client, its CUDA parts replaced, to the stand-in server (vllm_standin.py)
+        from .vllm_standin import use_standin_client
+
+        use_standin_client()
     if opts.get("lora"):
         kwargs["peft_config"] = _lora(identity=sampling)  # greedy: the KL term is what trains the adapter
     if section is None:
@@ -186,7 +197,15 @@ def grpo_train(rank: int, world: int, out: str, section: dict | None, micro_batc
             "table": {"prompt": list(table["prompt"]), "completion": list(table["completion"]),
                       "advantages": list(table["advantages"])},
             "digest": _digest(trainer.model_wrapped),
-            "rollouts": trainer.rollout_stats() if section is not None else None}
+            "rollouts": trainer.rollout_stats() if section is not None else None,
+            "phases": trainer.phase_stats() if section is not None else None}
+
+
+def _server_args(url: str | None) -> dict[str, Any]:
+    """The config keys of TRL's vLLM server mode with the server at ``url`` (none without one)."""
+    if url is None:
+        return {}
+    return {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "vllm_server_timeout": 30.0}
 
 
 def row_bonus(completions: list, **kwargs: Any) -> list[float]:

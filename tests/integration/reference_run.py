@@ -1,7 +1,7 @@
 """The training run shared by test_packed.py and the adapter parity tests (tests/adapters/): a tiny model through
 the real integration (``initialize``, a DeepSpeed engine) against the same model in one process, loss at every step
 and every parameter after ``STEPS`` SGD steps (fp32, clipping off); with packed documents the reference runs each
-document alone."""
+document alone; with bidirectional spans it gets transformers' own masks of Gemma 3's image tokens there."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,7 +10,7 @@ import torch
 
 from tests.integration.parity import LOSS_RTOL, param_failures, parity_config
 
-__all__ = ["LR", "SEQ", "STEPS", "doc_lengths", "per_document_loss", "train_like_reference"]
+__all__ = ["LR", "SEQ", "STEPS", "doc_lengths", "gemma3_image_masks", "per_document_loss", "train_like_reference"]
 
 LR = 0.5
 STEPS = 2
@@ -41,9 +41,23 @@ def per_document_loss(model: torch.nn.Module, ids: torch.Tensor, lengths: list[i
     return total / count
 
 
+def gemma3_image_masks(config, spans: list[tuple[int, int]], n: int) -> dict[str, torch.Tensor]:
+    """The masks transformers gives a Gemma 3 language model when ``spans`` of a row of ``n`` tokens are image
+    tokens (``create_masks_for_vision_model``, per layer type), for the model's own attention."""
+    from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, \
+        get_block_sequence_ids_for_mask
+
+    types = torch.zeros(1, n, dtype=torch.long)
+    for a, b in spans:
+        types[0, a:b] = 1
+    return create_masks_for_vision_model(config, torch.zeros(1, n, config.hidden_size), None, None,
+                                         torch.arange(n)[None], get_block_sequence_ids_for_mask(types))
+
+
 def train_like_reference(make: Callable[[], torch.nn.Module], wallfacer: dict, *, stage: int = 1,
-                         packed: bool) -> list[str]:
-    """``make()`` twice (same seed): one model under ``initialize``, one in this process; what differs, labelled."""
+                         packed: bool, spans: Callable[[int], list[tuple[int, int]]] | None = None) -> list[str]:
+    """``make()`` twice (same seed): one model under ``initialize``, one in this process; what differs, labelled.
+    ``spans(step)``: the row's bidirectional spans, as Gemma 3's image tokens (``gemma3_image_masks``)."""
     from ds_wallfacer.integration import initialize
 
     ours, ref = make(), make()
@@ -58,6 +72,9 @@ def train_like_reference(make: Callable[[], torch.nn.Module], wallfacer: dict, *
             lengths = doc_lengths(step)
             batch = {"input_ids": ids, "document_lengths": [lengths]}
             want = per_document_loss(ref, ids, lengths)
+        elif spans is not None:
+            batch = {"input_ids": ids, "bidirectional_spans": [spans(step)]}
+            want = ref(input_ids=ids, labels=ids, attention_mask=gemma3_image_masks(ref.config, spans(step), SEQ)).loss
         else:
             batch = {"input_ids": ids}
             want = ref(input_ids=ids, labels=ids).loss

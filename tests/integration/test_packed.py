@@ -5,6 +5,8 @@ DeepSpeed engine, 4 gloo ranks), against non-parallel runs of the same HF model:
   text): the model's own eager attention on the full sequence;
 - packed documents: the model run on each document SEPARATELY (the loss is the sum of every document's token
   losses over the total token count), in every mode, with balanced sharding, with MsT, and ZeRO-1 and ZeRO-3;
+- bidirectional spans (Gemma 3 text, alternating local and global layers, the hybrid): the model's own attention
+  with the masks transformers builds for Gemma 3's image tokens, spans longer than the window and across ranks;
 - bad input: position ids that disagree with the documents on one rank fail on every rank at the first step.
 
 Loss at step 0 and every parameter after ``STEPS`` SGD steps (clipping off)."""
@@ -87,6 +89,9 @@ def _body(rank: int, world: int) -> dict:
 
     for wallfacer, stage in PACKED:
         failures += train_like_reference(lambda: tiny_model("llama"), wallfacer, stage=stage, packed=True)
+    spans = lambda step: [(step, step + 5), (10, 27 + step), (40, 52)]  # noqa: E731  window 10; chunks of 8
+    failures += [f"gemma3 spans: {f}" for f in train_like_reference(lambda: _windowed("gemma3"), {
+        "mode": "hybrid", "ulysses_degree": 2}, packed=False, spans=spans)]
     return {"failures": failures, "bad": _bad_positions(rank)}
 
 

@@ -34,15 +34,18 @@ def length_class(n: int) -> int:
         k += 1
 
 
-def _padded(lo: int, hi: int, size: int) -> list[int]:
+def _padded(lo: int, hi: int, size: int, reverse: bool = False) -> list[int]:
+    if reverse:  # descending (Note [Bidirectional spans]); padding repeats the last position taken, ``lo``
+        return list(range(hi - 1, lo - 1, -1)) + [lo] * (size - (hi - lo))
     return list(range(lo, hi)) + [hi - 1] * (size - (hi - lo))
 
 
 @functools.lru_cache(maxsize=1024)
-def span_classes(spans: tuple[tuple[int, int, int, int], ...], causal: bool):
+def span_classes(spans: tuple[tuple[int, int, int, int], ...], causal: bool, reverse: bool = False):
     """Pure: per length class, (query length, key length, the spans' query gather index [n * query length], their
     key gather index [n * key length], the real query rows in gather order, the real key rows in gather order).
-    Causal spans are diagonal: one class length on both sides. Padding repeats a span's last position."""
+    Causal spans are diagonal: one class length on both sides. Padding repeats a span's last position taken.
+    ``reverse``: each span's queries and keys are taken in descending order (``blocks.KernelCall.reverse``)."""
     by: dict[tuple[int, int], list] = {}
     for a, b, c, d in spans:
         lq = length_class(b - a)
@@ -53,18 +56,18 @@ def span_classes(spans: tuple[tuple[int, int, int, int], ...], causal: bool):
         for a, b, c, d in group:
             q_real += range(len(qi), len(qi) + b - a)
             k_real += range(len(ki), len(ki) + d - c)
-            qi += _padded(a, b, lq)
-            ki += _padded(c, d, lk)
+            qi += _padded(a, b, lq, reverse)
+            ki += _padded(c, d, lk, reverse)
         out.append((lq, lk, tuple(qi), tuple(ki), tuple(q_real), tuple(k_real)))
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
-def _indices(spans, causal: bool, device: torch.device):
+def _indices(spans, causal: bool, device: torch.device, reverse: bool = False):
     """``span_classes`` as tensors on ``device``: (query length, key length, n spans, query gather, key gather, real
     query rows, their positions, real key rows, their positions, key-padding mask [n, 1, 1, key length] or None)."""
     out = []
-    for lq, lk, qi, ki, q_real, k_real in span_classes(spans, causal):
+    for lq, lk, qi, ki, q_real, k_real in span_classes(spans, causal, reverse):
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         qg, kg, qr, kr = t(qi), t(ki), t(q_real), t(k_real)
         n = len(qi) // lq
@@ -86,13 +89,14 @@ def _unbatched(y: torch.Tensor, b: int) -> torch.Tensor:
     return y.unflatten(0, (b, -1)).movedim(1, 2).flatten(2, 3)
 
 
-def varlen_forward(forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, *, causal: bool):
+def varlen_forward(forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, *, causal: bool,
+                   reverse: bool = False):
     """(out [B, hq, Sq, dv], lse [B, hq, Sq] fp32) of each span's queries against its keys (rows in no span: out 0,
     lse -inf); ``forward(q, k, v, mask)`` is the backend's call on a batch (causal when ``causal``; ``mask`` a
-    key-padding mask, or None)."""
+    key-padding mask, or None); ``reverse``: the spans taken in descending order (``span_classes``)."""
     b, hq, s, _ = q.shape
     out = lse = None
-    for lq, lk, n, qg, kg, qr, qpos, _, _, mask in _indices(tuple(spans), causal, q.device):
+    for lq, lk, n, qg, kg, qr, qpos, _, _, mask in _indices(tuple(spans), causal, q.device, reverse):
         o, l = forward(_batched(q, qg, n, lq), _batched(k, kg, n, lk), _batched(v, kg, n, lk),
                        None if mask is None else mask.repeat(b, 1, 1, 1))
         if out is None:
@@ -103,13 +107,13 @@ def varlen_forward(forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return out, lse
 
 
-def varlen_backward(backward, dout, q, k, v, o, lse, spans, *, causal: bool):
+def varlen_backward(backward, dout, q, k, v, o, lse, spans, *, causal: bool, reverse: bool = False):
     """(dq, dk, dv) of ``varlen_forward``'s attention; ``backward(dout, q, k, v, o, lse, mask)`` is the backend's
     backward on a batch (``o``: out, or the fp32 delta [B, hq, S] of a kernel that takes it). dk/dv sum over the spans
     that share keys."""
     b = q.shape[0]
     grads = None
-    for lq, lk, n, qg, kg, qr, qpos, kr, kpos, mask in _indices(tuple(spans), causal, q.device):
+    for lq, lk, n, qg, kg, qr, qpos, kr, kpos, mask in _indices(tuple(spans), causal, q.device, reverse):
         keep = torch.zeros(n * lq, dtype=dout.dtype, device=dout.device).index_fill_(0, qr, 1)
         do = _batched(dout, qg, n, lq) * keep.view(n, lq).repeat(b, 1)[:, None, :, None]
         got = backward(do, _batched(q, qg, n, lq), _batched(k, kg, n, lk), _batched(v, kg, n, lk),
