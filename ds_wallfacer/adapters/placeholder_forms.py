@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from ..hf_config import backbone
+from .type_spans import MASK_CALLS, TypeSpans, type_spans
 
 __all__ = ["MediaKind", "PlaceholderForm", "placeholder_form"]
 
@@ -52,6 +53,9 @@ class PlaceholderForm:
     kinds: tuple[MediaKind, ...]
     field: str
     """The features methods' output the forward scatters (``pooler_output``; Fuyu's ``last_hidden_state``)."""
+    type_spans: TypeSpans | None = None
+    """How its ``token_type_ids`` become bidirectional spans (Gemma 3, PaliGemma: ``type_spans.py``); None when its
+    forward builds no masks."""
 
 
 _TEXT_MODELS = ("language_model", "text_model")
@@ -301,10 +305,12 @@ def placeholder_form(model: nn.Module) -> PlaceholderForm | str:
                       if re.fullmatch(r"self\.get_\w+_features", n)})
     helpers = _helpers(merger, reading)
     odd = _odd_calls(reading, helpers, [k for k in methods if k in ("image", "video")])
-    if odd:
+    masks = all(MASK_CALLS.match(n) for n in odd) and any(re.search(r"create_\w*mask|block_sequence", n) for n in odd)
+    if odd and not masks:
         return _refusal(odd)
-    if reading.in_place:
-        return f"its forward writes into {', '.join(sorted(set(reading.in_place)))} in place"
+    in_place = [v for v in reading.in_place if not (masks and v == "mask_kwargs")]  # PaliGemma's block ids
+    if in_place:
+        return f"its forward writes into {', '.join(sorted(set(in_place)))} in place"
     if reading.position_writes:
         return "its forward computes position ids of its own"
     if not any(n.endswith(".masked_scatter") for n, _ in reading.calls) and not helpers:
@@ -327,5 +333,8 @@ def placeholder_form(model: nn.Module) -> PlaceholderForm | str:
     fields = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)} & {"pooler_output", "last_hidden_state"}
     if len(fields) != 1:
         return "its forward does not read one output field of its features methods"
+    spans = type_spans(model, merger, fn, text[0]) if masks else None
+    if isinstance(spans, str):
+        return spans
     kinds = tuple(MediaKind(k, f"get_{k}_features", ids[k]) for k in methods)
-    return PlaceholderForm(merger=path, kinds=kinds, field=fields.pop())
+    return PlaceholderForm(merger=path, kinds=kinds, field=fields.pop(), type_spans=spans)

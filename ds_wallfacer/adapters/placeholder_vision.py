@@ -50,6 +50,8 @@ class PlaceholderVisionLanguage:
         self._model = model
         self._form = form
         self.kinds: dict[str, MediaKind] = {k.name: k for k in form.kinds}
+        self.type_spans = form.type_spans
+        """How the batch's ``token_type_ids`` become bidirectional spans (the loader asks); None: it has none."""
         self._units: dict[str, Unit | None] | None = None
         self.hidden = int(text_config(model).hidden_size)  # not the embedding's weight: ZeRO-3 would gather it
 
@@ -100,7 +102,10 @@ class PlaceholderVisionLanguage:
 
     def inputs(self, input_ids: torch.Tensor, media_index: torch.Tensor | None, media: Mapping[str, Any], *,
                group: Any = None, comm: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        """(inputs_embeds [B, S_l, H], {}) of this rank's tokens, its placeholders' feature rows in place."""
+        """(inputs_embeds [B, S_l, H], keywords) of this rank's tokens, its placeholders' feature rows in place.
+        Keywords: ``is_causal=True`` where the model builds its masks from token types (``type_spans``): they were
+        measured causal plus spans on every layer, whatever its attention layers' ``is_causal`` says (PaliGemma's
+        say False, their masks do the work)."""
         emb = self._model.get_input_embeddings()(input_ids)
         args = self._arguments(media)
         self._probe(emb.device, emb.dtype, lazily=True)
@@ -113,14 +118,15 @@ class PlaceholderVisionLanguage:
             else:
                 touched = touched + self._touch(kind, emb)
         emb = emb + 0.0 * touched
+        extra = {"is_causal": True} if self.type_spans is not None else {}
         if not local:
-            return emb, {}
+            return emb, extra
         placeholders = {k: input_ids == self.kinds[k].token_id for k in local}
         rows = self._exchange(local, split, placeholders, group=group, comm=comm, p=p)
         for kind, mask in placeholders.items():
             at = media_index[mask].to(emb.device)
             emb = emb.masked_scatter(mask[..., None], rows[kind].index_select(0, at).to(emb.dtype))
-        return emb, {}
+        return emb, extra
 
     def _run(self, kind: str, args: Mapping[str, Any], emb: torch.Tensor) -> torch.Tensor:
         """[rows, H]: the model's features method on ``args`` (moved to the embeddings' device)."""
@@ -215,7 +221,7 @@ class PlaceholderVisionLanguage:
         while pieces and sum(u.rows + 1 for _, u, _ in pieces) + 1 > n:
             pieces = pieces[:-1]
         if not pieces:
-            return {"input_ids": ids}
+            return {"input_ids": ids, **self._types(ids)}
         gap, at = (n - sum(u.rows for _, u, _ in pieces)) // (len(pieces) + 1), 0
         media: dict[str, list[dict[str, torch.Tensor]]] = {}
         for kind, unit, sign in pieces:
@@ -223,7 +229,20 @@ class PlaceholderVisionLanguage:
             ids[0, at:at + unit.rows] = self.kinds[kind].token_id
             at += unit.rows
             media.setdefault(kind, []).append({k: v * sign if k == unit.pixel else v for k, v in unit.args.items()})
-        out = {"input_ids": ids}
+        out = {"input_ids": ids, **self._types(ids)}
         for kind, many in media.items():
             out.update(found[kind].join(many))
         return out
+
+    def _types(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The self-check's ``token_type_ids`` where the model builds spans from them: Gemma 3's at its image
+        tokens, PaliGemma's prefix over the row's first half (within a window that sees it whole)."""
+        ts = self.type_spans
+        if ts is None:
+            return {}
+        if ts.single:
+            n = ids.shape[1]
+            on = torch.arange(n)[None] < min(n // 2, ts.whole_window or n)
+        else:
+            on = sum((ids == k.token_id for k in self.kinds.values()), torch.zeros_like(ids, dtype=torch.bool))
+        return {ts.key: torch.where(on, ts.value, 1 - ts.value).long()}

@@ -51,11 +51,7 @@ ADAPTED = {
 with the placeholder pattern is recognised from its code (``placeholder_vision.py``)."""
 
 _REFUSED = {
-    "Gemma3ForConditionalGeneration": (
-        "its image tokens attend to each other in both directions (token_type_ids build a bidirectional mask per "
-        "image), and ds_wallfacer's attention computes causal attention only"),
     "Gemma3nForConditionalGeneration": "its image and audio tokens attend bidirectionally, like Gemma 3",
-    "PaliGemmaForConditionalGeneration": "its prefix (image and prompt) attends bidirectionally",
 }
 
 

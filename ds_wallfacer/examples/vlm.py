@@ -117,12 +117,12 @@ def conversation_batch(rows: Sequence[dict[str, torch.Tensor]], *, packed: bool 
     if packed:
         ids = torch.cat([r["input_ids"] for r in rows])
         batch: dict[str, Any] = {"input_ids": ids[None], "document_lengths": [[len(r["input_ids"]) for r in rows]]}
-        for key in MEDIA_KEYS:
+        for key in (*MEDIA_KEYS, "token_type_ids"):
             parts = [r[key] for r in rows if key in r]
             if parts:
                 batch[key] = torch.cat(parts)
     else:
-        batch = collate_right_padded(list(rows))
+        batch = collate_right_padded(list(rows), token_keys=("token_type_ids",))
     if token_ids is not None:
         image, video = token_ids
         batch["mm_token_type_ids"] = (batch["input_ids"] == image).int() + 2 * (batch["input_ids"] == video).int()

@@ -264,7 +264,8 @@ class SequenceParallelCausalLM(nn.Module):
             return None, self._vision_inputs(input_ids, position_ids, mrope_position_ids, media_index, media,
                                              kwargs), kwargs
         if self.vision is not None and self.vision.refusal is None:  # text only: the tower still gets a zero gradient
-            kwargs["inputs_embeds"] = self.vision.inputs(input_ids, None, {}, group=self._group, comm=self._comm)[0]
+            embeds, extra = self.vision.inputs(input_ids, None, {}, group=self._group, comm=self._comm)
+            kwargs.update(inputs_embeds=embeds, **extra)
             return None, position_ids, kwargs
         return input_ids, position_ids, kwargs
 

@@ -164,6 +164,10 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Idefics2ForConditionalGeneration": _nested("perceiver_config", resampler_n_latents=4),
     # the projector's query count is looked up by the tower's patch count
     "AriaForConditionalGeneration": lambda d: {**d, "projector_patch_to_query_dict": {_PATCHES**2: 4}},
+    # 256 pooled tokens per image by default: the tiny tower's 4 x 4 patches pool to 2 x 2
+    "Gemma3ForConditionalGeneration": lambda d: {**d, "mm_tokens_per_image": 4},
+    # the projector's width is the text width (2048 by default; a wider one gives each patch several placeholders)
+    "PaliGemmaForConditionalGeneration": lambda d: {**d, "projection_dim": HIDDEN},
     "Llama4ForConditionalGeneration": _nested("vision_config", intermediate_size=4 * HIDDEN, projector_input_dim=HIDDEN,
                                               projector_output_dim=HIDDEN, vision_output_dim=HIDDEN),
 }
