@@ -37,7 +37,53 @@ def test_forms_recognised_and_refused_from_the_code() -> None:
     llava = placeholder_form(build_tiny_vlm("llava_onevision", "LlavaOnevisionForConditionalGeneration"))
     assert isinstance(llava, PlaceholderForm) and [k.name for k in llava.kinds] == ["image", "video"]
     assert "3-D (M-RoPE) positions" in placeholder_form(tiny_vlm("qwen2_vl"))
-    assert "attention masks of its own" in placeholder_form(tiny_vlm("gemma3"))
+    assert "attention masks of its own" in placeholder_form(build_tiny_vlm("gemma4", "Gemma4ForConditionalGeneration"))
+
+
+def _paligemma2(window: int):
+    """PaliGemma 2: a Gemma 2 language model, whose sliding layers see the prefix whole."""
+    from tests.sweep.tiny import build_tiny
+    from tests.sweep.tiny_multimodal import adjust
+
+    cls = "PaliGemmaForConditionalGeneration"
+    return build_tiny("paligemma", cls, check=False, adjust=lambda d: {**adjust(d, cls), "text_config": {
+        **adjust(d, cls)["text_config"], "model_type": "gemma2", "sliding_window": window}})
+
+
+def test_token_type_masks_measure_as_spans() -> None:
+    """Gemma 3's images and PaliGemma's prefix read from their forwards and measured on their own mask builders; the
+    loader derives the spans per document from token_type_ids, and refuses what the masks and spans would not
+    agree on."""
+    from ds_wallfacer.adapters.vision import vision_language
+    from ds_wallfacer.data.loader import ShardSpec, prepare_batch
+    from ds_wallfacer.examples.vlm import tiny_vlm
+    from tests.sweep.tiny_multimodal import build_tiny_vlm
+
+    forms = {name: vision_language(m).type_spans for name, m in (
+        ("gemma3", tiny_vlm("gemma3")), ("pali", build_tiny_vlm("paligemma", "PaliGemmaForConditionalGeneration")),
+        ("pali2", _paligemma2(8)))}
+    assert [(f.value, f.single, f.whole_window) for f in forms.values()] == [(1, False, None), (0, True, None),
+                                                                             (0, True, 8)]
+    vision = vision_language(tiny_vlm("gemma3"))
+    spec = ShardSpec(index=0, sp_size=2)
+    ids = torch.arange(10, 22)[None]
+    types = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 1, 1]])
+    out = prepare_batch({"input_ids": ids, "token_type_ids": types, "document_lengths": [[4, 8]]}, spec, vision=vision)
+    assert out["bidirectional_spans"].tolist() == [[[1, 4], [4, 6], [8, 9], [10, 12]]]  # cut at the document
+    with pytest.raises(ValueError, match="not both"):
+        prepare_batch({"input_ids": ids, "token_type_ids": types, "bidirectional_spans": [[(1, 3)]]}, spec,
+                      vision=vision)
+    pali2 = vision_language(_paligemma2(8))
+    padded = {"input_ids": ids, "attention_mask": (torch.arange(12) < 10).long()[None]}
+    out = prepare_batch({**padded, "token_type_ids": (torch.arange(12) >= 6).long()[None]}, spec, vision=pali2)
+    assert out["bidirectional_spans"].tolist() == [[[0, 6]]]
+    pali = vision_language(build_tiny_vlm("paligemma", "PaliGemmaForConditionalGeneration"))
+    whole = prepare_batch({**padded, "token_type_ids": torch.zeros(1, 12, dtype=torch.long)}, spec, vision=pali)
+    assert whole["bidirectional_spans"].tolist() == [[[0, 10]]]  # the padding is no prefix
+    with pytest.raises(ValueError, match="PaliGemmaForConditionalGeneration.*10 tokens.*window of 8"):
+        prepare_batch({**padded, "token_type_ids": torch.zeros(1, 12, dtype=torch.long)}, spec, vision=pali2)
+    with pytest.raises(ValueError, match="runs"):
+        prepare_batch({"input_ids": ids, "token_type_ids": types}, spec, vision=pali2)
 
 
 def test_the_probe_measures_whether_units_are_independent() -> None:
