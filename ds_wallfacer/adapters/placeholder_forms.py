@@ -74,8 +74,8 @@ _KNOWN = (
     (re.compile(r"compute_3d_position_ids|get_rope_index"),
      "it numbers its tokens with 3-D (M-RoPE) positions computed from the images"),
     (re.compile(r"create_\w*mask\w*|get_block_sequence_ids_for_mask|create_masks_for_\w+"),
-     "it builds attention masks of its own (e.g. image tokens attending to each other both ways), which "
-     "sequence-parallel attention does not apply"),
+     "it builds attention masks of its own beside other steps (or from more than token_type_ids), which "
+     "sequence-parallel attention does not apply (Gemma 3's and PaliGemma's, from token_type_ids alone, it does)"),
     (re.compile(r"get_audio_\w+|embed_audio"), "it merges audio as well, which ds_wallfacer does not place on shards"),
     (re.compile(r"get_per_layer_inputs"), "its language model takes per-layer inputs computed from the token ids"),
 )
