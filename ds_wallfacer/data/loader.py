@@ -135,13 +135,13 @@ def _spans(value: Any, mask: torch.Tensor | None, shape: torch.Size, starts: tor
     return span_tensor(spans, seq_len=n)
 
 
-def _type_spans(batch: Mapping[str, Any], vision: VisionAdapter | None, docs: list[list[int]] | None,
-                mask: torch.Tensor | None, n: int) -> list[list[tuple[int, int]]] | None:
-    """The bidirectional spans a model derives from its token types (Gemma 3's images, PaliGemma's prefix:
-    ``adapters/type_spans.py``), per document; None when the model or the batch has none."""
+def _batch_spans(batch: Mapping[str, Any], vision: VisionAdapter | None, docs: list[list[int]] | None,
+                 mask: torch.Tensor | None, n: int) -> Any:
+    """The batch's ``bidirectional_spans``, or those a model derives from its token types (Gemma 3's images,
+    PaliGemma's prefix: ``adapters/type_spans.py``), per document; None when it has none."""
     ts = getattr(vision, "type_spans", None)
     if ts is None or batch.get(ts.key) is None:
-        return None
+        return batch.get(SPANS_KEY)
     if batch.get(SPANS_KEY) is not None:
         raise ValueError(f"give {ts.key} or {SPANS_KEY}, not both: {ts.model} derives its spans from {ts.key}")
     types = _as_2d(batch[ts.key], ts.key)
@@ -217,8 +217,8 @@ def prepare_batch(
 
     ``bidirectional_spans`` (``SPANS_KEY``): per row (start, end) token ranges whose tokens attend to each other
     both ways, each inside one document (Note [Bidirectional spans] in docs/design/spans.md; ``normalize_spans``); the
-    output carries them as [B, S, 2] int64, the same on every rank, beside ``document_starts``. A model that derives
-    them from ``token_type_ids`` (``vision.type_spans``: Gemma 3, PaliGemma) gets them from those, per document.
+    output carries them as [B, S, 2] int64, the same on every rank, beside ``document_starts`` (or from the
+    ``token_type_ids`` of a model that derives them: ``vision.type_spans``, Gemma 3 and PaliGemma).
 
     ``spec.scheme == "balanced"``: a packed batch is cut into R x ``spec.chunks_per_rank`` ring chunks
     (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
@@ -255,9 +255,7 @@ def prepare_batch(
         pos = document_positions(doc_ids)
         shift = mask_document_ends(shift, doc_ids, ignore_index=ignore_index)
         extra["document_starts"] = document_starts(docs, seq_len=n)
-    spans = _type_spans(batch, vision, docs, mask, n_in)
-    spans = batch.get(SPANS_KEY) if spans is None else spans
-    if spans is not None:
+    if (spans := _batch_spans(batch, vision, docs, mask, n_in)) is not None:
         extra[SPANS_KEY] = _spans(spans, mask, ids.shape, extra.get("document_starts"), n)
     if spec.scheme == "balanced":
         ring = spec.sp_size // spec.ulysses_degree
