@@ -145,6 +145,8 @@ class _Reading:
     """The calls inside it."""
     in_place: list[str]
     position_writes: int
+    shifted: bool = False
+    """Whether its default positions add a constant (PaliGemma numbers from 1, ``past_seen_tokens`` aside)."""
 
 
 def _placeholders_blanked(node: ast.AST, clones: set[str]) -> bool:
@@ -167,7 +169,9 @@ def _read(fn: ast.FunctionDef) -> _Reading:
                 if isinstance(t, ast.Subscript) and _name(t.value) not in _OUTPUT_DICTS]
     writes = sum(1 for n, d in walked if isinstance(n, ast.Assign) and not d
                  for t in n.targets if isinstance(t, ast.Name) and t.id == "position_ids")
-    return _Reading(calls, default_calls, in_place, writes)
+    shifted = any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub)) and any(
+        isinstance(x, ast.Constant) and x.value for x in (n.left, n.right)) for n, d in walked if d)
+    return _Reading(calls, default_calls, in_place, writes, shifted)
 
 
 def _token_refs(module: nn.Module, helpers: list[str], forward: ast.FunctionDef) -> list[str]:
@@ -318,6 +322,10 @@ def placeholder_form(model: nn.Module) -> PlaceholderForm | str:
     text = _text_call(merger, reading)
     if isinstance(text, str):
         return text
+    if reading.shifted and any(isinstance(m, nn.Embedding) and "position" in n
+                               for n, m in getattr(merger, text[0]).named_modules()):
+        return ("its default positions are shifted by a constant (the loader's start at 0 in each document) and its "
+                "language model embeds absolute positions")
     why = _check_head(model, merger, getattr(merger, text[0]))
     if why is not None:
         return why
