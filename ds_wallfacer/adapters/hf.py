@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import positional
-from .vision import ADAPTED
+from .vision import runs_images
 
 BATCH_KWARG = "wallfacer_batch"
 """The model-forward keyword carrying a packed batch's documents and chunk assignment (``packing.py``)."""
@@ -133,8 +133,8 @@ def off_text_path(model: nn.Module) -> set[int]:
 
 def set_implementation(model: nn.Module, impl: str) -> None:
     """``model.set_attn_implementation(impl)``; for a vision-language model whose vision tower runs on full images
-    under sequence parallelism (``vision.ADAPTED``), on its text model only: the tower keeps its own attention."""
-    model.set_attn_implementation({"text_config": impl} if type(model).__name__ in ADAPTED else impl)
+    under sequence parallelism (``vision.runs_images``), on its text model only: the tower keeps its own attention."""
+    model.set_attn_implementation({"text_config": impl} if runs_images(model) else impl)
 
 
 def implementation(model: nn.Module) -> str | None:

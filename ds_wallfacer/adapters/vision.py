@@ -33,9 +33,13 @@ from torch import nn
 
 from ..data.media import TOKEN_TYPES_KEY, VisionAdapter
 from ..hf_config import text_config
+from .media_tokens import GatherRows, media_index, token_types
+from .media_units import pixel_row
+from .placeholder_forms import PlaceholderForm, placeholder_form
+from .placeholder_vision import PlaceholderVisionLanguage
 
 __all__ = ["ADAPTED", "FrameUnit", "QwenVisionLanguage", "RefusedVision", "frame_units", "has_vision_tower",
-           "media_refusal", "pixel_row", "split_units", "vision_language"]
+           "media_refusal", "pixel_row", "runs_images", "split_units", "vision_language"]
 
 ADAPTED = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -43,14 +47,11 @@ ADAPTED = {
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
-"""The classes whose image and video batches run under sequence parallelism (checked exact by the sweep)."""
+"""The Qwen-VL classes (M-RoPE positions: ``QwenVisionLanguage``), checked exact by the sweep. Every other class
+with the placeholder pattern is recognised from its code (``placeholder_vision.py``)."""
 
 _REFUSED = {
-    "Gemma3ForConditionalGeneration": (
-        "its image tokens attend to each other in both directions (token_type_ids build a bidirectional mask per "
-        "image), and ds_wallfacer's attention computes causal attention only"),
     "Gemma3nForConditionalGeneration": "its image and audio tokens attend bidirectionally, like Gemma 3",
-    "PaliGemmaForConditionalGeneration": "its prefix (image and prompt) attends bidirectionally",
 }
 
 
@@ -69,12 +70,13 @@ def has_vision_tower(model: nn.Module) -> bool:
         return False
 
 
-def media_refusal(model: nn.Module) -> str:
-    """Why this model's batches with pixels are refused (a model without an adapter)."""
+def media_refusal(model: nn.Module, why: str | None = None) -> str:
+    """Why this model's batches with pixels are refused (a model without an adapter); ``why``: what its forward
+    does that no adapter reproduces (``placeholder_form``'s answer)."""
     name = type(model).__name__
-    why = _REFUSED.get(name, "ds_wallfacer has no adapter that places its image features and positions on shards")
+    why = _REFUSED.get(name) or why or "ds_wallfacer has no adapter that places its image features on shards"
     return (f"{name}: batches with images or videos are not supported under sequence parallelism: {why}. Train it on "
-            f"text only, or use one of {', '.join(sorted(ADAPTED))} (docs/models.md, the multimodal table)")
+            "text only, or a model whose images train on shards (docs/models.md, the multimodal table)")
 
 
 class RefusedVision:
@@ -94,20 +96,23 @@ class RefusedVision:
 
 
 def vision_language(model: nn.Module) -> VisionAdapter | None:
-    """The adapter of an HF vision-language model (``QwenVisionLanguage``); ``RefusedVision`` for one with a vision
-    tower and no adapter; None for a text model."""
-    if type(model).__name__ in ADAPTED:
+    """The adapter of an HF vision-language model: ``QwenVisionLanguage`` (``ADAPTED``), else
+    ``PlaceholderVisionLanguage`` for a model whose code has the placeholder pattern; ``RefusedVision`` for one
+    with a vision tower and neither (saying what its forward does); None for a text model."""
+    name = type(model).__name__
+    if name in ADAPTED:
         return QwenVisionLanguage(model)
-    if has_vision_tower(model):
-        return RefusedVision(media_refusal(model))
-    return None
+    if not has_vision_tower(model):
+        return None
+    form = placeholder_form(model) if name not in _REFUSED else None
+    if isinstance(form, PlaceholderForm):
+        return PlaceholderVisionLanguage(model, form)
+    return RefusedVision(media_refusal(model, form))
 
 
-def pixel_row(vision_config: Any) -> int:
-    """Values per patch row of ``pixel_values``: channels x temporal patch x patch side^2 (1,176 in Qwen2.5-VL)."""
-    vc = vision_config
-    channels = int(getattr(vc, "in_channels", getattr(vc, "in_chans", 3)))
-    return channels * int(getattr(vc, "temporal_patch_size", 1)) * int(vc.patch_size) ** 2
+def runs_images(model: nn.Module) -> bool:
+    """Whether the model's images run on shards with an adapter (its tower then keeps its own attention)."""
+    return isinstance(vision_language(model), (QwenVisionLanguage, PlaceholderVisionLanguage))
 
 
 def _take_grids(grids: torch.Tensor | None, start: int, tokens: int, merge: int, what: str) -> int:
@@ -172,21 +177,6 @@ def split_units(work: Sequence[int], ranks: int) -> list[int]:
     return owner
 
 
-class _GatherRows(torch.autograd.Function):
-    """[m, D] on each rank -> [P, m, D] (the group's rows, in rank order); backward: a reduce-scatter, each rank
-    getting the sum over ranks of the gradient of its own rows."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Any, group: Any) -> torch.Tensor:
-        ctx.comm, ctx.group = comm, group
-        return comm.all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        with ctx.comm.phase("vision"):
-            return ctx.comm.reduce_scatter(g.contiguous(), ctx.group), None, None
-
-
 class QwenVisionLanguage:
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE): the model's ``get_rope_index``, ``get_image_features``,
     ``get_video_features`` and its language model, used on shards (a ``VisionAdapter``)."""
@@ -209,18 +199,8 @@ class QwenVisionLanguage:
     # ---- loader side: pure functions of the full (padded) row and the media descriptions ----
 
     def token_types(self, ids: torch.Tensor, given: Any = None) -> torch.Tensor:
-        """[B, N] int: 0 text, 1 image, 2 video, from the token ids; the processor's ``mm_token_type_ids``
-        (``given``, before the loader's padding) must agree."""
-        types = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
-        if given is not None:
-            g = torch.as_tensor(given).long()
-            if g.dim() == 1:
-                g = g[None]
-            if g.shape[0] != ids.shape[0] or not torch.equal(g, types[:, :g.shape[1]]) or \
-                    bool(types[:, g.shape[1]:].any()):
-                raise ValueError(f"{TOKEN_TYPES_KEY} disagrees with the image / video placeholder tokens of "
-                                 f"input_ids (ids {self.image_token_id} / {self.video_token_id})")
-        return types
+        """[B, N] int: 0 text, 1 image, 2 video (``media_tokens.token_types``)."""
+        return token_types(ids, self.image_token_id, self.video_token_id, given)
 
     def positions(self, ids: torch.Tensor, types: torch.Tensor, media: Mapping[str, Any],
                   documents: Sequence[Sequence[int]] | None) -> torch.Tensor:
@@ -263,14 +243,7 @@ class QwenVisionLanguage:
                                  f"one row per {k} that appears in input_ids")
         return out
 
-    @staticmethod
-    def media_index(types: torch.Tensor) -> torch.Tensor:
-        """[B, N]: the k-th image (video) token of the batch, row-major, gets k; text -1."""
-        out = torch.full_like(types, -1)
-        for kind in (1, 2):
-            mask = types == kind
-            out[mask] = torch.arange(int(mask.sum()), dtype=out.dtype)
-        return out
+    media_index = staticmethod(media_index)
 
     # ---- loss side: this rank's embeddings ----
 
@@ -341,7 +314,7 @@ class QwenVisionLanguage:
         if p > 1:
             local = torch.cat([local, local.new_zeros(rows - local.shape[0], local.shape[1])])
             with comm.phase("vision"):
-                flat = _GatherRows.apply(local, comm, group).reshape(p * rows, -1)
+                flat = GatherRows.apply(local, comm, group).reshape(p * rows, -1)
         at = [0] * p
         order: dict[str, list[int]] = {"image": [], "video": []}
         for u, r in zip(units, owner):

@@ -135,6 +135,23 @@ def _spans(value: Any, mask: torch.Tensor | None, shape: torch.Size, starts: tor
     return span_tensor(spans, seq_len=n)
 
 
+def _batch_spans(batch: Mapping[str, Any], vision: VisionAdapter | None, docs: list[list[int]] | None,
+                 mask: torch.Tensor | None, n: int) -> Any:
+    """The batch's ``bidirectional_spans``, or those a model derives from its token types (Gemma 3's images,
+    PaliGemma's prefix: ``adapters/type_spans.py``), per document; None when it has none."""
+    ts = getattr(vision, "type_spans", None)
+    if ts is None or batch.get(ts.key) is None:
+        return batch.get(SPANS_KEY)
+    if batch.get(SPANS_KEY) is not None:
+        raise ValueError(f"give {ts.key} or {SPANS_KEY}, not both: {ts.model} derives its spans from {ts.key}")
+    types = _as_2d(batch[ts.key], ts.key)
+    if types.shape[1] != n or types.shape[0] != (mask.shape[0] if mask is not None else types.shape[0]):
+        raise ValueError(f"{ts.key} shape {tuple(types.shape)} does not match input_ids (length {n})")
+    real = mask.sum(dim=1).tolist() if mask is not None else [n] * types.shape[0]
+    starts = [[sum(d[:i]) for i in range(len(d))] for d in docs] if docs is not None else [[0]] * len(real)
+    return ts.spans(types, starts=starts, real_lengths=real)
+
+
 def _checked_ids(batch: Mapping[str, Any], vision: VisionAdapter | None = None) -> torch.Tensor:
     """``input_ids`` [B, N] as int64, after checking the batch's keys and the shapes beside it."""
     if "input_ids" not in batch:
@@ -149,6 +166,8 @@ def _checked_ids(batch: Mapping[str, Any], vision: VisionAdapter | None = None) 
                          "parallelism takes text rows only)")
     if vision is not None:
         known |= {*MEDIA_KEYS, TOKEN_TYPES_KEY}
+    if getattr(vision, "type_spans", None) is not None:
+        known.add(vision.type_spans.key)
     unknown = sorted(set(batch) - known)
     if unknown:
         raise ValueError(f"batch keys {unknown} are not supported by the sequence-parallel loader; known: {sorted(known)}")
@@ -198,7 +217,8 @@ def prepare_batch(
 
     ``bidirectional_spans`` (``SPANS_KEY``): per row (start, end) token ranges whose tokens attend to each other
     both ways, each inside one document (Note [Bidirectional spans] in docs/design/spans.md; ``normalize_spans``); the
-    output carries them as [B, S, 2] int64, the same on every rank, beside ``document_starts``.
+    output carries them as [B, S, 2] int64, the same on every rank, beside ``document_starts`` (or from the
+    ``token_type_ids`` of a model that derives them: ``vision.type_spans``, Gemma 3 and PaliGemma).
 
     ``spec.scheme == "balanced"``: a packed batch is cut into R x ``spec.chunks_per_rank`` ring chunks
     (R = P / U; N padded to a multiple of P x chunks_per_rank) assigned by attention work (one without documents:
@@ -235,8 +255,8 @@ def prepare_batch(
         pos = document_positions(doc_ids)
         shift = mask_document_ends(shift, doc_ids, ignore_index=ignore_index)
         extra["document_starts"] = document_starts(docs, seq_len=n)
-    if batch.get(SPANS_KEY) is not None:
-        extra[SPANS_KEY] = _spans(batch[SPANS_KEY], mask, ids.shape, extra.get("document_starts"), n)
+    if (spans := _batch_spans(batch, vision, docs, mask, n_in)) is not None:
+        extra[SPANS_KEY] = _spans(spans, mask, ids.shape, extra.get("document_starts"), n)
     if spec.scheme == "balanced":
         ring = spec.sp_size // spec.ulysses_degree
         if balanced:
@@ -262,27 +282,28 @@ def prepare_batch(
 
 def _media_fields(batch: Mapping[str, Any], ids: torch.Tensor, docs: list[list[int]] | None, vision: VisionAdapter,
                   shard: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A batch with images or videos: the M-RoPE positions of the full (padded) rows and each token's feature row,
-    sharded like the tokens (``shard``: ``shard_sequence``'s keywords), and the media as they are; {} without."""
+    """A batch with images or videos: each token's feature row and (M-RoPE models) the positions of the full (padded)
+    rows, sharded like the tokens (``shard``: ``shard_sequence``'s keywords), and the media as they are; {} without."""
     media = {k: torch.as_tensor(batch[k]) for k in MEDIA_KEYS if batch.get(k) is not None}
     if not media:
         return {}
     types = vision.token_types(ids, batch.get(TOKEN_TYPES_KEY))
-    return {
-        "mrope_position_ids": shard_sequence(vision.positions(ids, types, media, docs), **{**shard, "dim": 2}),
-        "media_index": shard_sequence(vision.media_index(types), **shard).contiguous(),
-        **media,
-    }
+    out = {"media_index": shard_sequence(vision.media_index(types), **shard).contiguous(), **media}
+    positions = vision.positions(ids, types, media, docs)
+    if positions is not None:  # M-RoPE; None: image tokens are numbered like text (the loader's positions)
+        out["mrope_position_ids"] = shard_sequence(positions, **{**shard, "dim": 2})
+    return out
 
 
 def collate_right_padded(
-    items: Sequence[Any], *, pad_token_id: int = 0, ignore_index: int = -100
+    items: Sequence[Any], *, pad_token_id: int = 0, ignore_index: int = -100, token_keys: Sequence[str] = ()
 ) -> dict[str, Any]:
     """Map-style items (a 1-D tensor / list of token ids, or a dict with ``input_ids`` and optional
     ``labels``) -> one batch, right-padded to the longest item with an ``attention_mask``.
 
     Packed items carry ``position_ids`` (restarting at 0 per document) or ``document_lengths`` (a list of ints);
-    when any item does, every row gets them (an item without is one document)."""
+    when any item does, every row gets them (an item without is one document). ``token_keys``: per-token keys kept
+    and right-padded with 0 like the ids (a model's ``token_type_ids``, ``vision.type_spans.key``)."""
     rows = [it if isinstance(it, Mapping) else {"input_ids": it} for it in items]
     ids = [torch.as_tensor(r["input_ids"]).long().reshape(-1) for r in rows]
     n = max(len(x) for x in ids)
@@ -297,10 +318,10 @@ def collate_right_padded(
         pos = [torch.as_tensor(r["position_ids"]).long().reshape(-1) if "position_ids" in r
                else torch.arange(len(x)) for r, x in zip(rows, ids)]
         out["position_ids"] = torch.stack([F.pad(q, (0, n - len(q))) for q in pos])  # padding: masked out
-    for key in (*MEDIA_KEYS, TOKEN_TYPES_KEY):  # images / videos: the processor's rows concatenated, in item order
+    for key in (*MEDIA_KEYS, TOKEN_TYPES_KEY, *token_keys):  # images / videos: the processor's rows, in item order
         if any(r.get(key) is not None for r in rows):
             parts = [torch.as_tensor(r[key]) for r in rows if r.get(key) is not None]
-            if key == TOKEN_TYPES_KEY:
+            if key == TOKEN_TYPES_KEY or key in token_keys:
                 parts = [torch.as_tensor(r.get(key, torch.zeros_like(x))).reshape(-1) for r, x in zip(rows, ids)]
                 out[key] = torch.stack([F.pad(t, (0, n - len(t))) for t in parts])
             else:
@@ -409,9 +430,11 @@ class SequenceParallelLoader:
                     source, num_replicas=spec.dp_size, rank=spec.dp_rank, shuffle=shuffle, seed=seed,
                     drop_last=drop_last,
                 )
+            keys = (vision.type_spans.key,) if getattr(vision, "type_spans", None) is not None else ()
             self._batches = DataLoader(
                 source, batch_size=batch_size, sampler=self._sampler, drop_last=drop_last,
-                collate_fn=lambda items: collate_right_padded(items, pad_token_id=pad_token_id, ignore_index=ignore_index),
+                collate_fn=lambda items: collate_right_padded(items, pad_token_id=pad_token_id,
+                                                              ignore_index=ignore_index, token_keys=keys),
             )
             self._strided = False
         else:

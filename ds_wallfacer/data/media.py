@@ -2,7 +2,7 @@
 self-check ask of a vision-language model's adapter (``VisionAdapter``).
 
 The adapters live in ``adapters/vision.py`` (``QwenVisionLanguage``; ``RefusedVision`` for a model with a vision
-tower and no adapter); this module names the seam so that each consumer says what it receives without importing
+tower and no adapter) and ``adapters/placeholder_vision.py`` (the placeholder pattern); this module names the seam so that each consumer says what it receives without importing
 them. Design: Note [Images in a sequence-parallel row] in docs/design/documents.md.
 """
 from __future__ import annotations
@@ -18,8 +18,13 @@ if TYPE_CHECKING:
 
 __all__ = ["MEDIA_KEYS", "TOKEN_TYPES_KEY", "VisionAdapter"]
 
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-"""Images and videos as the processor gives them: passed to every rank of the group unsharded (with ``vision``)."""
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+              "image_sizes", "pixel_attention_mask", "pixel_mask", "batch_num_images", "spatial_shapes",
+              "high_res_pixel_values", "image_merge_sizes", "video_merge_sizes", "pixel_values_local",
+              "num_local_patches", "patches_grid", "target_sizes", "target_sizes_videos")
+"""Images and videos as the processors give them (Qwen-VL's grids, LLaVA-NeXT's and Pixtral's ``image_sizes``,
+Idefics' ``pixel_attention_mask``, MiniCPM-V's ``target_sizes``, ...): passed to every rank of the group unsharded (with ``vision``); the
+model's adapter takes the ones its features methods take."""
 TOKEN_TYPES_KEY = "mm_token_type_ids"
 """The processor's per-token kinds (0 text, 1 image, 2 video); the loader checks them against the token ids."""
 
@@ -38,8 +43,9 @@ class VisionAdapter(Protocol):
         ...
 
     def positions(self, ids: torch.Tensor, types: torch.Tensor, media: Mapping[str, Any],
-                  documents: Sequence[Sequence[int]] | None) -> torch.Tensor:
-        """[3, B, N] M-RoPE positions of the full row, each packed document (``documents``) on its own."""
+                  documents: Sequence[Sequence[int]] | None) -> torch.Tensor | None:
+        """[3, B, N] M-RoPE positions of the full row, each packed document (``documents``) on its own; None when
+        the model numbers image tokens like text (the loader's positions)."""
         ...
 
     def media_index(self, types: torch.Tensor) -> torch.Tensor:

@@ -106,21 +106,26 @@ def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], se
     return out
 
 
-def conversation_batch(rows: Sequence[dict[str, torch.Tensor]], *, packed: bool = False) -> dict[str, Any]:
+def conversation_batch(rows: Sequence[dict[str, torch.Tensor]], *, packed: bool = False,
+                       token_ids: tuple[int, int] | None = (IMAGE, VIDEO)) -> dict[str, Any]:
     """Rows of ``conversation`` -> one full batch: right-padded rows (``attention_mask``), or one packed row of
-    documents (``document_lengths``); images concatenated in row order, ``mm_token_type_ids`` from the ids."""
+    documents (``document_lengths``); images concatenated in row order, ``mm_token_type_ids`` from the ids
+    (``token_ids``: the image and video placeholders; None: none)."""
     from ..data.loader import collate_right_padded
+    from ..data.media import MEDIA_KEYS
 
     if packed:
         ids = torch.cat([r["input_ids"] for r in rows])
         batch: dict[str, Any] = {"input_ids": ids[None], "document_lengths": [[len(r["input_ids"]) for r in rows]]}
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        for key in (*MEDIA_KEYS, "token_type_ids"):
             parts = [r[key] for r in rows if key in r]
             if parts:
                 batch[key] = torch.cat(parts)
     else:
-        batch = collate_right_padded(list(rows))
-    batch["mm_token_type_ids"] = (batch["input_ids"] == IMAGE).int() + 2 * (batch["input_ids"] == VIDEO).int()
+        batch = collate_right_padded(list(rows), token_keys=("token_type_ids",))
+    if token_ids is not None:
+        image, video = token_ids
+        batch["mm_token_type_ids"] = (batch["input_ids"] == image).int() + 2 * (batch["input_ids"] == video).int()
     return batch
 
 

@@ -20,11 +20,13 @@ from torch import nn
 
 from ..comm import CommLayer
 from ..data.media import MEDIA_KEYS, VisionAdapter
+from ..hf_config import backbone
 from ..adapters.mixer_shards import MixerInputs
 from ..adapters.moe import RouterAuxLoss
 from ..adapters.positional import POSITIONS_KWARG
 from ..adapters.rope import RopeLength
 from ..mst.config import MiniSequenceConfig
+from ..mst.lm_head import head_transform
 from .dynamic import DynamicGroups, GroupOfSize
 from .packing import BATCH_KWARG, PackedBatches
 
@@ -68,8 +70,8 @@ def logits_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum, count) from the model's own logits (fp32 cross-entropy, like HF's loss). A vision-language row
     (``inputs_embeds`` in ``model_kwargs``, ``input_ids`` None) runs the language model and the LM head directly."""
-    if "inputs_embeds" in model_kwargs:
-        logits = lm.get_output_embeddings()(_decoder_hidden(lm, position_ids, model_kwargs))
+    if "inputs_embeds" in model_kwargs:  # what the model does after its head too (Cohere's logit_scale, soft-caps)
+        logits = head_transform(lm)(lm.get_output_embeddings()(_decoder_hidden(lm, position_ids, model_kwargs)))
     else:
         logits = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs).logits
     labels = shift_labels.reshape(-1).to(logits.device)
@@ -101,8 +103,8 @@ def local_loss_for(mini_sequence: MiniSequenceConfig | None, *, given: LocalLoss
 
 
 def _decoder_hidden(lm: nn.Module, position_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> torch.Tensor:
-    """The backbone's last hidden states [B, S_l, H] (``lm.get_decoder()``)."""
-    out = lm.get_decoder()(position_ids=position_ids, use_cache=False, **model_kwargs)
+    """The backbone's last hidden states [B, S_l, H] (``hf_config.backbone``)."""
+    out = backbone(lm)(position_ids=position_ids, use_cache=False, **model_kwargs)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
@@ -259,28 +261,31 @@ class SequenceParallelCausalLM(nn.Module):
         ``inputs_embeds`` (``adapters/vision.py``)."""
         kwargs = self.attention_kwargs(position_ids, document_starts, chunk_assignment, bidirectional_spans)
         if media:
-            return None, self._vision_inputs(input_ids, mrope_position_ids, media_index, media, kwargs), kwargs
+            return None, self._vision_inputs(input_ids, position_ids, mrope_position_ids, media_index, media,
+                                             kwargs), kwargs
         if self.vision is not None and self.vision.refusal is None:  # text only: the tower still gets a zero gradient
-            kwargs["inputs_embeds"] = self.vision.inputs(input_ids, None, {}, group=self._group, comm=self._comm)[0]
+            embeds, extra = self.vision.inputs(input_ids, None, {}, group=self._group, comm=self._comm)
+            kwargs.update(inputs_embeds=embeds, **extra)
             return None, position_ids, kwargs
         return input_ids, position_ids, kwargs
 
-    def _vision_inputs(self, input_ids: torch.Tensor, rope_positions: torch.Tensor | None,
+    def _vision_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, rope_positions: torch.Tensor | None,
                        media_index: torch.Tensor | None, media: dict[str, torch.Tensor],
                        model_kwargs: dict[str, Any]) -> torch.Tensor:
-        """A batch with images or videos: this rank's embeddings into ``model_kwargs``; the M-RoPE positions."""
+        """A batch with images or videos: this rank's embeddings into ``model_kwargs``; the positions (M-RoPE's where
+        the loader computed them, else the text's)."""
         unknown = sorted(set(media) - set(MEDIA_KEYS))
         if unknown:
             raise TypeError(f"unexpected batch keys {unknown} for the sequence-parallel loss module")
         if self.vision is None or getattr(self.vision, "refusal", None):
             raise ValueError(getattr(self.vision, "refusal", None) or
                              f"{type(self.lm).__name__} has no vision tower: this batch carries images or videos")
-        if rope_positions is None or media_index is None:
-            raise ValueError("a batch with images or videos needs the loader's mrope_position_ids and media_index: "
-                             "shard it with sp.dataloader / sp.shard")
+        if media_index is None:
+            raise ValueError("a batch with images or videos needs the loader's media_index (and, for M-RoPE models, "
+                             "mrope_position_ids): shard it with sp.dataloader / sp.shard")
         embeds, extra = self.vision.inputs(input_ids, media_index, media, group=self._group, comm=self._comm)
         model_kwargs.update(inputs_embeds=embeds, **extra)
-        return rope_positions
+        return rope_positions if rope_positions is not None else position_ids
 
     def _weighted_sum(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The group's summed token losses x ``weight`` (Note [Dynamic sequence parallelism])."""

@@ -10,6 +10,8 @@ Design: docs/design/memory.md (LM head + cross-entropy), Note [Lean LM head] bel
 """
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,13 +213,25 @@ def chunked_linear_cross_entropy(
 _KNOWN_SCALES = {
     "granite": ("logits_scaling", "divisor"),  # granite, granitemoe*, granite_swa: logits / logits_scaling
     "cohere": ("logit_scale", "scale"),  # cohere, cohere2, cohere2_moe: logits * logit_scale
+    "hyperclovax": ("logits_scaling", "scale"),  # hyperclovax (and its vision model): logits * logits_scaling
+    "muse_": ("output_multiplier", "scale"),  # muse_glimmer, muse_spark: logits * output_multiplier, then soft-capped
 }
 _SCALE_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 
 
+def _forward_reads(model: nn.Module, key: str) -> bool:
+    """Whether the model's own forward names ``key``: a config value its forward never reads does not change its
+    logits (Cohere2-Vision's text config carries a ``logit_scale`` that only Cohere's text forward applies)."""
+    try:
+        src = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
+    return re.search(rf"\b{key}\b", src) is not None
+
+
 def head_transform(model: nn.Module) -> HeadTransform:
-    """The model's ``HeadTransform``; NotImplementedError for a logit scaling of unknown semantics (the same
-    attribute multiplies in one family and divides in another)."""
+    """The model's ``HeadTransform``: the scalings its config holds and its forward applies; NotImplementedError
+    for a logit scaling of unknown semantics (the same attribute multiplies in one family and divides in another)."""
     cfg = getattr(model, "config", None)
     if cfg is None:
         return HeadTransform()
@@ -226,7 +240,7 @@ def head_transform(model: nn.Module) -> HeadTransform:
     kw: dict[str, float] = {}
     for key in _SCALE_KEYS:
         v = getattr(text, key, None)
-        if v is None or v == 1.0:
+        if v is None or v == 1.0 or not _forward_reads(model, key):
             continue
         known = next((how for prefix, (k, how) in _KNOWN_SCALES.items() if mtype.startswith(prefix) and k == key), None)
         if known is None:
@@ -235,7 +249,9 @@ def head_transform(model: nn.Module) -> HeadTransform:
                 "reproduce"
             )
         kw[known] = float(v)
-    return HeadTransform(**kw, softcap=getattr(text, "final_logit_softcapping", None) or None)
+    softcap = getattr(text, "final_logit_softcapping", None) or None
+    applied = softcap is not None and _forward_reads(model, "final_logit_softcapping")
+    return HeadTransform(**kw, softcap=softcap if applied else None)
 
 
 def _auto_chunk(head: nn.Linear) -> int:

@@ -1,13 +1,16 @@
 """The sweep's multimodal half: every image-text-to-text class of transformers (and every multimodal class of the
 causal-LM mapping) given a batch with images, under sequence parallelism. Verdicts, as in ``run.py``:
 
-- ``exact``: a class ds_wallfacer adapts (``adapters.vision.ADAPTED``), built tiny (``examples.vlm.tiny_vlm``: the
-  placeholder ids must fit the vocabulary), trained ``STEPS`` SGD steps on one row of text with two images cut across
-  shard boundaries on 4 CPU ranks (Ulysses 2 x ring 2, ZeRO-1) against the same model on one process: loss within
-  1e-5 and every update within 1e-3;
-- ``refused``: the class built tiny (``tiny.build_tiny``) and a batch with ``pixel_values`` handed to the loader
-  (``prepare_batch`` with the adapter the integration would pass) is refused with a message naming the class;
-- ``not buildable``: the class cannot be built tiny.
+- ``exact``: a class whose images train on shards (``adapters.vision.runs_images``: the Qwen-VL classes of
+  ``ADAPTED``, built by ``examples.vlm.tiny_vlm``; every class with the placeholder pattern, built by
+  ``tiny_multimodal.build_tiny_vlm`` with a row from its adapter's probed units), trained ``STEPS`` SGD steps on one
+  row of text with two images (two units of each kind it takes) cut across shard boundaries on 4 CPU ranks (Ulysses
+  2 x ring 2, ZeRO-1) against the same model on one process: loss within 1e-5 and every update within 1e-3;
+- ``refused``: a batch with ``pixel_values`` handed to the loader (``prepare_batch`` with the adapter the
+  integration would pass) is refused with a message naming the class and what its forward does, or ``initialize``
+  refuses the class (its text path, or the start-up self-check with images);
+- ``not buildable``: the class cannot be built tiny, or no batch with images can be built for it (its tower takes
+  none of the probed layouts).
 
     python -m tests.sweep.multimodal [--only qwen2_5_vl,gemma3]
 """
@@ -23,7 +26,8 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.sweep.run import LR, STEPS, WORLD, Row, _compare, _first_line
-from tests.sweep.tiny import NotBuildable, build_tiny
+from tests.sweep.tiny import NotBuildable
+from tests.sweep.tiny_multimodal import build_tiny_vlm, vlm_batch
 
 MODE = {"mode": "hybrid", "ulysses_degree": 2, "ring_count": 1}
 TIMEOUT_S = 180.0
@@ -42,22 +46,32 @@ def multimodal_classes() -> list[tuple[str, str]]:
     return sorted(((t, c) for c, t in seen.items()), key=lambda tc: tc[1])
 
 
-def _family(cls: str) -> str | None:
+def _build(model_type: str, cls: str) -> Any:
+    """The tiny model: ``examples.vlm.tiny_vlm`` for the Qwen-VL classes, else ``tiny_multimodal.build_tiny_vlm``."""
     from ds_wallfacer.adapters.vision import ADAPTED
+    from ds_wallfacer.examples.vlm import tiny_vlm
 
-    return ADAPTED.get(cls)
+    return tiny_vlm(ADAPTED[cls]) if cls in ADAPTED else build_tiny_vlm(model_type, cls)
 
 
 def _batch(model: Any) -> dict[str, Any]:
+    """One row of text with two images (two units of each kind the model takes) cut across shard boundaries."""
+    from ds_wallfacer.adapters.vision import ADAPTED
     from ds_wallfacer.examples.vlm import conversation, conversation_batch
 
+    if type(model).__name__ not in ADAPTED:
+        return vlm_batch(model)
     return conversation_batch([conversation(model, text=40, images=[(2, 3), (3, 2)], seed=7)])
 
 
-def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from ds_wallfacer.examples.vlm import tiny_vlm
+def _adapted(model: Any) -> bool:
+    from ds_wallfacer.adapters.vision import runs_images
 
-    model = tiny_vlm(family)
+    return runs_images(model)
+
+
+def _reference(model_type: str, cls: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = _build(model_type, cls)
     batch = _batch(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -71,13 +85,12 @@ def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], dict[
     return losses, start, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _rank(rank: int, world: int, family: str) -> tuple[str, Any]:
+def _rank(rank: int, world: int, model_type: str, cls: str) -> tuple[str, Any]:
     import ds_wallfacer.integration as wfi
     from ds_wallfacer.audit.model_audit import RefusedModel
-    from ds_wallfacer.examples.vlm import tiny_vlm
 
     try:
-        model = tiny_vlm(family)
+        model = _build(model_type, cls)
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 1},
                   "zero_allow_untested_optimizer": True, "wallfacer": {"sequence_parallel_size": WORLD, **MODE}}
         try:
@@ -97,12 +110,11 @@ def _rank(rank: int, world: int, family: str) -> tuple[str, Any]:
         return "FAILED", traceback.format_exc(limit=6)
 
 
-def _refusal(model_type: str, cls: str) -> tuple[str, str]:
+def _refusal(model: Any, cls: str) -> tuple[str, str]:
     """The loader's answer to a batch with pixels for a class without an adapter: (verdict, detail)."""
     from ds_wallfacer.adapters.vision import vision_language
     from ds_wallfacer.data.loader import ShardSpec, prepare_batch
 
-    model = build_tiny(model_type, cls, check=False)
     vision = vision_language(model)
     try:
         prepare_batch({"input_ids": torch.ones(1, 16, dtype=torch.long), "pixel_values": torch.zeros(1, 3, 8, 8)},
@@ -120,19 +132,19 @@ def _refusal(model_type: str, cls: str) -> tuple[str, str]:
 def sweep_one(model_type: str, cls: str) -> Row:
     t0 = time.perf_counter()
     row = Row(cls, model_type, "")
-    family = _family(cls)
     try:
-        if family is None:
-            row.verdict, row.detail = _refusal(model_type, cls)
+        model = _build(model_type, cls)
+        if not _adapted(model):
+            row.verdict, row.detail = _refusal(model, cls)
             return row
-        ref = _reference(family)
+        ref = _reference(model_type, cls)
     except NotBuildable as err:
         row.verdict, row.detail = "not buildable", str(err)
         return row
     finally:
         row.seconds = time.perf_counter() - t0
     try:
-        got = run_distributed(_rank, WORLD, family, timeout_s=TIMEOUT_S, start_method="fork")
+        got = run_distributed(_rank, WORLD, model_type, cls, timeout_s=TIMEOUT_S, start_method="fork")
     except AssertionError as err:
         row.verdict = "HANG" if "did not finish" in str(err) else "FAILED"
         row.detail = str(err).splitlines()[0]
@@ -150,7 +162,10 @@ def sweep_one(model_type: str, cls: str) -> Row:
 
 
 def run(only: list[str] | None = None, *, log: Any = sys.stdout) -> list[Row]:
+    from tests.sweep.run import _preload
+
     torch.set_num_threads(1)
+    _preload()
     rows = []
     for model_type, cls in multimodal_classes():
         if only and model_type not in only and cls not in only:
@@ -171,11 +186,18 @@ def table_lines(rows: list[Row]) -> list[str]:
         "## With images",
         "",
         "Every image-text-to-text class (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, and the multimodal classes of the",
-        "causal-LM mapping) given a batch with images. **exact**: built tiny, trained 2 SGD steps on one row of text",
-        "with two images cut across shard boundaries on 4 CPU ranks (Ulysses 2 x ring 2, ZeRO-1) against the same",
-        "model on one process, loss within 1e-5 and every update (the vision tower's included) within 1e-3;",
-        "**refused**: a batch with `pixel_values` is refused by the loader, with the reason; such a class still trains",
-        "on text as the table above says. " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",
+        "causal-LM mapping) given a batch with images. **exact**: built tiny (`tests/sweep/tiny_multimodal.py`: small",
+        "images, placeholder ids inside the tiny vocabulary, a few per-class sizes), trained 2 SGD steps on one row of",
+        "text with two images (two of each kind of media the class takes) cut across shard boundaries on 4 CPU ranks",
+        "(Ulysses 2 x ring 2, ZeRO-1) against the same model on one process, loss within 1e-5 and every update (the",
+        "vision tower's included) within 1e-3. The Qwen-VL classes run with their M-RoPE positions; every other exact",
+        "class has the placeholder pattern, recognised from its own code",
+        "(Note [One adapter for the placeholder pattern] in docs/design/documents.md).",
+        "**refused**: a batch with `pixel_values` is refused by the loader with what the class's forward does",
+        "that no adapter reproduces (its own 3-D positions, its own attention masks, audio, ...), or `initialize`",
+        "refuses the class (its language model, or the self-check); such a class still trains on text as the table",
+        "above says. **not buildable**: it cannot be built tiny (the reason shown), or no batch with images can be built",
+        "for it. " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",
         "",
         *table_rows(rows),
     ]

@@ -385,9 +385,12 @@ def _merge(d: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
                     for k, v in patch.items()}}
 
 
-def tiny_config(model_type: str, class_name: str, *, per_kind: int = 1) -> transformers.PretrainedConfig:
-    """The shrunk config of ``class_name``, with ``per_kind`` layers of each kind (see the module docstring)."""
-    if class_name in _NOT_TEXT_ONLY:
+def tiny_config(model_type: str, class_name: str, *, per_kind: int = 1,
+                adjust: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> transformers.PretrainedConfig:
+    """The shrunk config of ``class_name``, with ``per_kind`` layers of each kind (see the module docstring);
+    ``adjust``: a last change to the shrunk dict (the multimodal sweep's tiny images, ``tiny_multimodal.py``, which
+    builds the classes that cannot run text alone too)."""
+    if class_name in _NOT_TEXT_ONLY and adjust is None:
         raise NotBuildable(_NOT_TEXT_ONLY[class_name])
     cls = _model_class(class_name)
     config_cls = getattr(cls, "config_class", None) or CONFIG_MAPPING[model_type]
@@ -397,27 +400,31 @@ def tiny_config(model_type: str, class_name: str, *, per_kind: int = 1) -> trans
         raise NotBuildable(f"default config invalid: {_reason(exc)}") from exc
     d = _merge(_as_dict(default), _DEFAULT_PATCHES.get(default.model_type, {}))
     try:
-        return config_cls.from_dict(_shrink(d, per_kind))
+        shrunk = _shrink(d, per_kind)
+        return config_cls.from_dict(adjust(shrunk) if adjust is not None else shrunk)
     except Exception as exc:
         raise NotBuildable(f"shrunk config rejected: {_reason(exc)}") from exc
 
 
-def build_tiny(model_type: str, class_name: str, *, seed: int = 0, check: bool = True) -> torch.nn.Module:
+def build_tiny(model_type: str, class_name: str, *, seed: int = 0, check: bool = True,
+               adjust: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> torch.nn.Module:
     """A tiny fp32 ``class_name`` in train mode, weights from ``torch.manual_seed(seed)``.
 
     The fewest layers that show each kind of layer once are tried first, two of each kind if that fails (zamba
-    ties one shared block across its hybrid layers).  ``check`` runs one no-grad forward on ``SEQ`` tokens
+    ties one shared block across its hybrid layers), then eager attention (Apertus 1.5's image tokenizer has no
+    sdpa).  ``check`` runs one no-grad forward on ``SEQ`` tokens
     (random state kept) so that a class that cannot run a text-only forward raises ``NotBuildable`` here."""
     cls = _model_class(class_name)
     attn = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
-    for per_kind in (1, 2):
-        config = tiny_config(model_type, class_name, per_kind=per_kind)
+    tries = [(1, attn), (2, attn)] + ([(1, "eager")] if attn != "eager" else [])  # a sub-model without sdpa
+    for i, (per_kind, impl) in enumerate(tries):
+        config = tiny_config(model_type, class_name, per_kind=per_kind, adjust=adjust)
         torch.manual_seed(seed)
         try:
-            model = cls._from_config(config, dtype=torch.float32, attn_implementation=attn).float().train()
+            model = cls._from_config(config, dtype=torch.float32, attn_implementation=impl).float().train()
             break
         except Exception as exc:
-            if per_kind == 2:
+            if i == len(tries) - 1:
                 raise NotBuildable(f"construction failed: {_reason(exc)}") from exc
     if check:
         with torch.random.fork_rng(), torch.no_grad():
