@@ -47,21 +47,27 @@ def multimodal_classes() -> list[tuple[str, str]]:
 
 
 def _build(model_type: str, cls: str) -> Any:
-    """The tiny model: ``examples.vlm.tiny_vlm`` for the Qwen-VL classes, else ``tiny_multimodal.build_tiny_vlm``."""
+    """The tiny model: ``examples.vlm.tiny_vlm`` for the M-RoPE classes it builds, else
+    ``tiny_multimodal.build_tiny_vlm``."""
     from ds_wallfacer.adapters.vision import ADAPTED
-    from ds_wallfacer.examples.vlm import tiny_vlm
+    from ds_wallfacer.examples.vlm import FAMILIES, tiny_vlm
 
-    return tiny_vlm(ADAPTED[cls]) if cls in ADAPTED else build_tiny_vlm(model_type, cls)
+    return tiny_vlm(ADAPTED[cls]) if ADAPTED.get(cls) in FAMILIES else build_tiny_vlm(model_type, cls)
 
 
 def _batch(model: Any) -> dict[str, Any]:
     """One row of text with two images (two units of each kind the model takes) cut across shard boundaries."""
-    from ds_wallfacer.adapters.vision import ADAPTED
+    from ds_wallfacer.adapters.vision import ADAPTED, vision_language
     from ds_wallfacer.examples.vlm import conversation, conversation_batch
 
     if type(model).__name__ not in ADAPTED:
         return vlm_batch(model)
-    return conversation_batch([conversation(model, text=40, images=[(2, 3), (3, 2)], seed=7)])
+    vision = vision_language(model)
+    start, end = (getattr(model.config, k) for k in vision.family.bracket)
+    tokens = (vision.image_token_id, vision.video_token_id, start, end)
+    row = conversation(model, text=40, images=[(2, 3), (3, 2)], seed=7, tokens=tokens)
+    batch = conversation_batch([row], token_ids=None)
+    return {**batch, "mm_token_type_ids": vision.token_types(batch["input_ids"]).int()}
 
 
 def _adapted(model: Any) -> bool:

@@ -111,6 +111,11 @@ def _sam(d: dict[str, Any], patches: int) -> dict[str, Any]:
     return {**d, "vision_config": vc}
 
 
+def _mrope(d: dict[str, Any], section: list[int]) -> dict[str, Any]:
+    text = d["text_config"]
+    return {**d, "text_config": {**text, "rope_parameters": {**text["rope_parameters"], "mrope_section": section}}}
+
+
 _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # the pixel-shuffle MLP takes the shuffled width (4 x hidden) and its output is the projector's input
     # five feature layers (-11 among them) of a 24-layer tower; the tiny tower has 2
@@ -164,6 +169,12 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Idefics2ForConditionalGeneration": _nested("perceiver_config", resampler_n_latents=4),
     # the projector's query count is looked up by the tower's patch count
     "AriaForConditionalGeneration": lambda d: {**d, "projector_patch_to_query_dict": {_PATCHES**2: 4}},
+    # M-RoPE sections of a 128-wide head ([8, 12, 12]); the tiny head's rotary half has 8 frequencies (4: MoE's
+    # partial rotary)
+    "Glm4vForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
+    "Glm46VForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
+    "GlmOcrForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
+    "Glm4vMoeForConditionalGeneration": lambda d: _mrope(d, [1, 1, 2]),
     "Llama4ForConditionalGeneration": _nested("vision_config", intermediate_size=4 * HIDDEN, projector_input_dim=HIDDEN,
                                               projector_output_dim=HIDDEN, vision_output_dim=HIDDEN),
 }
