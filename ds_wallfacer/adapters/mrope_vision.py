@@ -35,8 +35,12 @@ from ..hf_config import text_config
 from .media_tokens import GatherRows, token_types
 from .media_units import pixel_row
 
-__all__ = ["FAMILIES", "FrameUnit", "MropeFamily", "MropeVisionLanguage", "frame_units", "mrope_misses",
+__all__ = ["AUDIO_KEYS", "FAMILIES", "FrameUnit", "MropeFamily", "MropeVisionLanguage", "frame_units", "mrope_misses",
            "split_units"]
+
+
+AUDIO_KEYS = ("input_features", "feature_attention_mask", "audio_feature_lengths", "use_audio_in_video")
+"""The Omni processors' audio keys."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,13 @@ class MropeFamily:
     (positions [3, 1, n], deltas)."""
     types_arg: bool = True
     """Whether the rope index takes the token types (``mm_token_type_ids``) as its second argument."""
-    seconds: str | None = None
-    """The rope index's keyword for the batch's ``second_per_grid_ts`` (a video's seconds per temporal patch)."""
+    seconds: tuple[str, str] | None = None
+    """(batch key, the rope index's keyword) of a video's seconds per temporal patch: Qwen2.5-VL's
+    ``second_per_grid_ts``; the Omni thinkers' ``video_second_per_grid``, which their rope index requires."""
+    reads: tuple[str, ...] = ()
+    """Further config ids the rope index reads (the Omni thinkers find each image by the token after its start)."""
+    audio: bool = False
+    """Whether the class takes audio too (the Omni thinkers): refused by name (``audio_refusal``)."""
     video_span: tuple[str, str] | None = None
     """GLM: a video's frames are image tokens between these two config ids (the video's start and end)."""
     bracket: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
@@ -63,12 +72,13 @@ class MropeFamily:
     the rope index takes one grid row per run): how a row must lay out its videos."""
 
 
-_QWEN_VIDEO_SECONDS = MropeFamily("qwen2_5_vl", seconds="second_per_grid_ts")
+_OMNI = dict(types_arg=False, seconds=("video_second_per_grid", "second_per_grids"), audio=True,
+             reads=("vision_start_token_id", "audio_start_token_id", "audio_token_id"))
 _GLM = dict(video_span=("video_start_token_id", "video_end_token_id"),
             bracket=("image_start_token_id", "image_end_token_id"), frames_apart=True)
 FAMILIES = {
     "Qwen2VLForConditionalGeneration": MropeFamily("qwen2_vl"),
-    "Qwen2_5_VLForConditionalGeneration": _QWEN_VIDEO_SECONDS,
+    "Qwen2_5_VLForConditionalGeneration": MropeFamily("qwen2_5_vl", seconds=("second_per_grid_ts",) * 2),
     "Qwen3VLForConditionalGeneration": MropeFamily("qwen3_vl", frames_apart=True),
     "Qwen3VLMoeForConditionalGeneration": MropeFamily("qwen3_vl_moe", frames_apart=True),
     "Qwen3_5ForConditionalGeneration": MropeFamily("qwen3_5", frames_apart=True),
@@ -77,6 +87,8 @@ FAMILIES = {
     "Glm4vMoeForConditionalGeneration": MropeFamily("glm4v_moe", **_GLM),
     "Glm46VForConditionalGeneration": MropeFamily("glm46v", **_GLM),
     "GlmOcrForConditionalGeneration": MropeFamily("glm_ocr", **_GLM),
+    "Qwen2_5OmniThinkerForConditionalGeneration": MropeFamily("qwen2_5_omni_thinker", **_OMNI),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": MropeFamily("qwen3_omni_moe_thinker", **_OMNI),
 }
 """The classes whose images train on shards with their own M-RoPE positions, each checked exact by the sweep."""
 
@@ -91,12 +103,12 @@ def mrope_misses(model: nn.Module, family: MropeFamily) -> str | None:
         return f"its inner model lacks {missing or ['language_model']}"
     params = list(inspect.signature(getattr(inner, family.rope_index)).parameters)
     args = ["input_ids"] + (["mm_token_type_ids"] if family.types_arg else []) + \
-        [f"{k}_grid_thw" for k in family.kinds] + ([family.seconds] if family.seconds else [])
+        [f"{k}_grid_thw" for k in family.kinds] + ["attention_mask"] + ([family.seconds[1]] if family.seconds else [])
     if params[:2] != args[:2] or any(a not in params for a in args):
         return f"its {family.rope_index} takes {params}, not {args}"
     cfg, vc = model.config, getattr(model.config, "vision_config", None)
     ids = ["image_token_id"] + (["video_token_id"] if "video" in family.kinds and not family.video_span else []) + \
-        list(family.video_span or ())
+        list(family.video_span or ()) + list(family.reads)
     if vc is None or getattr(vc, "spatial_merge_size", None) is None or any(getattr(cfg, i, None) is None
                                                                              for i in ids):
         return f"its config lacks vision_config.spatial_merge_size or one of {ids}"
@@ -195,8 +207,21 @@ class MropeVisionLanguage:
 
     # ---- loader side: pure functions of the full (padded) row and the media descriptions ----
 
+    @property
+    def refused_keys(self) -> dict[str, str]:
+        """Batch keys the loader refuses with the reason: the Omni thinkers' audio."""
+        return dict.fromkeys(AUDIO_KEYS, self.audio_refusal()) if self.family.audio else {}
+
+    def audio_refusal(self) -> str:
+        return (f"{type(self._model).__name__}: audio is not supported under sequence parallelism: ds_wallfacer "
+                "places the features of its images and videos on shards, not those of its audio tower (nor the "
+                "positions its audio spans take in the row). Train it with images, videos and text, without audio")
+
     def token_types(self, ids: torch.Tensor, given: Any = None) -> torch.Tensor:
-        """[B, N] int: 0 text, 1 image, 2 video (``media_tokens.token_types``; GLM: by video spans)."""
+        """[B, N] int: 0 text, 1 image, 2 video (``media_tokens.token_types``; GLM: by video spans); audio
+        placeholders refused (``audio_refusal``)."""
+        if self.family.audio and bool((ids == int(self._model.config.audio_token_id)).any()):
+            raise ValueError(self.audio_refusal())
         span = self.family.video_span
         if span is None:
             return token_types(ids, self.image_token_id, self.video_token_id, given)
@@ -223,7 +248,9 @@ class MropeVisionLanguage:
                 if any(counts.values()):
                     ends = {k: _take_grids(grids[k], at[k], counts[k], self.merge, k) if counts[k] else at[k]
                             for k in kinds}
-                    out[:, r, s:e] = self._rope_piece(ids[r:r + 1, s:e], piece, grids, at, ends, media)
+                    pos = self._rope_piece(ids[r:r + 1, s:e], piece, grids, at, ends, media)
+                    out = out.to(torch.promote_types(out.dtype, pos.dtype))
+                    out[:, r, s:e] = pos
                     at = ends
                 else:
                     out[:, r, s:e] = torch.arange(e - s)
@@ -241,12 +268,18 @@ class MropeVisionLanguage:
         """[3, n] positions of one document (``ids`` [1, n]) with its grid rows ``at`` ... ``ends``."""
         fam = self.family
         kw: dict[str, Any] = {f"{k}_grid_thw": grids[k][at[k]:ends[k]] for k in fam.kinds if ends[k] > at[k]}
-        seconds = media.get("second_per_grid_ts")
-        if fam.seconds and seconds is not None and ends.get("video", 0) > at.get("video", 0):
-            kw[fam.seconds] = torch.as_tensor(seconds).reshape(-1)[at["video"]:ends["video"]]
+        if fam.seconds and ends.get("video", 0) > at.get("video", 0):
+            seconds = media.get(fam.seconds[0])
+            if seconds is None and fam.audio:
+                raise ValueError(f"{type(self._model).__name__}: a batch with videos needs {fam.seconds[0]} (the "
+                                 "processor's seconds per temporal patch), which its positions read")
+            if seconds is not None:
+                kw[fam.seconds[1]] = torch.as_tensor(seconds).reshape(-1)[at["video"]:ends["video"]]
         args = (ids, piece[None].int()) if fam.types_arg else (ids,)
+        kw["attention_mask"] = torch.ones_like(ids)  # the whole document (Qwen3-Omni's rope index requires a mask)
         pos, _ = getattr(self.inner, fam.rope_index)(*args, **kw)
-        return pos[:, 0].long().cpu()
+        pos = pos[:, 0].cpu()
+        return pos if pos.is_floating_point() else pos.long()  # Qwen3-Omni's are float (seconds x 25 per frame)
 
     @staticmethod
     def media_index(types: torch.Tensor) -> torch.Tensor:
@@ -348,7 +381,7 @@ class MropeVisionLanguage:
         start, end = (getattr(cfg, k, None) for k in self.family.bracket)
         ids = ids.clone()
         special = [self.image_token_id, self.video_token_id, start, end,
-                   *(getattr(cfg, k, None) for k in self.family.video_span or ())]
+                   *(getattr(cfg, k, None) for k in (*(self.family.video_span or ()), *self.family.reads))]
         for t in special:
             if t is not None:
                 ids[ids == int(t)] = 0
@@ -364,5 +397,6 @@ class MropeVisionLanguage:
             ids[0, at - 1], ids[0, at + tokens] = int(start), int(end)
         pixels = torch.randn(int(grid.prod()), pixel_row(cfg.vision_config),
                              generator=torch.Generator().manual_seed(0x1A6E))
-        return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid,
-                TOKEN_TYPES_KEY: self.token_types(ids).int()}
+        # the mask: the Omni thinkers compute their M-RoPE positions only when given one (1-D positions without)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
+                "image_grid_thw": grid, TOKEN_TYPES_KEY: self.token_types(ids).int()}

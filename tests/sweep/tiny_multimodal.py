@@ -175,6 +175,12 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Glm46VForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
     "GlmOcrForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
     "Glm4vMoeForConditionalGeneration": lambda d: _mrope(d, [1, 1, 2]),
+    # the ids around an image, which the rope index finds images by (the released configs set them)
+    # (and its M-RoPE sections, [16, 24, 24] of a 128-wide head: the tiny head's 8 frequencies)
+    "Qwen2_5OmniThinkerForConditionalGeneration": lambda d: _mrope({**d, "vision_start_token_id": 120,
+                                                                    "vision_end_token_id": 121}, [2, 3, 3]),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": lambda d: {**d, "vision_start_token_id": 120,
+                                                              "vision_end_token_id": 121},
     "Llama4ForConditionalGeneration": _nested("vision_config", intermediate_size=4 * HIDDEN, projector_input_dim=HIDDEN,
                                               projector_output_dim=HIDDEN, vision_output_dim=HIDDEN),
 }
