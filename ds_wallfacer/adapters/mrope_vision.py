@@ -36,7 +36,7 @@ from .media_tokens import GatherRows, token_types
 from .media_units import pixel_row
 
 __all__ = ["AUDIO_KEYS", "FAMILIES", "FrameUnit", "MropeFamily", "MropeVisionLanguage", "frame_units", "mrope_misses",
-           "split_units"]
+           "patch_shape", "split_units"]
 
 
 AUDIO_KEYS = ("input_features", "feature_attention_mask", "audio_feature_lengths", "use_audio_in_video")
@@ -63,6 +63,9 @@ class MropeFamily:
     """Further config ids the rope index reads (the Omni thinkers find each image by the token after its start)."""
     audio: bool = False
     """Whether the class takes audio too (the Omni thinkers): refused by name (``audio_refusal``)."""
+    patch_images: bool = False
+    """Whether ``pixel_values`` holds each patch as an image [channels, patch, patch] (PaddleOCR-VL), not as one
+    flat row (``patch_shape``)."""
     video_span: tuple[str, str] | None = None
     """GLM: a video's frames are image tokens between these two config ids (the video's start and end)."""
     bracket: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
@@ -87,10 +90,21 @@ FAMILIES = {
     "Glm4vMoeForConditionalGeneration": MropeFamily("glm4v_moe", **_GLM),
     "Glm46VForConditionalGeneration": MropeFamily("glm46v", **_GLM),
     "GlmOcrForConditionalGeneration": MropeFamily("glm_ocr", **_GLM),
+    "PaddleOCRVLForConditionalGeneration": MropeFamily("paddleocr_vl", kinds=("image",), patch_images=True),
     "Qwen2_5OmniThinkerForConditionalGeneration": MropeFamily("qwen2_5_omni_thinker", **_OMNI),
     "Qwen3OmniMoeThinkerForConditionalGeneration": MropeFamily("qwen3_omni_moe_thinker", **_OMNI),
 }
 """The classes whose images train on shards with their own M-RoPE positions, each checked exact by the sweep."""
+
+
+def patch_shape(model: nn.Module) -> tuple[int, ...]:
+    """The shape of one patch in the model's ``pixel_values`` (after the patch dimension): one flat row of
+    ``media_units.pixel_row`` values, or PaddleOCR-VL's [channels, patch, patch]."""
+    vc = model.config.vision_config
+    family = FAMILIES.get(type(model).__name__)
+    if family is not None and family.patch_images:
+        return int(getattr(vc, "num_channels", 3)), int(vc.patch_size), int(vc.patch_size)
+    return (pixel_row(vc),)
 
 
 def mrope_misses(model: nn.Module, family: MropeFamily) -> str | None:
@@ -234,6 +248,8 @@ class MropeVisionLanguage:
         """[3, B, N] M-RoPE positions of the full row: each document (``documents``: every row's lengths, the last
         one padding) through the rope index on its own; text-only pieces count 0, 1, 2, ... on all three."""
         kinds = self.family.kinds
+        if "video" not in kinds and any(media.get(k) is not None for k in ("pixel_values_videos", "video_grid_thw")):
+            raise ValueError(f"{type(self._model).__name__} takes no videos: give its frames as images")
         grids = {k: media.get(f"{k}_grid_thw") for k in kinds}
         grids = {k: (torch.as_tensor(v).long().reshape(-1, 3) if v is not None else None) for k, v in grids.items()}
         at = {k: 0 for k in kinds}
@@ -363,9 +379,8 @@ class MropeVisionLanguage:
         batches with and without images in the same step: ZeRO 1/2 fill their reduce buckets in gradient-hook order,
         so a replica whose tower got no gradient would reduce different buckets than one whose did (measured: the
         step fails), and ZeRO-3 gathers the tower's parameters collectively at each call."""
-        row = pixel_row(self._model.config.vision_config)
         grid = torch.tensor([[1, self.merge, self.merge]], device=emb.device)
-        blank = torch.zeros(self.merge**2, row, device=emb.device, dtype=emb.dtype)
+        blank = torch.zeros(self.merge**2, *patch_shape(self._model), device=emb.device, dtype=emb.dtype)
         out = self.inner.get_image_features(blank, grid, return_dict=True)
         total = torch.cat(tuple(out.pooler_output)).sum()
         for f in getattr(out, "deepstack_features", None) or ():
@@ -395,7 +410,7 @@ class MropeVisionLanguage:
         ids[0, at:at + tokens] = self.image_token_id
         if start is not None and end is not None:
             ids[0, at - 1], ids[0, at + tokens] = int(start), int(end)
-        pixels = torch.randn(int(grid.prod()), pixel_row(cfg.vision_config),
+        pixels = torch.randn(int(grid.prod()), *patch_shape(self._model),
                              generator=torch.Generator().manual_seed(0x1A6E))
         # the mask: the Omni thinkers compute their M-RoPE positions only when given one (1-D positions without)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,

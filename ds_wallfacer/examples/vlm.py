@@ -99,8 +99,7 @@ def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], se
     ((t, h, w): t temporal patches of h x w merged patches) spread evenly among them; ``input_ids`` [N],
     ``pixel_values`` / ``image_grid_thw`` [images, 3], ``pixel_values_videos`` / ``video_grid_thw`` [videos, 3].
     ``tokens``: the (image, video, start, end) ids of a model not built by ``tiny_vlm`` (words stay below them)."""
-    from ..adapters.mrope_vision import FAMILIES
-    from ..adapters.vision import pixel_row
+    from ..adapters.mrope_vision import FAMILIES, patch_shape
 
     g = torch.Generator().manual_seed(seed)
     vc = model.config.vision_config
@@ -112,7 +111,7 @@ def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], se
     pieces, at = [], 0
     grids: dict[int, list[torch.Tensor]] = {image: [], video: []}
     pixels: dict[int, list[torch.Tensor]] = {image: [], video: []}
-    row = pixel_row(vc)
+    row = patch_shape(model)
     family = FAMILIES.get(type(model).__name__)
     apart = family is not None and family.frames_apart
     for cut, (token, t, h, w) in zip(cuts, media):
@@ -122,7 +121,7 @@ def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], se
         pieces += [words[at:cut], torch.tensor([start]), *body, torch.tensor([end])]
         grid = torch.tensor([t, h * merge, w * merge])
         grids[token].append(grid)
-        pixels[token].append(torch.randn(int(grid.prod()), row, generator=g))
+        pixels[token].append(torch.randn(int(grid.prod()), *row, generator=g))
         at = cut
     pieces.append(words[at:])
     out = {"input_ids": torch.cat(pieces)}

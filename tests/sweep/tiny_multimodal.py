@@ -175,6 +175,7 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Glm46VForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
     "GlmOcrForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
     "Glm4vMoeForConditionalGeneration": lambda d: _mrope(d, [1, 1, 2]),
+    "PaddleOCRVLForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),  # [16, 24, 24] in the full model
     # the ids around an image, which the rope index finds images by (the released configs set them)
     # (and its M-RoPE sections, [16, 24, 24] of a 128-wide head: the tiny head's 8 frequencies)
     "Qwen2_5OmniThinkerForConditionalGeneration": lambda d: _mrope({**d, "vision_start_token_id": 120,
