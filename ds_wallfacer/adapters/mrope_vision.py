@@ -1,12 +1,14 @@
 """Vision-language models whose positions are M-RoPE's, computed by the model's own rope-index function: Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 (dense, MoE), GLM-4.1V / 4.5V / 4.6V / GLM-OCR, on shards.
+Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 (dense, MoE), GLM-4.1V / 4.5V / 4.6V / GLM-OCR, PaddleOCR-VL,
+HunYuan-VL and the Qwen2.5-Omni / Qwen3-Omni thinkers (images and videos; their audio refused), on shards.
 
-What these families share: a ``*Model`` (the class's ``model``) holding ``visual`` and ``language_model``, whose
+What these families share: a ``*Model`` (the class's ``model``) holding a tower and ``language_model``, whose
 ``get_rope_index`` numbers the full row with 3-D positions from the ``*_grid_thw`` rows of its images and videos,
-whose ``get_image_features`` encodes patch rows described by ``[t, h, w]`` grid rows (one merged token per
+whose ``get_image_features`` encodes patch rows described by ``[t, h, w]`` grid rows (one placeholder per
 ``merge x merge`` patches), whose towers attend within a frame, and whose forward writes the features into the
 placeholder tokens in order. What differs per family is data (``MropeFamily``): the rope-index function's name and
-arguments, the grid keys, the token ids (GLM's video frames are image tokens inside video spans), deepstack or not.
+arguments, the grid keys, the token ids (GLM's video frames are image tokens inside video spans), how a video's
+frames lie in the row, the pixel layout, extra placeholders per frame, audio; deepstack or not (its vision config).
 ``MropeVisionLanguage`` runs any of them:
 
 * **positions** (loader side): the rope-index function on the full row, each packed document on its own (its
@@ -66,6 +68,9 @@ class MropeFamily:
     patch_images: bool = False
     """Whether ``pixel_values`` holds each patch as an image [channels, patch, patch] (PaddleOCR-VL), not as one
     flat row (``patch_shape``)."""
+    layout: tuple[int, int] = (0, 0)
+    """Placeholders a frame has beyond its merged patches: (per row of merged patches, per frame); HunYuan-VL's
+    merger ends every row with a separator and brackets the image (1, 2) (``frame_tokens``)."""
     video_span: tuple[str, str] | None = None
     """GLM: a video's frames are image tokens between these two config ids (the video's start and end)."""
     bracket: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
@@ -91,6 +96,7 @@ FAMILIES = {
     "Glm46VForConditionalGeneration": MropeFamily("glm46v", **_GLM),
     "GlmOcrForConditionalGeneration": MropeFamily("glm_ocr", **_GLM),
     "PaddleOCRVLForConditionalGeneration": MropeFamily("paddleocr_vl", kinds=("image",), patch_images=True),
+    "HunYuanVLForConditionalGeneration": MropeFamily("hunyuan_vl", kinds=("image",), layout=(1, 2), bracket=("", "")),
     "Qwen2_5OmniThinkerForConditionalGeneration": MropeFamily("qwen2_5_omni_thinker", **_OMNI),
     "Qwen3OmniMoeThinkerForConditionalGeneration": MropeFamily("qwen3_omni_moe_thinker", **_OMNI),
 }
@@ -129,14 +135,22 @@ def mrope_misses(model: nn.Module, family: MropeFamily) -> str | None:
     return None
 
 
-def _take_grids(grids: torch.Tensor | None, start: int, tokens: int, merge: int, what: str) -> int:
+def frame_tokens(height: int, width: int, merge: int, layout: tuple[int, int] = (0, 0)) -> int:
+    """Placeholders of one frame of ``height`` x ``width`` patches: its merged patches, and ``layout``'s extra
+    tokens per merged row and per frame."""
+    return (height // merge) * (width // merge + layout[0]) + layout[1]
+
+
+def _take_grids(grids: torch.Tensor | None, start: int, tokens: int, merge: int, what: str,
+                layout: tuple[int, int] = (0, 0)) -> int:
     """The end of the run of ``grids`` rows from ``start`` whose features fill exactly ``tokens`` placeholders."""
     end, got = start, 0
     while got < tokens:
         if grids is None or end >= grids.shape[0]:
             raise ValueError(f"the batch has more {what} tokens than its {what}_grid_thw rows describe: give one row "
                              f"per {what}, in the order they appear")
-        got += int(grids[end].prod()) // merge**2
+        t, h, w = (int(x) for x in grids[end])
+        got += t * frame_tokens(h, w, merge, layout)
         end += 1
     if got != tokens:
         raise ValueError(f"a {what} is cut across documents (or rows): its tokens must all lie in one document")
@@ -145,7 +159,7 @@ def _take_grids(grids: torch.Tensor | None, start: int, tokens: int, merge: int,
 
 @dataclass(frozen=True)
 class FrameUnit:
-    """One frame of one image or video: its rows of ``pixel_values`` (``key``) and its merged tokens."""
+    """One frame of one image or video: its rows of ``pixel_values`` (``key``) and its placeholders."""
 
     kind: str
     key: str
@@ -153,6 +167,7 @@ class FrameUnit:
     height: int
     width: int
     merge: int
+    layout: tuple[int, int] = (0, 0)
 
     @property
     def patches(self) -> int:
@@ -160,10 +175,10 @@ class FrameUnit:
 
     @property
     def tokens(self) -> int:
-        return self.patches // self.merge**2
+        return frame_tokens(self.height, self.width, self.merge, self.layout)
 
 
-def frame_units(media: Mapping[str, Any], merge: int) -> list[FrameUnit]:
+def frame_units(media: Mapping[str, Any], merge: int, layout: tuple[int, int] = (0, 0)) -> list[FrameUnit]:
     """Every frame of the batch's images, then of its videos, in order (pure). Frame k of an item of grid (t, h, w)
     holds that item's pixel rows k·h·w ... (k+1)·h·w and feature rows in the same order."""
     out = []
@@ -174,7 +189,7 @@ def frame_units(media: Mapping[str, Any], merge: int) -> list[FrameUnit]:
         start = 0
         for t, h, w in torch.as_tensor(grids).reshape(-1, 3).tolist():
             for _ in range(int(t)):
-                out.append(FrameUnit(kind, key, start, int(h), int(w), merge))
+                out.append(FrameUnit(kind, key, start, int(h), int(w), merge, layout))
                 start += int(h) * int(w)
     return out
 
@@ -245,8 +260,9 @@ class MropeVisionLanguage:
 
     def positions(self, ids: torch.Tensor, types: torch.Tensor, media: Mapping[str, Any],
                   documents: Sequence[Sequence[int]] | None) -> torch.Tensor:
-        """[3, B, N] M-RoPE positions of the full row: each document (``documents``: every row's lengths, the last
-        one padding) through the rope index on its own; text-only pieces count 0, 1, 2, ... on all three."""
+        """[3, B, N] M-RoPE positions of the full row (HunYuan-VL: one axis per section): each document
+        (``documents``: every row's lengths, the last one padding) through the rope index on its own; text-only
+        pieces count 0, 1, 2, ... on every axis."""
         kinds = self.family.kinds
         if "video" not in kinds and any(media.get(k) is not None for k in ("pixel_values_videos", "video_grid_thw")):
             raise ValueError(f"{type(self._model).__name__} takes no videos: give its frames as images")
@@ -262,10 +278,12 @@ class MropeVisionLanguage:
                 piece = types[r, s:e]
                 counts = {k: int((piece == i + 1).sum()) for i, k in enumerate(kinds)}
                 if any(counts.values()):
-                    ends = {k: _take_grids(grids[k], at[k], counts[k], self.merge, k) if counts[k] else at[k]
-                            for k in kinds}
+                    ends = {k: _take_grids(grids[k], at[k], counts[k], self.merge, k, self.family.layout)
+                            if counts[k] else at[k] for k in kinds}
                     pos = self._rope_piece(ids[r:r + 1, s:e], piece, grids, at, ends, media)
                     out = out.to(torch.promote_types(out.dtype, pos.dtype))
+                    if pos.shape[0] != out.shape[0]:  # HunYuan-VL: an axis per section (the first piece says)
+                        out = out[:1].expand(pos.shape[0], -1, -1).clone()  # so far text: equal on every axis
                     out[:, r, s:e] = pos
                     at = ends
                 else:
@@ -337,7 +355,7 @@ class MropeVisionLanguage:
         backward is a reduce-scatter: each rank gets the gradient of its own rows from every rank) hands every rank
         all the features. A rank with no unit runs the tower on one blank patch (``_touch_tower``): every rank calls
         the tower exactly once per forward, which ZeRO-3's parameter gathers and ZeRO 1/2's gradient hooks need."""
-        units = frame_units(media, self.merge)
+        units = frame_units(media, self.merge, self.family.layout)
         p = dist.get_world_size(group) if group is not None and comm is not None else 1
         me = dist.get_rank(group) if p > 1 else 0
         owner = split_units([u.patches for u in units], p)
@@ -393,7 +411,7 @@ class MropeVisionLanguage:
         """A one-row batch with one image in the middle of ``ids`` [1, N] (random pixels; a square grid of about
         N / 4 merged patches, at least 2 x 2): the start-up self-check's image + text sequence."""
         cfg = self._model.config
-        start, end = (getattr(cfg, k, None) for k in self.family.bracket)
+        start, end = (getattr(cfg, k, None) if k else None for k in self.family.bracket)
         ids = ids.clone()
         special = [self.image_token_id, self.video_token_id, start, end,
                    *(getattr(cfg, k, None) for k in (*(self.family.video_span or ()), *self.family.reads))]
@@ -403,7 +421,7 @@ class MropeVisionLanguage:
         n = ids.shape[1]
         side = max(2, int((n // 4) ** 0.5))
         grid = torch.tensor([[1, side * self.merge, side * self.merge]])
-        tokens = side * side
+        tokens = frame_tokens(side * self.merge, side * self.merge, self.merge, self.family.layout)
         if n < tokens + 4:
             return {"input_ids": ids}
         at = n // 2 - tokens // 2

@@ -94,18 +94,19 @@ def _qwen3_5(tf: Any, family: str, text: dict, ids: dict) -> tuple[Any, Any]:
 
 def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], seed: int,
                  videos: Sequence[tuple[int, int, int]] = (),
-                 tokens: tuple[int, int, int, int] | None = None) -> dict[str, torch.Tensor]:
+                 tokens: tuple[int, int | None, int | None, int | None] | None = None) -> dict[str, torch.Tensor]:
     """One row: ``text`` random text tokens with the ``images`` ((h, w) merged patches each) and then the ``videos``
     ((t, h, w): t temporal patches of h x w merged patches) spread evenly among them; ``input_ids`` [N],
     ``pixel_values`` / ``image_grid_thw`` [images, 3], ``pixel_values_videos`` / ``video_grid_thw`` [videos, 3].
-    ``tokens``: the (image, video, start, end) ids of a model not built by ``tiny_vlm`` (words stay below them)."""
-    from ..adapters.mrope_vision import FAMILIES, patch_shape
+    ``tokens``: the (image, video, start, end) ids of a model not built by ``tiny_vlm`` (words stay below them; no
+    start / end: None). An item has the placeholders of its family's layout (``mrope_vision.frame_tokens``)."""
+    from ..adapters.mrope_vision import FAMILIES, frame_tokens, patch_shape
 
     g = torch.Generator().manual_seed(seed)
     vc = model.config.vision_config
     merge = int(getattr(vc, "spatial_merge_size", 1))
     image, video, start, end = tokens or (IMAGE, VIDEO, START, END)
-    words = torch.randint(4, min(image, start) - 1, (text,), generator=g)
+    words = torch.randint(4, min(t for t in (image, start) if t is not None) - 1, (text,), generator=g)
     media = [(image, 1, h, w) for h, w in images] + [(video, t, h, w) for t, h, w in videos]
     cuts = [round(text * (i + 1) / (len(media) + 1)) for i in range(len(media))]
     pieces, at = [], 0
@@ -114,11 +115,14 @@ def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], se
     row = patch_shape(model)
     family = FAMILIES.get(type(model).__name__)
     apart = family is not None and family.frames_apart
+    layout = family.layout if family is not None else (0, 0)
     for cut, (token, t, h, w) in zip(cuts, media):
-        body = [torch.full((t * h * w,), token)]
+        frame = frame_tokens(h * merge, w * merge, merge, layout)
+        body = [torch.full((t * frame,), token)]
         if apart and token == video:  # each frame its own run, a timestamp (text) between frames
-            body = [x for k in range(t) for x in ([torch.tensor([4 + k])] if k else []) + [torch.full((h * w,), token)]]
-        pieces += [words[at:cut], torch.tensor([start]), *body, torch.tensor([end])]
+            body = [x for k in range(t) for x in ([torch.tensor([4 + k])] if k else []) + [torch.full((frame,), token)]]
+        marks = [[torch.tensor([x])] if x is not None else [] for x in (start, end)]
+        pieces += [words[at:cut], *marks[0], *body, *marks[1]]
         grid = torch.tensor([t, h * merge, w * merge])
         grids[token].append(grid)
         pixels[token].append(torch.randn(int(grid.prod()), *row, generator=g))

@@ -46,6 +46,13 @@ def test_glm_video_frames_are_image_tokens_inside_video_spans() -> None:
         [[-1, 0, 1, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, 2, -1]]  # images' rows, then the video's
 
 
+def test_a_frames_placeholders_follow_its_family_layout() -> None:
+    from ds_wallfacer.adapters.mrope_vision import frame_tokens
+
+    assert frame_tokens(4, 6, 2) == 6  # Qwen: 2 x 3 merged patches
+    assert frame_tokens(4, 6, 2, FAMILIES["HunYuanVLForConditionalGeneration"].layout) == 2 * (3 + 1) + 2
+
+
 def test_omni_audio_is_refused_by_name(omni) -> None:
     vision = vision_language(omni)
     assert isinstance(vision, MropeVisionLanguage)

@@ -63,7 +63,7 @@ def _batch(model: Any) -> dict[str, Any]:
     if type(model).__name__ not in ADAPTED:
         return vlm_batch(model)
     vision = vision_language(model)
-    start, end = (getattr(model.config, k) for k in vision.family.bracket)
+    start, end = (getattr(model.config, k) if k else None for k in vision.family.bracket)
     tokens = (vision.image_token_id, vision.video_token_id, start, end)
     row = conversation(model, text=40, images=[(2, 3), (3, 2)], seed=7, tokens=tokens)
     batch = conversation_batch([row], token_ids=None)

@@ -176,6 +176,8 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "GlmOcrForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
     "Glm4vMoeForConditionalGeneration": lambda d: _mrope(d, [1, 1, 2]),
     "PaddleOCRVLForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),  # [16, 24, 24] in the full model
+    # M-RoPE sections, none by default (the checkpoints set them; at least width, height, image index): 8 frequencies
+    "HunYuanVLForConditionalGeneration": lambda d: _mrope(d, [2, 2, 2, 2]),
     # the ids around an image, which the rope index finds images by (the released configs set them)
     # (and its M-RoPE sections, [16, 24, 24] of a 128-wide head: the tiny head's 8 frequencies)
     "Qwen2_5OmniThinkerForConditionalGeneration": lambda d: _mrope({**d, "vision_start_token_id": 120,
