@@ -1,4 +1,4 @@
-"""What every vision-language adapter (``vision.py``'s Qwen-VL, ``placeholder_vision.py``'s placeholder pattern)
+"""What every vision-language adapter (``mrope_vision.py``'s M-RoPE, ``placeholder_vision.py``'s placeholder pattern)
 does alike with the placeholder tokens and the features: each token's kind, each placeholder's feature row, and the
 all-gather that hands every rank the rows the group's towers computed.
 

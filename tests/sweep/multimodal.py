@@ -1,8 +1,9 @@
 """The sweep's multimodal half: every image-text-to-text class of transformers (and every multimodal class of the
 causal-LM mapping) given a batch with images, under sequence parallelism. Verdicts, as in ``run.py``:
 
-- ``exact``: a class whose images train on shards (``adapters.vision.runs_images``: the Qwen-VL classes of
-  ``ADAPTED``, built by ``examples.vlm.tiny_vlm``; every class with the placeholder pattern, built by
+- ``exact``: a class whose images train on shards (``adapters.vision.runs_images``: the M-RoPE classes of
+  ``ADAPTED``, built by ``examples.vlm.tiny_vlm`` where it builds them, else by ``tiny_multimodal.build_tiny_vlm``,
+  with a conversation in their token ids; every class with the placeholder pattern, built by
   ``tiny_multimodal.build_tiny_vlm`` with a row from its adapter's probed units), trained ``STEPS`` SGD steps on one
   row of text with two images (two units of each kind it takes) cut across shard boundaries on 4 CPU ranks (Ulysses
   2 x ring 2, ZeRO-1) against the same model on one process: loss within 1e-5 and every update within 1e-3;
@@ -196,7 +197,7 @@ def table_lines(rows: list[Row]) -> list[str]:
         "images, placeholder ids inside the tiny vocabulary, a few per-class sizes), trained 2 SGD steps on one row of",
         "text with two images (two of each kind of media the class takes) cut across shard boundaries on 4 CPU ranks",
         "(Ulysses 2 x ring 2, ZeRO-1) against the same model on one process, loss within 1e-5 and every update (the",
-        "vision tower's included) within 1e-3. The Qwen-VL classes run with their M-RoPE positions; every other exact",
+        "vision tower's included) within 1e-3. The M-RoPE classes run with their own 3-D positions; every other exact",
         "class has the placeholder pattern, recognised from its own code",
         "(Note [One adapter for the placeholder pattern] in docs/design/documents.md).",
         "**refused**: a batch with `pixel_values` is refused by the loader with what the class's forward does",
