@@ -3,8 +3,8 @@
 The language model of a VLM is sharded like any text model; what the images add is computed on the full row first
 and then cut with the tokens. Two adapters do that: ``mrope_vision.MropeVisionLanguage`` for the M-RoPE families
 (Qwen-VL, Qwen3.5, GLM-4V, the Omni thinkers, ...: 3-D positions from the model's own rope index on the full row,
-per document; the tower's work split by frames) and ``placeholder_vision.PlaceholderVisionLanguage`` for every class whose code merges images
-by placeholder tokens with 1-D positions.
+per document; the tower's work split by frames) and ``placeholder_vision.PlaceholderVisionLanguage`` for every
+class whose code merges images by placeholder tokens with 1-D positions.
 
 Only the families checked exact are adapted (``ADAPTED``, and the placeholder pattern recognised from the class's
 code); any other model with a vision tower gets a batch with pixels refused with the reason (``media_refusal``).

@@ -2,8 +2,9 @@
 self-check ask of a vision-language model's adapter (``VisionAdapter``).
 
 The adapters live in ``adapters/mrope_vision.py`` (``MropeVisionLanguage``, the M-RoPE families),
-``adapters/vision.py`` (``RefusedVision`` for a model with a vision tower and no adapter) and ``adapters/placeholder_vision.py`` (the placeholder pattern); this module names the seam so that each consumer says what it receives without importing
-them. Design: Note [Images in a sequence-parallel row] in docs/design/documents.md.
+``adapters/vision.py`` (``RefusedVision`` for a model with a vision tower and no adapter) and
+``adapters/placeholder_vision.py`` (the placeholder pattern); this module names the seam so that each consumer says
+what it receives without importing them. Design: Note [Images in a sequence-parallel row] in docs/design/documents.md.
 """
 from __future__ import annotations
 
