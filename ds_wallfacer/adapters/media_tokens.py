@@ -1,4 +1,4 @@
-"""What every vision-language adapter (``vision.py``'s Qwen-VL, ``placeholder_vision.py``'s placeholder pattern)
+"""What every vision-language adapter (``mrope_vision.py``'s M-RoPE, ``placeholder_vision.py``'s placeholder pattern)
 does alike with the placeholder tokens and the features: each token's kind, each placeholder's feature row, and the
 all-gather that hands every rank the rows the group's towers computed.
 
@@ -15,10 +15,11 @@ from ..data.media import TOKEN_TYPES_KEY
 __all__ = ["GatherRows", "media_index", "token_types"]
 
 
-def token_types(ids: torch.Tensor, image_id: int | None, video_id: int | None, given: Any = None) -> torch.Tensor:
-    """[B, N] int: 0 text, 1 image, 2 video, from the token ids; the processor's ``mm_token_type_ids`` (``given``,
-    before the loader's padding) must agree."""
-    types = torch.zeros_like(ids, dtype=torch.long)
+def token_types(ids: torch.Tensor, image_id: int | None, video_id: int | None, given: Any = None, *,
+                types: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, N] int: 0 text, 1 image, 2 video, from the token ids (added to ``types``, the kinds an adapter found
+    otherwise); the processor's ``mm_token_type_ids`` (``given``, before the loader's padding) must agree."""
+    types = torch.zeros_like(ids, dtype=torch.long) if types is None else types.long().clone()
     if image_id is not None:
         types += (ids == image_id).long()
     if video_id is not None:

@@ -157,6 +157,9 @@ def _checked_ids(batch: Mapping[str, Any], vision: VisionAdapter | None = None) 
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
     known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths", SPANS_KEY}
+    refused = sorted(set(batch) & set(getattr(vision, "refused_keys", None) or {}))
+    if refused:  # what the model's adapter refuses by name (the Omni thinkers' audio)
+        raise ValueError(vision.refused_keys[refused[0]])
     media = sorted(set(batch) & {*MEDIA_KEYS, TOKEN_TYPES_KEY})
     if media and getattr(vision, "refusal", None):
         raise ValueError(vision.refusal)

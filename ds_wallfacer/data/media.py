@@ -1,9 +1,10 @@
 """Images and videos in a batch: the keys they arrive under, and what the loader, the loss module and the start-up
 self-check ask of a vision-language model's adapter (``VisionAdapter``).
 
-The adapters live in ``adapters/vision.py`` (``QwenVisionLanguage``; ``RefusedVision`` for a model with a vision
-tower and no adapter) and ``adapters/placeholder_vision.py`` (the placeholder pattern); this module names the seam so that each consumer says what it receives without importing
-them. Design: Note [Images in a sequence-parallel row] in docs/design/documents.md.
+The adapters live in ``adapters/mrope_vision.py`` (``MropeVisionLanguage``, the M-RoPE families),
+``adapters/vision.py`` (``RefusedVision`` for a model with a vision tower and no adapter) and
+``adapters/placeholder_vision.py`` (the placeholder pattern); this module names the seam so that each consumer says
+what it receives without importing them. Design: Note [Images in a sequence-parallel row] in docs/design/documents.md.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ __all__ = ["MEDIA_KEYS", "TOKEN_TYPES_KEY", "VisionAdapter"]
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
               "image_sizes", "pixel_attention_mask", "pixel_mask", "batch_num_images", "spatial_shapes",
               "high_res_pixel_values", "image_merge_sizes", "video_merge_sizes", "pixel_values_local",
-              "num_local_patches", "patches_grid", "target_sizes", "target_sizes_videos")
+              "num_local_patches", "patches_grid", "target_sizes", "target_sizes_videos", "video_second_per_grid")
 """Images and videos as the processors give them (Qwen-VL's grids, LLaVA-NeXT's and Pixtral's ``image_sizes``,
 Idefics' ``pixel_attention_mask``, MiniCPM-V's ``target_sizes``, ...): passed to every rank of the group unsharded (with ``vision``); the
 model's adapter takes the ones its features methods take."""

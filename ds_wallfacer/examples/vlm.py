@@ -17,7 +17,7 @@ __all__ = ["FAMILIES", "conversation", "conversation_batch", "example_conversati
 IMAGE, VIDEO, START, END = 90, 91, 92, 93
 """The tiny models' placeholder ids (below their vocabulary of 128)."""
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe")
 
 
 def tiny_vlm(family: str, *, seed: int = 0) -> Any:
@@ -55,6 +55,8 @@ def tiny_vlm(family: str, *, seed: int = 0) -> Any:
                         mlp_only_layers=[])
             cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
             cls = tf.Qwen3VLMoeForConditionalGeneration
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        cfg, cls = _qwen3_5(tf, family, text, ids)
     elif family == "gemma3":
         cfg = tf.Gemma3Config(
             text_config=dict(text, head_dim=16, sliding_window=16, query_pre_attn_scalar=16),
@@ -74,35 +76,63 @@ def tiny_vlm(family: str, *, seed: int = 0) -> Any:
     return model
 
 
+def _qwen3_5(tf: Any, family: str, text: dict, ids: dict) -> tuple[Any, Any]:
+    """Qwen3.5 (dense, MoE): gated delta-net (linear attention: 4 key / 8 value heads of 8) and full-attention
+    layers, half-rotary M-RoPE; a Qwen3-VL tower without deepstack."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+            "partial_rotary_factor": 0.5}
+    text = dict(text, head_dim=16, rope_parameters=rope, num_hidden_layers=3,
+                layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    if family == "qwen3_5":
+        return tf.Qwen3_5Config(text_config=text, vision_config=vision, **ids), tf.Qwen3_5ForConditionalGeneration
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **ids), tf.Qwen3_5MoeForConditionalGeneration
+
+
 def conversation(model: Any, *, text: int, images: Sequence[tuple[int, int]], seed: int,
-                 videos: Sequence[tuple[int, int, int]] = ()) -> dict[str, torch.Tensor]:
+                 videos: Sequence[tuple[int, int, int]] = (),
+                 tokens: tuple[int, int | None, int | None, int | None] | None = None) -> dict[str, torch.Tensor]:
     """One row: ``text`` random text tokens with the ``images`` ((h, w) merged patches each) and then the ``videos``
     ((t, h, w): t temporal patches of h x w merged patches) spread evenly among them; ``input_ids`` [N],
-    ``pixel_values`` / ``image_grid_thw`` [images, 3], ``pixel_values_videos`` / ``video_grid_thw`` [videos, 3]."""
-    from ..adapters.vision import pixel_row
+    ``pixel_values`` / ``image_grid_thw`` [images, 3], ``pixel_values_videos`` / ``video_grid_thw`` [videos, 3].
+    ``tokens``: the (image, video, start, end) ids of a model not built by ``tiny_vlm`` (words stay below them; no
+    start / end: None). An item has the placeholders of its family's layout (``mrope_vision.frame_tokens``)."""
+    from ..adapters.mrope_vision import FAMILIES, frame_tokens, patch_shape
 
     g = torch.Generator().manual_seed(seed)
     vc = model.config.vision_config
     merge = int(getattr(vc, "spatial_merge_size", 1))
-    words = torch.randint(4, IMAGE - 1, (text,), generator=g)
-    media = [(IMAGE, 1, h, w) for h, w in images] + [(VIDEO, t, h, w) for t, h, w in videos]
+    image, video, start, end = tokens or (IMAGE, VIDEO, START, END)
+    words = torch.randint(4, min(t for t in (image, start) if t is not None) - 1, (text,), generator=g)
+    media = [(image, 1, h, w) for h, w in images] + [(video, t, h, w) for t, h, w in videos]
     cuts = [round(text * (i + 1) / (len(media) + 1)) for i in range(len(media))]
     pieces, at = [], 0
-    grids: dict[int, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
-    pixels: dict[int, list[torch.Tensor]] = {IMAGE: [], VIDEO: []}
-    row = pixel_row(vc)
+    grids: dict[int, list[torch.Tensor]] = {image: [], video: []}
+    pixels: dict[int, list[torch.Tensor]] = {image: [], video: []}
+    row = patch_shape(model)
+    family = FAMILIES.get(type(model).__name__)
+    apart = family is not None and family.frames_apart
+    layout = family.layout if family is not None else (0, 0)
     for cut, (token, t, h, w) in zip(cuts, media):
-        pieces += [words[at:cut], torch.tensor([START]), torch.full((t * h * w,), token), torch.tensor([END])]
+        frame = frame_tokens(h * merge, w * merge, merge, layout)
+        body = [torch.full((t * frame,), token)]
+        if apart and token == video:  # each frame its own run, a timestamp (text) between frames
+            body = [x for k in range(t) for x in ([torch.tensor([4 + k])] if k else []) + [torch.full((frame,), token)]]
+        marks = [[torch.tensor([x])] if x is not None else [] for x in (start, end)]
+        pieces += [words[at:cut], *marks[0], *body, *marks[1]]
         grid = torch.tensor([t, h * merge, w * merge])
         grids[token].append(grid)
-        pixels[token].append(torch.randn(int(grid.prod()), row, generator=g))
+        pixels[token].append(torch.randn(int(grid.prod()), *row, generator=g))
         at = cut
     pieces.append(words[at:])
     out = {"input_ids": torch.cat(pieces)}
     if images:
-        out.update(pixel_values=torch.cat(pixels[IMAGE]), image_grid_thw=torch.stack(grids[IMAGE]))
+        out.update(pixel_values=torch.cat(pixels[image]), image_grid_thw=torch.stack(grids[image]))
     if videos:
-        out.update(pixel_values_videos=torch.cat(pixels[VIDEO]), video_grid_thw=torch.stack(grids[VIDEO]))
+        out.update(pixel_values_videos=torch.cat(pixels[video]), video_grid_thw=torch.stack(grids[video]))
     return out
 
 

@@ -1,4 +1,5 @@
-"""Vision-language models with images under sequence parallelism: tiny Qwen2.5-VL and Qwen3-VL (deepstack), and the
+"""Vision-language models with images under sequence parallelism: tiny Qwen2.5-VL, Qwen3-VL (deepstack) and Qwen3.5
+(dense, MoE: gated delta-net layers head-parallel), and the
 placeholder pattern's LLaVA-OneVision (images and a video), InternVL, Idefics3 and Mistral 3, through the real
 integration (``initialize``, a DeepSpeed engine, 4 gloo ranks) against the same HF model in one process, each
 conversation run alone with its images and video (the model's own positions and vision tower): the loss at every
@@ -26,14 +27,17 @@ CASES = [
     ("qwen2_5_vl", {"mode": "wallfacer", "ring_count": 1}, 1, True),
     ("qwen3_vl", {"mode": "wallfacer", "ring_count": 2}, 2, False),
     ("qwen3_vl", {"mode": "hybrid", "ulysses_degree": 2, "mini_sequence": {"mlp_chunk_tokens": 8, "lm_head_chunk_tokens": 8}}, 3, True),
+    # Qwen3.5: images (and a video, each frame its own run) inside gated delta-net layers sharded head-parallel
+    ("qwen3_5", {"mode": "ulysses"}, 2, True),
+    ("qwen3_5_moe", {"mode": "hybrid", "ulysses_degree": 2}, 3, False),
 ]
 
 
 def _rows(step: int, model) -> list[dict]:
-    """Two conversations: one image; two images and (Qwen2.5-VL) a video of 2 temporal patches."""
+    """Two conversations: one image; two images and (Qwen2.5-VL, Qwen3.5) a video of 2 temporal patches."""
     from ds_wallfacer.examples.vlm import conversation
 
-    video = [(2, 1, 2)] if type(model).__name__.startswith("Qwen2_5") else []
+    video = [(2, 1, 2)] if type(model).__name__.startswith(("Qwen2_5", "Qwen3_5")) else []
     return [conversation(model, text=21 + 4 * step, images=[(2, 2)], seed=10 * step),
             conversation(model, text=15, images=[(1, 3), (2, 1)], videos=video, seed=10 * step + 1)]
 

@@ -40,7 +40,8 @@ def test_packed_positions_restart_per_conversation_and_are_sharded_with_the_toke
 
 def test_media_rows_count_each_kind_in_row_major_order() -> None:
     types = torch.tensor([[0, 1, 1, 0, 2, 2], [1, 0, 2, 0, 0, 0]])
-    assert QwenVisionLanguage.media_index(types).tolist() == [[-1, 0, 1, -1, 0, 1], [2, -1, 2, -1, -1, -1]]
+    # one index over the batch's features: its 3 image tokens' rows, then its 3 video tokens' rows
+    assert QwenVisionLanguage.media_index(types).tolist() == [[-1, 0, 1, -1, 3, 4], [2, -1, 5, -1, -1, -1]]
 
 
 def test_frames_split_heaviest_first_to_the_least_loaded_rank(qwen) -> None:

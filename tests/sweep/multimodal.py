@@ -1,8 +1,9 @@
 """The sweep's multimodal half: every image-text-to-text class of transformers (and every multimodal class of the
 causal-LM mapping) given a batch with images, under sequence parallelism. Verdicts, as in ``run.py``:
 
-- ``exact``: a class whose images train on shards (``adapters.vision.runs_images``: the Qwen-VL classes of
-  ``ADAPTED``, built by ``examples.vlm.tiny_vlm``; every class with the placeholder pattern, built by
+- ``exact``: a class whose images train on shards (``adapters.vision.runs_images``: the M-RoPE classes of
+  ``ADAPTED``, built by ``examples.vlm.tiny_vlm`` where it builds them, else by ``tiny_multimodal.build_tiny_vlm``,
+  with a conversation in their token ids; every class with the placeholder pattern, built by
   ``tiny_multimodal.build_tiny_vlm`` with a row from its adapter's probed units), trained ``STEPS`` SGD steps on one
   row of text with two images (two units of each kind it takes) cut across shard boundaries on 4 CPU ranks (Ulysses
   2 x ring 2, ZeRO-1) against the same model on one process: loss within 1e-5 and every update within 1e-3;
@@ -47,21 +48,27 @@ def multimodal_classes() -> list[tuple[str, str]]:
 
 
 def _build(model_type: str, cls: str) -> Any:
-    """The tiny model: ``examples.vlm.tiny_vlm`` for the Qwen-VL classes, else ``tiny_multimodal.build_tiny_vlm``."""
+    """The tiny model: ``examples.vlm.tiny_vlm`` for the M-RoPE classes it builds, else
+    ``tiny_multimodal.build_tiny_vlm``."""
     from ds_wallfacer.adapters.vision import ADAPTED
-    from ds_wallfacer.examples.vlm import tiny_vlm
+    from ds_wallfacer.examples.vlm import FAMILIES, tiny_vlm
 
-    return tiny_vlm(ADAPTED[cls]) if cls in ADAPTED else build_tiny_vlm(model_type, cls)
+    return tiny_vlm(ADAPTED[cls]) if ADAPTED.get(cls) in FAMILIES else build_tiny_vlm(model_type, cls)
 
 
 def _batch(model: Any) -> dict[str, Any]:
     """One row of text with two images (two units of each kind the model takes) cut across shard boundaries."""
-    from ds_wallfacer.adapters.vision import ADAPTED
+    from ds_wallfacer.adapters.vision import ADAPTED, vision_language
     from ds_wallfacer.examples.vlm import conversation, conversation_batch
 
     if type(model).__name__ not in ADAPTED:
         return vlm_batch(model)
-    return conversation_batch([conversation(model, text=40, images=[(2, 3), (3, 2)], seed=7)])
+    vision = vision_language(model)
+    start, end = (getattr(model.config, k) if k else None for k in vision.family.bracket)
+    tokens = (vision.image_token_id, vision.video_token_id, start, end)
+    row = conversation(model, text=40, images=[(2, 3), (3, 2)], seed=7, tokens=tokens)
+    batch = conversation_batch([row], token_ids=None)
+    return {**batch, "mm_token_type_ids": vision.token_types(batch["input_ids"]).int()}
 
 
 def _adapted(model: Any) -> bool:
@@ -190,7 +197,7 @@ def table_lines(rows: list[Row]) -> list[str]:
         "images, placeholder ids inside the tiny vocabulary, a few per-class sizes), trained 2 SGD steps on one row of",
         "text with two images (two of each kind of media the class takes) cut across shard boundaries on 4 CPU ranks",
         "(Ulysses 2 x ring 2, ZeRO-1) against the same model on one process, loss within 1e-5 and every update (the",
-        "vision tower's included) within 1e-3. The Qwen-VL classes run with their M-RoPE positions; every other exact",
+        "vision tower's included) within 1e-3. The M-RoPE classes run with their own 3-D positions; every other exact",
         "class has the placeholder pattern, recognised from its own code",
         "(Note [One adapter for the placeholder pattern] in docs/design/documents.md).",
         "**refused**: a batch with `pixel_values` is refused by the loader with what the class's forward does",

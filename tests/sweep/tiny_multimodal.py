@@ -111,6 +111,11 @@ def _sam(d: dict[str, Any], patches: int) -> dict[str, Any]:
     return {**d, "vision_config": vc}
 
 
+def _mrope(d: dict[str, Any], section: list[int]) -> dict[str, Any]:
+    text = d["text_config"]
+    return {**d, "text_config": {**text, "rope_parameters": {**text["rope_parameters"], "mrope_section": section}}}
+
+
 _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # the pixel-shuffle MLP takes the shuffled width (4 x hidden) and its output is the projector's input
     # five feature layers (-11 among them) of a 24-layer tower; the tiny tower has 2
@@ -168,6 +173,21 @@ _PER_CLASS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Gemma3ForConditionalGeneration": lambda d: {**d, "mm_tokens_per_image": 4},
     # the projector's width is the text width (2048 by default; a wider one gives each patch several placeholders)
     "PaliGemmaForConditionalGeneration": lambda d: {**d, "projection_dim": HIDDEN},
+    # M-RoPE sections of a 128-wide head ([8, 12, 12]); the tiny head's rotary half has 8 frequencies (4: MoE's
+    # partial rotary)
+    "Glm4vForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
+    "Glm46VForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
+    "GlmOcrForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),
+    "Glm4vMoeForConditionalGeneration": lambda d: _mrope(d, [1, 1, 2]),
+    "PaddleOCRVLForConditionalGeneration": lambda d: _mrope(d, [2, 3, 3]),  # [16, 24, 24] in the full model
+    # M-RoPE sections, none by default (the checkpoints set them; at least width, height, image index): 8 frequencies
+    "HunYuanVLForConditionalGeneration": lambda d: _mrope(d, [2, 2, 2, 2]),
+    # the ids around an image, which the rope index finds images by (the released configs set them)
+    # (and its M-RoPE sections, [16, 24, 24] of a 128-wide head: the tiny head's 8 frequencies)
+    "Qwen2_5OmniThinkerForConditionalGeneration": lambda d: _mrope({**d, "vision_start_token_id": 120,
+                                                                    "vision_end_token_id": 121}, [2, 3, 3]),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": lambda d: {**d, "vision_start_token_id": 120,
+                                                              "vision_end_token_id": 121},
     "Llama4ForConditionalGeneration": _nested("vision_config", intermediate_size=4 * HIDDEN, projector_input_dim=HIDDEN,
                                               projector_output_dim=HIDDEN, vision_output_dim=HIDDEN),
 }
