@@ -32,6 +32,7 @@ setup(
         # transformers' Trainer (ds_wallfacer.hf_trainer) builds its DeepSpeed engine through accelerate; TRL's
         # SFTTrainer (WallfacerSFTTrainer, launch/train_trl.py) and PEFT adapters, checked on these releases
         "hf": ["accelerate>=1.15,<1.17", "trl>=1.16,<1.17", "peft>=0.21,<0.22"],
-        "test": ["pytest>=8", "matplotlib>=3.8"],
+        # scipy: a dependency of some vision-language classes' construction (the multimodal sweep builds them)
+        "test": ["pytest>=8", "matplotlib>=3.8", "scipy>=1.13"],
     },
 )
