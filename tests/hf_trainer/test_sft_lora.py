@@ -5,6 +5,11 @@ The SFT runs use the shipped chat data, packed (several conversations per paddin
 restarting at each) with the loss on assistant turns only; SGD, no clipping, gradient accumulation 2 (see
 ``test_trainer_parity.py``). LoRA is passed to ``SFTTrainer`` as ``peft_config`` (how TRL users train it), and
 wrapped by ``get_peft_model`` for the plain Trainer; only the adapter trains and is saved.
+
+Images: the WallFacer C = 2 launch and the full-model reference's also train TRL's ``SFTTrainer`` on the shipped
+image conversations (``examples/vlm_chat.py``: TRL's ``"messages"`` + ``"images"`` rows, the tiny LLaVA with its
+``LlavaProcessor``, TRL's vision collator: right-padded rows, the loss on assistant turns only), a second trainer in
+the same processes: every logged loss and metric both log, and the eval loss, equal.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from tests.dist_utils import run_distributed  # noqa: E402
 from .runs import STEPS, sft_train, train  # noqa: E402
 
 SFT_MODES = {
-    "wallfacer-c2": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 1, {}),
+    "wallfacer-c2": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 1, {"then_images": True}),
     "ulysses-lora-zero3": ({"mode": "ulysses", "sequence_parallel_size": 4}, 1, {"lora": True, "zero_stage": 3}),
     "hybrid-dp-lora": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 2, {"lora": True}),
 }
@@ -46,7 +51,8 @@ def sft_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     refs = {}
     for lora in (False, True):
         out = tmp_path_factory.mktemp("sft1")
-        (ref,) = run_distributed(sft_train, 1, str(out), None, 2, {"lora": lora}, timeout_s=240)
+        (ref,) = run_distributed(sft_train, 1, str(out), None, 2, {"lora": lora, "then_images": not lora},
+                                 timeout_s=240)
         assert ref["losses"][STEPS] < ref["losses"][1], ref  # it learns
         assert ref["documents"] >= 4, ref  # several conversations per packed row
         refs[lora] = ref
@@ -62,6 +68,26 @@ def test_sft_packed_assistant_only_equals_sft_on_one_rank(mode: str, sft_referen
     _same_curve(got, ref, mode)
     if opts.get("lora"):
         assert got["trainable"] == ref["trainable"] and all("lora_" in n for n in got["trainable"]), got
+    if opts.get("then_images"):
+        _same_image_sft(got["images"], ref["images"])
+
+
+_TRL_ONLY = ("entropy", "mean_token_accuracy", "num_tokens")
+"""What TRL's own ``compute_loss`` logs and the sequence-parallel loss does not (``hf_trainer/sft.py``)."""
+
+
+def _same_image_sft(got: dict, ref: dict) -> None:
+    """The image conversations: TRL's vision collator gave the Wallfacer trainer its images (sharded batches with
+    ``pixel_values`` and each token's feature row), and every value TRL logs, but its own metrics, is equal."""
+    assert "pixel_values" in ref["batch_keys"] and {"pixel_values", "media_index"} <= set(got["batch_keys"]), got
+    assert len(got["logs"]) == len(ref["logs"]) == STEPS, (got["logs"], ref["logs"])
+    assert ref["losses"][STEPS] < ref["losses"][1] or ref["logs"][-1]["grad_norm"] > 0, ref  # it trains
+    for step, (a, b) in enumerate(zip(ref["logs"], got["logs"]), 1):
+        keys = [k for k in a if k not in ("epoch", "step", "learning_rate") and k not in _TRL_ONLY]
+        assert {"loss", "grad_norm"} <= set(keys) <= set(b), (keys, sorted(b))
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), f"images step {step} {k}: {b[k]} != {a[k]} (TRL)"
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
 
 
 def test_lora_with_the_plain_trainer_equals_one_rank_and_saves_only_the_adapter(tmp_path) -> None:
