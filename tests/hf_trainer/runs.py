@@ -279,6 +279,7 @@ def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch
     result = {
         **_results(trainer, kwargs["eval_dataset"]),
         "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "eval": next(h for h in reversed(trainer.state.log_history) if "eval_loss" in h),
         "documents": int((first["position_ids"] == 0).sum()) if section is None and not images else None,
         "batch_keys": sorted(first),
         "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)[:3],

@@ -9,7 +9,8 @@ wrapped by ``get_peft_model`` for the plain Trainer; only the adapter trains and
 Images: the WallFacer C = 2 launch and the full-model reference's also train TRL's ``SFTTrainer`` on the shipped
 image conversations (``examples/vlm_chat.py``: TRL's ``"messages"`` + ``"images"`` rows, the tiny LLaVA with its
 ``LlavaProcessor``, TRL's vision collator: right-padded rows, the loss on assistant turns only), a second trainer in
-the same processes: every logged loss and metric both log, and the eval loss, equal.
+the same processes. Every run compares every value TRL logs, its own metrics (entropy, token accuracy, tokens)
+included, at every step and in the evaluation.
 """
 from __future__ import annotations
 
@@ -66,35 +67,38 @@ def test_sft_packed_assistant_only_equals_sft_on_one_rank(mode: str, sft_referen
     assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
     ref = sft_reference[bool(opts.get("lora"))]
     _same_curve(got, ref, mode)
+    _same_logs(got, ref, mode, replicas=replicas)
     if opts.get("lora"):
         assert got["trainable"] == ref["trainable"] and all("lora_" in n for n in got["trainable"]), got
     if opts.get("then_images"):
         _same_image_sft(got["images"], ref["images"])
 
 
-_TRL_ONLY = ("entropy", "mean_token_accuracy", "num_tokens")
-"""What TRL's own ``compute_loss`` logs and the sequence-parallel loss does not (``hf_trainer/sft.py``)."""
+_GRAD_NORM_TOL = 5e-5
+"""The gradient norm: a square root of a sum over every parameter, which ZeRO-3 reduces partition by partition
+(the reference runs ZeRO-2); after steps at learning rate 1 it was measured 1.8e-5 apart (LoRA, Ulysses, ZeRO-3)."""
+
+
+def _same_logs(got: dict, ref: dict, what: str, *, replicas: int = 1) -> None:
+    """Every value TRL logs at every step (its metrics included: ``entropy``, ``mean_token_accuracy``,
+    ``num_tokens``) and at the evaluation, equal. With D > 1 replicas the evaluation's entropy and accuracy are
+    per round of D sequences (TRL on D processes gathers them so too), the reference's per sequence: not compared."""
+    assert len(got["logs"]) == len(ref["logs"]) == STEPS, (got["logs"], ref["logs"])
+    for step, (a, b) in enumerate(zip(ref["logs"], got["logs"]), 1):
+        keys = [k for k in a if k not in ("epoch", "step", "learning_rate")]
+        assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"} <= set(keys) <= set(b), (keys, b)
+        for k in keys:
+            tol = _GRAD_NORM_TOL if k == "grad_norm" else 1e-5
+            assert b[k] == pytest.approx(a[k], rel=tol, abs=tol), f"{what} step {step} {k}: {b[k]} != {a[k]} (TRL)"
+    for k, want in ref["eval"].items():
+        per_round = replicas > 1 and k in ("eval_entropy", "eval_mean_token_accuracy")
+        if "runtime" not in k and "per_second" not in k and k != "epoch" and not per_round:
+            assert got["eval"][k] == pytest.approx(want, rel=1e-5, abs=1e-5), (what, k, got["eval"][k], want)
 
 
 def _same_image_sft(got: dict, ref: dict) -> None:
     """The image conversations: TRL's vision collator gave the Wallfacer trainer its images (sharded batches with
-    ``pixel_values`` and each token's feature row), and every value TRL logs, but its own metrics, is equal."""
+    ``pixel_values`` and each token's feature row), and every logged value is TRL's."""
     assert "pixel_values" in ref["batch_keys"] and {"pixel_values", "media_index"} <= set(got["batch_keys"]), got
-    assert len(got["logs"]) == len(ref["logs"]) == STEPS, (got["logs"], ref["logs"])
-    assert ref["losses"][STEPS] < ref["losses"][1] or ref["logs"][-1]["grad_norm"] > 0, ref  # it trains
-    for step, (a, b) in enumerate(zip(ref["logs"], got["logs"]), 1):
-        keys = [k for k in a if k not in ("epoch", "step", "learning_rate") and k not in _TRL_ONLY]
-        assert {"loss", "grad_norm"} <= set(keys) <= set(b), (keys, sorted(b))
-        for k in keys:
-            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-5), f"images step {step} {k}: {b[k]} != {a[k]} (TRL)"
-    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (got, ref)
-
-
-def test_lora_with_the_plain_trainer_equals_one_rank_and_saves_only_the_adapter(tmp_path) -> None:
-    opts = {"lora": True, "save_steps": STEPS}
-    ref = run_distributed(train, 1, str(tmp_path / "p1"), None, 2, opts, timeout_s=240)[0]
-    section = {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 4}
-    got = run_distributed(train, 4, str(tmp_path / "p4"), section, 2, opts, timeout_s=240)[0]
-    _same_curve(got, ref, "ring + LoRA")
-    assert "adapter_model.safetensors" in got["saved"], got["saved"]
-    assert not any(n.startswith("model") and n.endswith(".safetensors") for n in got["saved"]), got["saved"]
+    assert ref["losses"][STEPS - 1] < ref["losses"][1], ref  # it trains (the last step's batch is a harder one)
+    _same_logs(got, ref, "images")
