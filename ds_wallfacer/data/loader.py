@@ -33,6 +33,7 @@ from .pieces import check_sequence_length, sequence_chunk_ids, sequence_position
 from .steps import balanced_order, check_rounds, row_work
 
 __all__ = [
+    "TEXT_KEYS",
     "BalancedStepSampler",
     "SequenceParallelLoader",
     "ShardSpec",
@@ -44,6 +45,10 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
+
+TEXT_KEYS = frozenset({"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"})
+"""The keys of a full batch the loader shards; with a vision-language model's adapter also ``MEDIA_KEYS`` and
+``TOKEN_TYPES_KEY``. Any other key is refused (it would not reach the model)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ def _checked_ids(batch: Mapping[str, Any], vision: VisionAdapter | None = None) 
     """``input_ids`` [B, N] as int64, after checking the batch's keys and the shapes beside it."""
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
-    known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"}
+    known = set(TEXT_KEYS)
     media = sorted(set(batch) & {*MEDIA_KEYS, TOKEN_TYPES_KEY})
     if media and getattr(vision, "refusal", None):
         raise ValueError(vision.refusal)

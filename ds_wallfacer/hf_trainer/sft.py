@@ -9,7 +9,9 @@ shards each collated batch, reads the conversations from ``position_ids`` and tr
 and hands the images to every rank of the group (whose vision adapter splits the tower's work). The loss is the
 mixin's global token mean: TRL's ``nll``. TRL's metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``)
 are computed on each rank's shard from its logits and summed over every rank: the numbers TRL logs for the same
-batches. TRL's fused LM head is not used, and ``loss_type="dft"`` is refused (``options.refuse_unsupported``).
+batches. TRL's fused LM head is not used, and ``loss_type="dft"`` is refused (``options.refuse_unsupported``); so is
+a dataset with images that the model's vision adapter refuses, or whose collated batches hold keys the loader does
+not shard (``refuse_unshardable_images``).
 Needs ``trl`` (``pip install ds_wallfacer[hf]``).
 """
 from __future__ import annotations
@@ -22,10 +24,35 @@ import torch.nn.functional as F
 from torch import nn
 from trl import SFTTrainer
 
+from ..data.loader import TEXT_KEYS
+from ..data.media import MEDIA_KEYS, TOKEN_TYPES_KEY
 from ..integration.loss import lm_logits
+from .options import UnsupportedTrainerOption
 from .trainer import WallfacerTrainerMixin
 
-__all__ = ["WallfacerSFTTrainer", "token_stats"]
+__all__ = ["WallfacerSFTTrainer", "refuse_unshardable_images", "token_stats"]
+
+
+def refuse_unshardable_images(trainer: Any) -> None:
+    """TRL found images in the dataset: the model's vision adapter must take them (a model without one refuses
+    them), and TRL's collated batch of the first training example may hold only keys the loader shards (a
+    processor's other outputs, e.g. ``token_type_ids``, would not reach the model)."""
+    vision = trainer.sequence_parallel.module.vision
+    if vision is None or vision.refusal:
+        raise UnsupportedTrainerOption(
+            f"the dataset has images, but {type(trainer.model).__name__} "
+            + (f"refuses them under sequence parallelism: {vision.refusal}" if vision is not None else
+               "has no vision tower ds_wallfacer adapts")
+        )
+    example = dict(next(iter(trainer.train_dataset)))  # a copy: TRL's collator renames keys in place
+    batch = trainer.data_collator([example])
+    unknown = sorted(set(batch) - TEXT_KEYS - {*MEDIA_KEYS, TOKEN_TYPES_KEY})
+    if unknown:
+        raise UnsupportedTrainerOption(
+            f"the collated batches of this dataset hold {unknown} (from {type(trainer.data_collator).__name__} and "
+            f"{type(trainer.processing_class).__name__}), which the sequence-parallel loader does not shard and the "
+            "model would not get: drop them in a data_collator of your own, or train without sequence parallelism"
+        )
 
 
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int) -> torch.Tensor:
@@ -40,6 +67,11 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int
 
 class WallfacerSFTTrainer(WallfacerTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` with the ds_config's ``"wallfacer"`` sequence parallelism."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "_is_vision_dataset", False):  # TRL's own test: "image" or "images" in the first example
+            refuse_unshardable_images(self)
 
     def _wf_local_loss(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token losses, targets) of this rank's shard, and TRL's metrics of the batch (``_wf_log_stats``)."""

@@ -10,7 +10,8 @@ Images: the WallFacer C = 2 launch and the full-model reference's also train TRL
 image conversations (``examples/vlm_chat.py``: TRL's ``"messages"`` + ``"images"`` rows, the tiny LLaVA with its
 ``LlavaProcessor``, TRL's vision collator: right-padded rows, the loss on assistant turns only), a second trainer in
 the same processes. Every run compares every value TRL logs, its own metrics (entropy, token accuracy, tokens)
-included, at every step and in the evaluation.
+included, at every step and in the evaluation. A collator whose batches hold a key the loader does not shard
+(``token_type_ids``) is refused at construction.
 """
 from __future__ import annotations
 
@@ -102,3 +103,4 @@ def _same_image_sft(got: dict, ref: dict) -> None:
     assert "pixel_values" in ref["batch_keys"] and {"pixel_values", "media_index"} <= set(got["batch_keys"]), got
     assert ref["losses"][STEPS - 1] < ref["losses"][1], ref  # it trains (the last step's batch is a harder one)
     _same_logs(got, ref, "images")
+    assert "['token_type_ids']" in got["refusal"] and "does not shard" in got["refusal"], got["refusal"]
