@@ -46,35 +46,6 @@ def _same_curve(got: dict, ref: dict, what: str) -> None:
     assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5, abs=1e-5), (what, got, ref)
 
 
-@pytest.fixture(scope="module")
-def sft_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """SFTTrainer on one rank, 2 packed rows per micro-batch (the global batch of every run below), full model and
-    LoRA."""
-    refs = {}
-    for lora in (False, True):
-        out = tmp_path_factory.mktemp("sft1")
-        (ref,) = run_distributed(sft_train, 1, str(out), None, 2, {"lora": lora, "then_images": not lora},
-                                 timeout_s=240)
-        assert ref["losses"][STEPS] < ref["losses"][1], ref  # it learns
-        assert ref["documents"] >= 4, ref  # several conversations per packed row
-        refs[lora] = ref
-    return refs
-
-
-@pytest.mark.parametrize("mode", list(SFT_MODES))
-def test_sft_packed_assistant_only_equals_sft_on_one_rank(mode: str, sft_reference: dict, tmp_path) -> None:
-    section, replicas, opts = SFT_MODES[mode]
-    got = run_distributed(sft_train, 4, str(tmp_path), section, 2 // replicas, opts, timeout_s=240)[0]
-    assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
-    ref = sft_reference[bool(opts.get("lora"))]
-    _same_curve(got, ref, mode)
-    _same_logs(got, ref, mode, replicas=replicas)
-    if opts.get("lora"):
-        assert got["trainable"] == ref["trainable"] and all("lora_" in n for n in got["trainable"]), got
-    if opts.get("then_images"):
-        _same_image_sft(got["images"], ref["images"])
-
-
 _GRAD_NORM_TOL = 5e-5
 """The gradient norm: a square root of a sum over every parameter, which ZeRO-3 reduces partition by partition
 (the reference runs ZeRO-2); after steps at learning rate 1 it was measured 1.8e-5 apart (LoRA, Ulysses, ZeRO-3)."""
@@ -104,3 +75,42 @@ def _same_image_sft(got: dict, ref: dict) -> None:
     assert ref["losses"][STEPS - 1] < ref["losses"][1], ref  # it trains (the last step's batch is a harder one)
     _same_logs(got, ref, "images")
     assert "['token_type_ids']" in got["refusal"] and "does not shard" in got["refusal"], got["refusal"]
+
+
+@pytest.fixture(scope="module")
+def sft_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """SFTTrainer on one rank, 2 packed rows per micro-batch (the global batch of every run below), full model and
+    LoRA."""
+    refs = {}
+    for lora in (False, True):
+        out = tmp_path_factory.mktemp("sft1")
+        (ref,) = run_distributed(sft_train, 1, str(out), None, 2, {"lora": lora, "then_images": not lora},
+                                 timeout_s=240)
+        assert ref["losses"][STEPS] < ref["losses"][1], ref  # it learns
+        assert ref["documents"] >= 4, ref  # several conversations per packed row
+        refs[lora] = ref
+    return refs
+
+
+@pytest.mark.parametrize("mode", list(SFT_MODES))
+def test_sft_packed_assistant_only_equals_sft_on_one_rank(mode: str, sft_reference: dict, tmp_path) -> None:
+    section, replicas, opts = SFT_MODES[mode]
+    got = run_distributed(sft_train, 4, str(tmp_path), section, 2 // replicas, opts, timeout_s=240)[0]
+    assert got["sequence_parallel_size"] == section["sequence_parallel_size"], got
+    ref = sft_reference[bool(opts.get("lora"))]
+    _same_curve(got, ref, mode)
+    _same_logs(got, ref, mode, replicas=replicas)
+    if opts.get("lora"):
+        assert got["trainable"] == ref["trainable"] and all("lora_" in n for n in got["trainable"]), got
+    if opts.get("then_images"):
+        _same_image_sft(got["images"], ref["images"])
+
+
+def test_lora_with_the_plain_trainer_equals_one_rank_and_saves_only_the_adapter(tmp_path) -> None:
+    opts = {"lora": True, "save_steps": STEPS}
+    ref = run_distributed(train, 1, str(tmp_path / "p1"), None, 2, opts, timeout_s=240)[0]
+    section = {"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 4}
+    got = run_distributed(train, 4, str(tmp_path / "p4"), section, 2, opts, timeout_s=240)[0]
+    _same_curve(got, ref, "ring + LoRA")
+    assert "adapter_model.safetensors" in got["saved"], got["saved"]
+    assert not any(n.startswith("model") and n.endswith(".safetensors") for n in got["saved"]), got["saved"]
