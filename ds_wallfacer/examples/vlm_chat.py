@@ -66,8 +66,8 @@ _WORDS = ("system", "user", "assistant", "you", "describe", "images", "briefly",
 
 
 def _tokenizer() -> Any:
-    """A word-level tokenizer over ``_WORDS`` (lower-cased words and punctuation; anything else is ``<unk>``), the special
-    tokens on their fixed ids; ``<|im_end|>`` is EOS, ``<pad>`` padding."""
+    """A word-level tokenizer over ``_WORDS`` (lower-cased words and punctuation; anything else is ``<unk>``), the
+    special tokens on their fixed ids; ``<|im_end|>`` is EOS, ``<pad>`` padding."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
