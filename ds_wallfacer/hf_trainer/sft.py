@@ -93,8 +93,8 @@ class WallfacerSFTTrainer(WallfacerTrainerMixin, SFTTrainer):
         if metrics is None:  # a TRL without SFT metrics
             return
         sp = self.sequence_parallel
-        tokens = inputs["token_mask"].sum() if "token_mask" in inputs else inputs["input_ids"].numel()
-        local = torch.cat([stats, torch.as_tensor([tokens], dtype=torch.float64, device=stats.device)])
+        tokens = int(inputs["token_mask"].sum()) if "token_mask" in inputs else inputs["input_ids"].numel()
+        local = torch.cat([stats, torch.tensor([tokens], dtype=torch.float64, device=stats.device)])
         with sp.comm.phase("metrics"):
             total = sp.comm.all_gather(sp.comm.place(local), dist.group.WORLD).sum(0)  # [4], in rank order
         entropy, correct, valid, real = total.tolist()
