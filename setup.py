@@ -10,7 +10,8 @@ setup(
     ),
     packages=find_packages(include=["ds_wallfacer", "ds_wallfacer.*"]),
     # the trainer's defaults: example ds_configs and the demo corpus (ds_configs/ and launch/data/ link to them)
-    package_data={"ds_wallfacer.examples": ["configs/*.json", "data/*.txt", "data/*.md", "chat.jsonl"]},
+    package_data={"ds_wallfacer.examples": ["configs/*.json", "data/*.txt", "data/*.md", "chat.jsonl",
+                                           "vlm_chat/chat.jsonl", "vlm_chat/images/*.png"]},
     python_requires=">=3.10",
     # Supported: each range runs from the lowest release tested to the newest (constraints.txt pins the set the
     # suite runs on; launch/test_latest.sh tries the newest releases). Widen an upper end after that target passes.

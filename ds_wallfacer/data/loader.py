@@ -37,6 +37,7 @@ from .pieces import check_sequence_length, sequence_chunk_ids, sequence_position
 from .steps import balanced_order, check_rounds, row_work
 
 __all__ = [
+    "TEXT_KEYS",
     "BalancedStepSampler",
     "SequenceParallelLoader",
     "ShardSpec",
@@ -48,6 +49,10 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
+
+TEXT_KEYS = frozenset({"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths"})
+"""The keys of a full batch the loader shards; with a vision-language model's adapter also ``MEDIA_KEYS`` and
+``TOKEN_TYPES_KEY``. Any other key is refused (it would not reach the model)."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ def _checked_ids(batch: Mapping[str, Any], vision: VisionAdapter | None = None) 
     """``input_ids`` [B, N] as int64, after checking the batch's keys and the shapes beside it."""
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
-    known = {"input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "document_lengths", SPANS_KEY}
+    known = {*TEXT_KEYS, SPANS_KEY}
     refused = sorted(set(batch) & set(getattr(vision, "refused_keys", None) or {}))
     if refused:  # what the model's adapter refuses by name (the Omni thinkers' audio)
         raise ValueError(vision.refused_keys[refused[0]])

@@ -6,7 +6,8 @@ baseline want it (the Trainer's keys on "auto"). Pure: no torch.
 The examples' shared parts, so that every script in ``launch/`` imports only from the package: ``hf.py`` (the
 Trainer examples' options, arguments, model, data and summary), ``rl.py`` (the DPO and GRPO examples'), ``vlm.py``
 (the tiny vision-language models and synthetic image conversations of ``launch/train_vlm.py``, the tests and the
-sweep; it imports torch)."""
+sweep; it imports torch), ``vlm_chat.py`` (the image-conversation example in ``vlm_chat/``: tiny PNGs, a JSONL of
+conversations, a tiny LLaVA and its processor)."""
 from __future__ import annotations
 
 import json

@@ -174,18 +174,21 @@ class WallfacerTrainerMixin:
             logs = {**logs, **self.wallfacer_metrics.collect()}
         super().log(logs, *args, **kwargs)
 
-    def _wf_local_loss(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token losses, targets) of this rank's shard; packed batches hand attention their documents, layers
-        that scale by position get the positions (``SequenceParallelCausalLM.attention_kwargs``)."""
-        sp = self.sequence_parallel
+    def _wf_model_inputs(self, inputs: dict[str, Any]) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+        """(input ids, positions, model keywords) of this rank's shard; packed batches hand attention their documents,
+        layers that scale by position get the positions (``SequenceParallelCausalLM.attention_kwargs``)."""
         media = {k: inputs[k] for k in MEDIA_KEYS if inputs.get(k) is not None}  # images: adapters/vision.py
-        ids, positions, kwargs = sp.module.model_inputs(
+        return self.sequence_parallel.module.model_inputs(
             inputs["input_ids"], inputs["position_ids"], document_starts=inputs.get("document_starts"),
             chunk_assignment=inputs.get("chunk_assignment"), bidirectional_spans=inputs.get("bidirectional_spans"),
             mrope_position_ids=inputs.get("mrope_position_ids"),
             media_index=inputs.get("media_index"), **media)
+
+    def _wf_local_loss(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token losses, targets) of this rank's shard."""
+        ids, positions, kwargs = self._wf_model_inputs(inputs)
         return logits_loss(model, input_ids=ids, position_ids=positions, shift_labels=inputs["shift_labels"],
-                           ignore_index=sp.ignore_index, **kwargs)
+                           ignore_index=self.sequence_parallel.ignore_index, **kwargs)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

@@ -30,8 +30,8 @@ from ..mst.lm_head import head_transform
 from .dynamic import DynamicGroups, GroupOfSize
 from .packing import BATCH_KWARG, PackedBatches
 
-__all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "local_loss_for", "logits_loss",
-           "mini_sequence_loss"]
+__all__ = ["LocalLoss", "SequenceParallelCausalLM", "global_token_mean", "lm_logits", "local_loss_for",
+           "logits_loss", "mini_sequence_loss"]
 
 LocalLoss = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """``fn(lm, *, input_ids, position_ids, shift_labels, ignore_index, **model_kwargs) -> (loss_sum fp32, token_count)``;
@@ -64,16 +64,21 @@ def global_token_mean(
     return (total[0] / total[1].clamp(min=1)).float()
 
 
+def lm_logits(lm: nn.Module, *, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              **model_kwargs: Any) -> torch.Tensor:
+    """The model's logits [B, S_l, V] of this rank's tokens. A vision-language row (``inputs_embeds`` in
+    ``model_kwargs``, ``input_ids`` None) runs the language model and the LM head directly."""
+    if "inputs_embeds" in model_kwargs:  # what the model does after its head too (Cohere's logit_scale, soft-caps)
+        return head_transform(lm)(lm.get_output_embeddings()(_decoder_hidden(lm, position_ids, model_kwargs)))
+    return lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs).logits
+
+
 def logits_loss(
     lm: nn.Module, *, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
     ignore_index: int = -100, **model_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss_sum, count) from the model's own logits (fp32 cross-entropy, like HF's loss). A vision-language row
-    (``inputs_embeds`` in ``model_kwargs``, ``input_ids`` None) runs the language model and the LM head directly."""
-    if "inputs_embeds" in model_kwargs:  # what the model does after its head too (Cohere's logit_scale, soft-caps)
-        logits = head_transform(lm)(lm.get_output_embeddings()(_decoder_hidden(lm, position_ids, model_kwargs)))
-    else:
-        logits = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **model_kwargs).logits
+    """(loss_sum, count) from the model's own logits (fp32 cross-entropy, like HF's loss)."""
+    logits = lm_logits(lm, input_ids=input_ids, position_ids=position_ids, **model_kwargs)
     labels = shift_labels.reshape(-1).to(logits.device)
     loss_sum = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels, ignore_index=ignore_index, reduction="sum"

@@ -23,9 +23,10 @@ import torch
 
 from ..data.steps import balanced_order, row_work
 from .cli import StartupError
+from .conversations import ConversationRows, eval_rounds, is_conversation_file, load_conversations, load_processor
 
-__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_token_data", "row_works", "token_rows",
-           "train_batches"]
+__all__ = ["SUFFIXES", "TokenData", "eval_batches", "find_sources", "load_data", "load_token_data", "row_works",
+           "token_rows", "train_batches"]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CACHE_VERSION = 1
@@ -185,6 +186,9 @@ class _Batches:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for ids, labels in self._rows:
+            if isinstance(ids, dict):  # conversations: a batch with its own labels, mask and images
+                yield ids
+                continue
             batch = {"input_ids": torch.from_numpy(np.array(ids, dtype=np.int64))}
             if labels is not None:
                 batch["labels"] = torch.from_numpy(labels)
@@ -224,6 +228,9 @@ def eval_batches(
     """Every held-out sequence once, in rounds of one micro-batch per replica (all ranks run the same number of
     forwards: ZeRO-3 gathers parameters over the whole world); missing rows repeat a sequence with every label
     ignored. Returns the batches and each batch's counted tokens (targets: seq_len - 1 per real row)."""
+    if isinstance(seqs, ConversationRows):
+        batches, targets = eval_rounds(seqs, micro=micro, dp=dp)
+        return _Batches([(b, None) for b in batches]), targets
     per_round = micro * dp
     rounds = -(-len(seqs) // per_round)
     rows, counts = [], []
@@ -239,6 +246,22 @@ def eval_batches(
         else:  # no target for each document's last token
             counts.append(sum(len(r) - len(document_lengths(r, eos_id)) for r, ok in zip(ids, real) if ok))
     return _Batches(rows, eos_id=eos_id), counts
+
+
+def load_data(args: Any, loaded: Any, *, dynamic: bool) -> Any:
+    """The trainer's data: ``load_token_data``, or a ``.jsonl`` of conversations (``conversations.py``) rendered by
+    the model folder's processor, each a row (with whole-row options refused)."""
+    if not is_conversation_file(args.data):
+        return load_token_data(args.data, loaded.tokenizer, tokenizer_id=loaded.tokenizer_id, eos_id=loaded.eos_id,
+                               seq_len=args.seq_len, eval_fraction=args.eval_fraction, text_field=args.text_field,
+                               cache_dir=args.cache_dir or Path(args.output_dir) / "token_cache")
+    for bad, what in ((args.document_masking, "--document_masking"),
+                      (dynamic, "wallfacer.dynamic_sequence_parallel")):
+        if bad:
+            raise StartupError(f"--data {args.data!r} holds conversations, each trained as its own right-padded row: "
+                               f"{what} does not apply to them; drop it")
+    processor = load_processor(loaded.folder, model=args.model)
+    return load_conversations(args.data, processor, seq_len=args.seq_len, eval_fraction=args.eval_fraction)
 
 
 def token_rows(data: str, tokenizer: Any, *, tokenizer_id: str, eos_id: int, seq_len: int,

@@ -56,6 +56,8 @@ class LoadedModel:
     """Where the weights came from: "pretrained:<dir>", "config:<path>" or "preset:<name>"."""
     tokenizer_id: str
     """Identity of the tokenizer for the data cache key."""
+    folder: Path | None = None
+    """The model's folder (its tokenizer's, and a vision-language model's processor's); None for a preset."""
 
 
 def resolve_model_source(spec: str) -> tuple[str, Path | None]:
@@ -131,7 +133,7 @@ def load_model(spec: str, *, seq_len: int, dtype: torch.dtype, seed: int) -> Loa
     """Build the model named by ``--model`` with ``attn_implementation="wallfacer"`` (the caller imports
     ``ds_wallfacer.integration`` first, which registers it), refusing what cannot train: a tokenizer larger than
     the model's vocabulary, ``seq_len`` beyond ``max_position_embeddings``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     kind, path = resolve_model_source(spec)
     if kind == "preset":
@@ -157,10 +159,14 @@ def load_model(spec: str, *, seq_len: int, dtype: torch.dtype, seed: int) -> Loa
     eos_id = int(eos) if eos is not None else BYTE_EOS_ID
 
     torch.manual_seed(seed)  # identical random weights on every rank
+    # a vision-language model: its tower on sdpa, its text model's attention set by the integration (adapters/)
+    vision = getattr(cfg, "vision_config", None) is not None
+    auto, attn = (AutoModelForImageTextToText, "sdpa") if vision else (AutoModelForCausalLM, "wallfacer")
     if kind == "pretrained":
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="wallfacer", dtype=dtype)
+        model = auto.from_pretrained(str(model_dir), attn_implementation=attn, dtype=dtype)
         source = f"pretrained:{model_dir}"
     else:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="wallfacer", dtype=dtype)
+        model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
         source = f"config:{path}" if kind == "config" else f"preset:{spec}"
-    return LoadedModel(model=model.train(), tokenizer=tokenizer, eos_id=eos_id, source=source, tokenizer_id=tok_id)
+    return LoadedModel(model=model.train(), tokenizer=tokenizer, eos_id=eos_id, source=source, tokenizer_id=tok_id,
+                       folder=model_dir)

@@ -20,7 +20,7 @@ from ..integration.ds_runtime import close_distributed
 from . import checkpoint as ckpt
 from . import manifest
 from .cli import StartupError, offline_defaults, settle_options
-from .data import eval_batches, load_token_data
+from .data import eval_batches, load_data
 from .dynamic import DynamicData
 from .export import export_hf
 from .metrics import (comm_bytes, gather_rows, init_wandb, log_step, model_flops_per_step, peak_memory_bytes,
@@ -132,11 +132,7 @@ class Trainer:
         self.resume_tag = self.resume_candidates[0] if self.resume_candidates else None
         self.dtype = dtype_of(self.run_cfg.deepspeed)
         self.loaded = loaded = load_model(args.model, seq_len=args.seq_len, dtype=self.dtype, seed=args.seed)
-        self.data = load_token_data(
-            args.data, loaded.tokenizer, tokenizer_id=loaded.tokenizer_id, eos_id=loaded.eos_id,
-            seq_len=args.seq_len, eval_fraction=args.eval_fraction, text_field=args.text_field,
-            cache_dir=args.cache_dir or self.out / "token_cache",
-        )
+        self.data = load_data(args, loaded, dynamic=self.run_cfg.wallfacer.dynamic_sequence_parallel is not None)
         self.text_cfg = text_config(loaded.model)
         self.n_params = sum(p.numel() for p in loaded.model.parameters())  # before ZeRO-3 partitions them
         self._initialize(wfi, ds_config)
@@ -218,7 +214,7 @@ class Trainer:
 
     def export_only(self) -> int:
         """``--export_only``: the loaded (or initial) model as an HF checkpoint, then done."""
-        export_hf(self.sp.model, self.loaded.tokenizer, self.export_dir, zero_stage=self.run_cfg.zero_stage)
+        export_hf(self.sp.model, self._saved_tokenizer(), self.export_dir, zero_stage=self.run_cfg.zero_stage)
         if self.rank == 0:
             print(json.dumps({"export_dir": str(self.export_dir), "step": self.step,
                               "checkpoint": str(self.resume_tag)}), flush=True)
@@ -440,6 +436,10 @@ class Trainer:
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.engine.device) for k, v in batch.items()}
 
+    def _saved_tokenizer(self) -> Any:
+        """What the export saves beside the model: the processor of conversations with images, else the tokenizer."""
+        return getattr(self.data, "processor", None) or self.loaded.tokenizer
+
     # -- signals (Note [Save on preemption]) ---------------------------------------------------------------
     def _say(self, line: str) -> None:
         if self.watchdog is not None:
@@ -470,7 +470,7 @@ class Trainer:
             self.bar.close()
         exported = None
         if export and not self.args.no_export:
-            exported = export_hf(self.sp.model, self.loaded.tokenizer, self.export_dir,
+            exported = export_hf(self.sp.model, self._saved_tokenizer(), self.export_dir,
                                  zero_stage=self.run_cfg.zero_stage)
         if self.rank == 0:
             print(json.dumps(self.summary(exported)), flush=True)

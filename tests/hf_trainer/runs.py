@@ -230,27 +230,31 @@ def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch
     """TRL's ``SFTTrainer`` (``section=None``) or ``WallfacerSFTTrainer``: the shipped chat data, packed
     (padding-free rows, ``position_ids`` restarting per conversation) with the loss on assistant turns only,
     ``STEPS`` steps of gradient accumulation 2, then evaluation. ``options``: ``lora`` (a LoRA ``peft_config``, as
-    TRL users pass it), ``zero_stage`` (default 2), ``packing`` (default True)."""
+    TRL users pass it), ``zero_stage`` (default 2), ``packing`` (default True), ``images`` (the shipped image
+    conversations with the tiny LLaVA and its processor, ``examples/vlm_chat.py``: TRL's vision collator, right-padded
+    rows, no packing; the Wallfacer trainer then also builds one whose collator adds a key the loader does not
+    shard: its refusal under ``"refusal"``), ``then_images`` (after this run, a second trainer in the same
+    processes with ``images``: its results under ``"images"``)."""
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from ds_wallfacer.hf_trainer.chat import chat_tokenizer, load_chats
     from tests.models import tiny_model
 
     opts = options or {}
-    args = SFTConfig(
-        output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=1,
-        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True,
-        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
-        bf16=False,  # SFTConfig's default is bf16 autocast; the comparison is in fp32
-        packing=opts.get("packing", True), eval_packing=False, max_length=256, assistant_only_loss=True,
-        save_strategy="no",
-    )
-    chats = load_chats()
-    kwargs: dict[str, Any] = dict(model=tiny_model("llama", seed=0), args=args, processing_class=chat_tokenizer(),
-                                  train_dataset=Dataset.from_list(chats[:48]),
-                                  eval_dataset=Dataset.from_list(chats[200:216]))
+    images = bool(opts.get("images"))
+    args = _sft_config(out, section, micro_batch, opts)
+    if images:
+        from ds_wallfacer.examples.vlm_chat import chat_processor, load_image_chats, tiny_llava
+
+        chats = load_image_chats()
+        kwargs: dict[str, Any] = dict(model=tiny_llava(seed=0), args=args, processing_class=chat_processor(),
+                                      train_dataset=Dataset.from_list(chats[:16]),
+                                      eval_dataset=Dataset.from_list(chats[16:20]))
+    else:
+        chats = load_chats()
+        kwargs = dict(model=tiny_model("llama", seed=0), args=args, processing_class=chat_tokenizer(),
+                      train_dataset=Dataset.from_list(chats[:48]), eval_dataset=Dataset.from_list(chats[200:216]))
     if opts.get("lora"):
         from peft import LoraConfig
 
@@ -265,8 +269,53 @@ def sft_train(rank: int, world: int, out: str, section: dict | None, micro_batch
         trainer = WallfacerSFTTrainer(**kwargs)
     first = next(iter(trainer.get_train_dataloader()))
     trainer.train()
-    return {
+    result = {
         **_results(trainer, kwargs["eval_dataset"]),
-        "documents": int((first["position_ids"] == 0).sum()) if section is None else None,
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "eval": next(h for h in reversed(trainer.state.log_history) if "eval_loss" in h),
+        "documents": int((first["position_ids"] == 0).sum()) if section is None and not images else None,
+        "batch_keys": sorted(first),
         "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)[:3],
     }
+    if images and section is not None:
+        result["refusal"] = _image_collator_refusal({**kwargs, "model": tiny_llava(seed=0),
+                                                     "args": _sft_config(f"{out}/r", section, 1, opts)})
+    if opts.get("then_images"):
+        result["images"] = sft_train(rank, world, f"{out}/images", section, micro_batch, {"images": True})
+    return result
+
+
+def _sft_config(out: str, section: dict | None, micro_batch: int, opts: dict[str, Any]) -> Any:
+    from trl import SFTConfig
+
+    images = bool(opts.get("images"))
+    return SFTConfig(
+        output_dir=out, per_device_train_batch_size=micro_batch, per_device_eval_batch_size=1,
+        gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1.0, lr_scheduler_type="constant",
+        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True, use_cpu=True,
+        deepspeed=ds_config(section, zero_stage=opts.get("zero_stage", 2)),
+        bf16=False,  # SFTConfig's default is bf16 autocast; the comparison is in fp32
+        packing=opts.get("packing", not images), eval_packing=False,
+        max_length=opts.get("max_length", None if images else 256), assistant_only_loss=True, save_strategy="no",
+    )
+
+
+def _image_collator_refusal(kwargs: dict[str, Any]) -> str:
+    """``WallfacerSFTTrainer`` with TRL's vision collator wrapped to add a key the loader does not shard (as
+    Gemma 3's processor adds ``token_type_ids``): the refusal's message."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from ds_wallfacer.hf_trainer import WallfacerSFTTrainer
+    from ds_wallfacer.hf_trainer.options import UnsupportedTrainerOption
+
+    inner = DataCollatorForVisionLanguageModeling(processor=kwargs["processing_class"])
+
+    def with_token_types(examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = inner(examples)
+        return {**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])}
+
+    try:
+        WallfacerSFTTrainer(**{**kwargs, "data_collator": with_token_types})
+    except UnsupportedTrainerOption as e:
+        return str(e)
+    return "not refused"

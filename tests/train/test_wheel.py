@@ -53,6 +53,8 @@ def test_the_installed_wheel_trains_with_its_defaults_from_any_folder(tmp_path: 
     shipped = site / "ds_wallfacer" / "examples"
     assert (shipped / "configs" / "wallfacer.json").is_file() and (shipped / "data" / "sample.txt").is_file(), \
         "the wheel lacks the example configs or the demo corpus"
+    pngs = list((shipped / "vlm_chat" / "images").glob("*.png"))
+    assert (shipped / "vlm_chat" / "chat.jsonl").is_file() and len(pngs) == 12, "the wheel lacks the image example"
     work = tmp_path / "elsewhere"
     work.mkdir()
     run_env = {**env(), "PYTHONPATH": str(site)}  # the installed package only: not the checkout
