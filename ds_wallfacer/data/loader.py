@@ -314,6 +314,7 @@ def collate_right_padded(
     and right-padded with 0 like the ids (a model's ``token_type_ids``, ``vision.type_spans.key``)."""
     rows = [it if isinstance(it, Mapping) else {"input_ids": it} for it in items]
     ids = [torch.as_tensor(r["input_ids"]).long().reshape(-1) for r in rows]
+    _check_per_token_keys(rows, ids, token_keys)
     n = max(len(x) for x in ids)
     out: dict[str, Any] = {
         "input_ids": torch.stack([F.pad(x, (0, n - len(x)), value=pad_token_id) for x in ids]),
@@ -340,6 +341,21 @@ def collate_right_padded(
             else [len(x)] for r, x in zip(rows, ids)
         ]
     return out
+
+
+_COLLATED = frozenset({"input_ids", "labels", "position_ids", "document_lengths", "attention_mask", *MEDIA_KEYS, TOKEN_TYPES_KEY})
+
+
+def _check_per_token_keys(rows: Sequence[Mapping[str, Any]], ids: Sequence[torch.Tensor], token_keys) -> None:
+    """Refuse an item key of one value per token that the collate would drop (PaliGemma's ``token_type_ids`` under
+    dynamic sequence parallelism): the model would run without it. A dataset's text columns are left behind."""
+    for r, x in zip(rows, ids):
+        for key, value in r.items():
+            if key in _COLLATED or key in token_keys or not isinstance(value, (torch.Tensor, list, tuple)):
+                continue
+            if torch.as_tensor(value).numel() == len(x) > 1:
+                raise ValueError(f"item key {key!r} holds one value per token, which this loader does not pass to "
+                                 "the model: drop it, or use the fixed loader of a model that reads it (Gemma 3)")
 
 
 def item_work(item: Any) -> int:

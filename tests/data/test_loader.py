@@ -92,3 +92,15 @@ def test_replicas_get_disjoint_data_and_sp_ranks_the_same() -> None:
     batches = [{"input_ids": torch.full((1, 8), k)} for k in range(5)]
     loader = SequenceParallelLoader(batches, ShardSpec(index=0, sp_size=2, dp_rank=1, dp_size=2))
     assert [int(b["input_ids"][0, 0]) for b in loader] == [1, 3] and len(loader) == 2
+
+
+def test_collate_refuses_a_per_token_key_it_would_drop() -> None:
+    """An item key of one value per token that the collate does not keep (PaliGemma's token_type_ids where no
+    adapter reads them, as under dynamic sequence parallelism) is refused; a dataset's text column is left behind."""
+    from ds_wallfacer.data.loader import collate_right_padded
+
+    assert collate_right_padded([{"input_ids": [1, 2, 3], "text": "abc"}])["input_ids"].tolist() == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="'token_type_ids' holds one value per token"):
+        collate_right_padded([{"input_ids": [1, 2, 3], "token_type_ids": [0, 0, 1]}])
+    kept = collate_right_padded([{"input_ids": [1, 2, 3], "token_type_ids": [0, 0, 1]}], token_keys=("token_type_ids",))
+    assert kept["token_type_ids"].tolist() == [[0, 0, 1]]
