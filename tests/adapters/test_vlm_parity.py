@@ -57,6 +57,24 @@ def _reference_loss(ref, rows: list[dict]) -> torch.Tensor:
     return total / count
 
 
+def _steps(engine, opt, ref, rows_at, reference_loss, shard) -> list[str]:
+    """``STEPS`` SGD steps of the engine on ``shard(rows_at(step))`` and of ``ref`` on ``reference_loss(ref, rows)``:
+    the losses at every step, then every parameter."""
+    failures = []
+    for step in range(STEPS):
+        rows = rows_at(step)
+        want = reference_loss(ref, rows)
+        loss = engine(**shard(rows))
+        if abs(loss.item() - want.item()) > 1e-5 * max(1.0, abs(want.item())):
+            failures.append(f"step {step} loss {loss.item():.7f} != reference {want.item():.7f}")
+        engine.backward(loss)
+        engine.step()
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+    return failures + param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)
+
+
 def _train(family: str, wallfacer: dict, stage: int, packed: bool) -> list[str]:
     from ds_wallfacer.examples.vlm import conversation_batch, tiny_vlm
     from ds_wallfacer.integration import initialize
@@ -67,19 +85,8 @@ def _train(family: str, wallfacer: dict, stage: int, packed: bool) -> list[str]:
               "zero_allow_untested_optimizer": True, "wallfacer": wallfacer}
     engine, sp = initialize(model=ours, config=config, optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    failures = []
-    for step in range(STEPS):
-        rows = _rows(step, ref)
-        want = _reference_loss(ref, rows)
-        loss = engine(**sp.shard(conversation_batch(rows, packed=packed)))
-        if abs(loss.item() - want.item()) > 1e-5 * max(1.0, abs(want.item())):
-            failures.append(f"step {step} loss {loss.item():.7f} != reference {want.item():.7f}")
-        engine.backward(loss)
-        engine.step()
-        opt.zero_grad()
-        want.backward()
-        opt.step()
-    failures += param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)
+    failures = _steps(engine, opt, ref, lambda step: _rows(step, ref), _reference_loss,
+                      lambda rows: sp.shard(conversation_batch(rows, packed=packed)))
     engine.destroy()
     return [f"{family} {wallfacer} zero {stage} packed={packed}: {f}" for f in failures]
 
@@ -236,19 +243,8 @@ def _train_placeholder(model_type: str, cls: str, wallfacer: dict, stage: int, p
               "zero_optimization": zero_section(stage), "zero_allow_untested_optimizer": True, "wallfacer": wallfacer}
     engine, sp = initialize(model=ours, config=config, optimizer=torch.optim.SGD(ours.parameters(), lr=LR))
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    failures = []
-    for step in range(STEPS):
-        rows = _placeholder_rows(ref, step)
-        want = _placeholder_loss(ref, rows)
-        loss = engine(**sp.shard(conversation_batch(rows, packed=packed, token_ids=None)))
-        if abs(loss.item() - want.item()) > 1e-5 * max(1.0, abs(want.item())):
-            failures.append(f"step {step} loss {loss.item():.7f} != reference {want.item():.7f}")
-        engine.backward(loss)
-        engine.step()
-        opt.zero_grad()
-        want.backward()
-        opt.step()
-    failures += param_failures(engine, {k: v.detach() for k, v in ref.named_parameters()}, steps=STEPS)
+    failures = _steps(engine, opt, ref, lambda step: _placeholder_rows(ref, step), _placeholder_loss,
+                      lambda rows: sp.shard(conversation_batch(rows, packed=packed, token_ids=None)))
     if model_type == "paligemma2":
         failures += _prefix_refusal(sp, ref)
     engine.destroy()
