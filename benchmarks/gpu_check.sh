@@ -54,6 +54,7 @@ EOF
 # (a) CUDA tests (each backend skips itself where it does not run)
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/attention/test_kernels.py \
   tests/attention/test_fast_kernels.py tests/attention/test_merge.py tests/attention/test_fetch.py \
+  tests/attention/test_spans.py \
   -k "cuda or interpreter" 2>&1 \
   | tee "$OUT/pytest_cuda.log" | tail -25
 
