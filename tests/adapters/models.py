@@ -83,13 +83,18 @@ def tiny_rope(rope_type: str, *, family: str = "llama", seed: int = 0) -> torch.
 
 
 def tiny_head(family: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
-    """Granite (``logits_scaling``), Cohere (``logit_scale``) or Gemma-2 (``final_logit_softcapping``; attention
+    """Granite (``logits_scaling``, divided), HyperCLOVAX (``logits_scaling``, multiplied), Cohere (``logit_scale``) or Gemma-2 (``final_logit_softcapping``; attention
     soft-capping and sliding windows off: those have their own tests in tests/integration/test_packed.py)."""
     torch.manual_seed(seed)
     if family == "granite":
         from transformers import GraniteConfig, GraniteForCausalLM
 
         model = GraniteForCausalLM(GraniteConfig(**TINY_CONFIG, logits_scaling=4.0, **overrides))
+    elif family == "hyperclovax":  # logits * logits_scaling, the attribute Granite divides by
+        from transformers.models.hyperclovax.configuration_hyperclovax import HyperCLOVAXConfig
+        from transformers.models.hyperclovax.modeling_hyperclovax import HyperCLOVAXForCausalLM
+
+        model = HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**TINY_CONFIG, logits_scaling=0.5, **overrides))
     elif family == "cohere":
         from transformers import CohereConfig, CohereForCausalLM
 

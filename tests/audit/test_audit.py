@@ -43,11 +43,16 @@ class _RemoteCodeRotary(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-def _hyperclovax() -> nn.Module:
-    from transformers.models.hyperclovax.configuration_hyperclovax import HyperCLOVAXConfig
-    from transformers.models.hyperclovax.modeling_hyperclovax import HyperCLOVAXForCausalLM
+def _falcon_h1() -> nn.Module:
+    """Falcon-H1 multiplies its logits by ``lm_head_multiplier``, a scaling the mini-sequence LM head does not know."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
 
-    return HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**TINY_CONFIG, logits_scaling=0.5))  # logits * 0.5, unlike Granite
+    t = TINY_CONFIG
+    return FalconH1ForCausalLM(FalconH1Config(
+        hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"], num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=t["vocab_size"], max_position_embeddings=t["max_position_embeddings"],
+        num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, lm_head_multiplier=0.5)).train()
 
 
 def _with(family: str, **config) -> nn.Module:
@@ -82,7 +87,7 @@ REFUSALS = [
     ("MoE aux loss under reentrant HF checkpointing", _moe_reentrant, {}, {}, '{"use_reentrant": False}'),
     ("MoE z-loss", lambda: tiny_moe("qwen2_moe", router_z_loss_coef=0.001), {}, {}, "set output_router_logits=False"),
     ("RoPE that cannot see the global length", _remote_rope, {}, {}, "set rope_parameters.rope_type"),
-    ("LM head scaling of unknown semantics", _hyperclovax, {"mini_sequence": _TORCH_CKPT}, {},
+    ("LM head scaling of unknown semantics", _falcon_h1, {"mini_sequence": _TORCH_CKPT}, {},
      '"mini_sequence": {"lm_head": false}'),
     ("MoE block forced as a mini-sequence MLP", lambda: tiny_moe("mixtral"),
      {"mini_sequence": {**_TORCH_CKPT, "mlp_module_names": ["mlp"]}}, {}, "mixture-of-experts block"),
@@ -139,6 +144,7 @@ def _train(rank: int, model_fn, wallfacer: dict, label: str, seq_len: int = 32) 
 HEADS = [
     ("granite", {"mode": "wallfacer", "mini_sequence": {**_TORCH_CKPT, "lm_head_chunk_tokens": 5}}),
     ("granite", {"mode": "ulysses"}),
+    ("hyperclovax", {"mode": "ulysses", "mini_sequence": {**_TORCH_CKPT, "lm_head_chunk_tokens": 5}}),
     ("cohere", {"mode": "hybrid", "ulysses_degree": 2, "mini_sequence": {**_TORCH_CKPT, "lm_head_chunk_tokens": 3}}),
     ("gemma2", {"mode": "wallfacer", "mini_sequence": {**_TORCH_CKPT, "lm_head_chunk_tokens": 5}}),
     ("gemma2", {"mode": "wallfacer"}),
