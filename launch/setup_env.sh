@@ -2,6 +2,8 @@
 # Creates .venv (once) and installs the package with its test and hf (transformers Trainer) extras, every
 # dependency at the version constraints.txt pins (the tested set: a release made tomorrow changes nothing here).
 # Sourced by main.sh, test.sh and sweep.sh.
+# --no-compile: Python compiles a module when it is first imported, so set-up skips byte-compiling every file of
+# torch and transformers (about a minute on 2 cores).
 # On a machine without an NVIDIA driver, torch is pinned to the CPU build first, so that pip does not
 # pull a multi-GB CUDA wheel.
 set -euo pipefail
@@ -16,10 +18,10 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.installed" ] || [ "$ROOT/setup.
   python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   if ! command -v nvidia-smi >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install -q -c "$PINS" torch \
-      || "$VENV/bin/python" -m pip install -q -c "$PINS" torch --index-url https://download.pytorch.org/whl/cpu
+    "$VENV/bin/python" -m pip install -q --no-compile -c "$PINS" torch \
+      || "$VENV/bin/python" -m pip install -q --no-compile -c "$PINS" torch --index-url https://download.pytorch.org/whl/cpu
   fi
-  "$VENV/bin/python" -m pip install -q -c "$PINS" -e "$ROOT[test,hf]"
+  "$VENV/bin/python" -m pip install -q --no-compile -c "$PINS" -e "$ROOT[test,hf]"
   if ! command -v nvidia-smi >/dev/null 2>&1; then  # CPU ranks: build DeepSpeed's shared-memory op once, now
     DS_ACCELERATOR=cpu "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
       || echo "setup_env.sh: DeepSpeed's CPU communication op did not build now; the first run will try again"

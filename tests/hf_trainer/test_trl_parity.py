@@ -59,8 +59,6 @@ DPO_CASES = {
                        {"loss_type": ["ipo"], "zero_stage": 3}),
     "kto-wallfacer-c2-ref-model": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 2,
                                    {"algo": "kto"}),
-    "kto-hybrid-lora-zero3": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 4}, 2,
-                              {"algo": "kto", "lora": True, "zero_stage": 3}),
 }
 
 
@@ -89,8 +87,6 @@ GRPO_CASES = {
                        {"lora": True, "loss_type": "dr_grpo", "sampling": True}),
     "hybrid-dp-lora-tools": ({"mode": "hybrid", "ulysses_degree": 2, "sequence_parallel_size": 2}, 4, 2,
                              {"lora": True, "loss_type": "dr_grpo", "rollout": "tools"}),
-    "rloo-wallfacer-c2-lora": ({"mode": "wallfacer", "ring_count": 2, "sequence_parallel_size": 4}, 8, 1,
-                               {"lora": True, "algo": "rloo", "sampling": True}),
     "rloo-ring-dp": ({"mode": "wallfacer", "ring_count": 1, "sequence_parallel_size": 2}, 4, 2,
                      {"lora": True, "algo": "rloo", "sampling": True}),
 }
