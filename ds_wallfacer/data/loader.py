@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .balance import balanced_assignment, zigzag_assignment
 from .chunks import DEFAULT_CHUNKS_PER_RANK, padded_length
+from .collate import collate_right_padded
 from .media import MEDIA_KEYS, TOKEN_TYPES_KEY, VisionAdapter
 from .packing import (
     SPANS_KEY,
@@ -239,20 +240,13 @@ def prepare_batch(
     mask = _right_padding_mask(batch)
     docs = _documents(batch, mask, ids.shape)
     shift = _shift_labels(batch, ids, mask, ignore_index=ignore_index)
-    n = n_in = ids.shape[1]
+    n_in = ids.shape[1]
     # tokens the model attends to (HF counts only these in e.g. an MoE router's aux loss); 0 = padding
     keep = mask.long() if mask is not None else None
     balanced = spec.scheme == "balanced" and docs is not None
-    unit = spec.sp_size * spec.chunks_per_rank if balanced else None
-    target = -(-n // unit) * unit if unit else padded_length(n, spec.sp_size)
-    rem = target - n
-    if rem or n == 0:
-        if not pad or n == 0:
-            check_sequence_length(n, spec.sp_size, pieces=unit)
-        ids = F.pad(ids, (0, rem), value=pad_token_id)
-        shift = F.pad(shift, (0, rem), value=ignore_index)
-        keep = F.pad(keep if keep is not None else torch.ones_like(ids[:, :n]), (0, rem), value=0)
-        n += rem
+    ids, shift, keep = _padded(ids, shift, keep, spec, unit=spec.sp_size * spec.chunks_per_rank if balanced else None,
+                               pad=pad, pad_token_id=pad_token_id, ignore_index=ignore_index)
+    n = ids.shape[1]
     kw: dict[str, Any] = dict(dim=1, index=spec.index, sp_size=spec.sp_size, ulysses_degree=spec.ulysses_degree,
                               scheme=spec.scheme)
     extra: dict[str, torch.Tensor] = {}
@@ -266,14 +260,10 @@ def prepare_batch(
     if (spans := _batch_spans(batch, vision, docs, mask, n_in)) is not None:
         extra[SPANS_KEY] = _spans(spans, mask, ids.shape, extra.get("document_starts"), n)
     if spec.scheme == "balanced":
-        ring = spec.sp_size // spec.ulysses_degree
+        assignment = _chunk_assignment(spec, docs if balanced else None, n)
+        extra["chunk_assignment"] = torch.tensor(assignment, dtype=torch.int64)
         if balanced:
-            assert docs is not None
-            rows = [[*d, n - sum(d)] for d in docs]  # padding is one more document for the attention
-            kw["assignment"] = balanced_assignment(rows, sp_size=ring, chunks_per_rank=spec.chunks_per_rank)
-            extra["chunk_assignment"] = torch.tensor(kw["assignment"], dtype=torch.int64)
-        else:
-            extra["chunk_assignment"] = torch.tensor(zigzag_assignment(ring), dtype=torch.int64)
+            kw["assignment"] = assignment
     out = {
         "input_ids": shard_sequence(ids, **kw).contiguous(),
         "position_ids": shard_sequence(pos, **kw).contiguous(),
@@ -286,6 +276,29 @@ def prepare_batch(
         out["sequence_length"] = torch.full_like(out["position_ids"], n_in)  # per token, sharded like the rest
     out.update(extra)
     return out
+
+
+def _padded(ids: torch.Tensor, shift: torch.Tensor, keep: torch.Tensor | None, spec: ShardSpec, *, unit: int | None,
+            pad: bool, pad_token_id: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ids, shift, keep) right-padded to a multiple of ``unit`` (balanced chunks) or of 2P; ``keep`` becomes a
+    mask when padding is added. ``pad=False`` or an empty row: the length is checked instead (a clear error)."""
+    n = ids.shape[1]
+    rem = (-(-n // unit) * unit if unit else padded_length(n, spec.sp_size)) - n
+    if not rem and n:
+        return ids, shift, keep
+    if not pad or n == 0:
+        check_sequence_length(n, spec.sp_size, pieces=unit)
+    keep = F.pad(keep if keep is not None else torch.ones_like(ids), (0, rem), value=0)
+    return F.pad(ids, (0, rem), value=pad_token_id), F.pad(shift, (0, rem), value=ignore_index), keep
+
+
+def _chunk_assignment(spec: ShardSpec, docs: list[list[int]] | None, n: int) -> list:
+    """The ring chunks each ring rank holds: by attention work for a packed batch (``docs``), else zigzag."""
+    ring = spec.sp_size // spec.ulysses_degree
+    if docs is None:
+        return zigzag_assignment(ring)
+    rows = [[*d, n - sum(d)] for d in docs]  # padding is one more document for the attention
+    return balanced_assignment(rows, sp_size=ring, chunks_per_rank=spec.chunks_per_rank)
 
 
 def _media_fields(batch: Mapping[str, Any], ids: torch.Tensor, docs: list[list[int]] | None, vision: VisionAdapter,
@@ -301,61 +314,6 @@ def _media_fields(batch: Mapping[str, Any], ids: torch.Tensor, docs: list[list[i
     if positions is not None:  # M-RoPE; None: image tokens are numbered like text (the loader's positions)
         out["mrope_position_ids"] = shard_sequence(positions, **{**shard, "dim": 2})
     return out
-
-
-def collate_right_padded(
-    items: Sequence[Any], *, pad_token_id: int = 0, ignore_index: int = -100, token_keys: Sequence[str] = ()
-) -> dict[str, Any]:
-    """Map-style items (a 1-D tensor / list of token ids, or a dict with ``input_ids`` and optional
-    ``labels``) -> one batch, right-padded to the longest item with an ``attention_mask``.
-
-    Packed items carry ``position_ids`` (restarting at 0 per document) or ``document_lengths`` (a list of ints);
-    when any item does, every row gets them (an item without is one document). ``token_keys``: per-token keys kept
-    and right-padded with 0 like the ids (a model's ``token_type_ids``, ``vision.type_spans.key``)."""
-    rows = [it if isinstance(it, Mapping) else {"input_ids": it} for it in items]
-    ids = [torch.as_tensor(r["input_ids"]).long().reshape(-1) for r in rows]
-    _check_per_token_keys(rows, ids, token_keys)
-    n = max(len(x) for x in ids)
-    out: dict[str, Any] = {
-        "input_ids": torch.stack([F.pad(x, (0, n - len(x)), value=pad_token_id) for x in ids]),
-        "attention_mask": torch.stack([F.pad(torch.ones_like(x), (0, n - len(x))) for x in ids]),
-    }
-    if any("labels" in r for r in rows):
-        labels = [torch.as_tensor(r.get("labels", x)).long().reshape(-1) for r, x in zip(rows, ids)]
-        out["labels"] = torch.stack([F.pad(y, (0, n - len(y)), value=ignore_index) for y in labels])
-    if any("position_ids" in r for r in rows):
-        pos = [torch.as_tensor(r["position_ids"]).long().reshape(-1) if "position_ids" in r
-               else torch.arange(len(x)) for r, x in zip(rows, ids)]
-        out["position_ids"] = torch.stack([F.pad(q, (0, n - len(q))) for q in pos])  # padding: masked out
-    for key in (*MEDIA_KEYS, TOKEN_TYPES_KEY, *token_keys):  # images / videos: the processor's rows, in item order
-        if any(r.get(key) is not None for r in rows):
-            parts = [torch.as_tensor(r[key]) for r in rows if r.get(key) is not None]
-            if key == TOKEN_TYPES_KEY or key in token_keys:
-                parts = [torch.as_tensor(r.get(key, torch.zeros_like(x))).reshape(-1) for r, x in zip(rows, ids)]
-                out[key] = torch.stack([F.pad(t, (0, n - len(t))) for t in parts])
-            else:
-                out[key] = torch.cat([t.reshape(-1) if t.dim() == 0 else t for t in parts])
-    if any("document_lengths" in r for r in rows):
-        out["document_lengths"] = [
-            [int(v) for v in torch.as_tensor(r["document_lengths"]).reshape(-1).tolist()] if "document_lengths" in r
-            else [len(x)] for r, x in zip(rows, ids)
-        ]
-    return out
-
-
-_COLLATED = frozenset({"input_ids", "labels", "position_ids", "document_lengths", "attention_mask", *MEDIA_KEYS, TOKEN_TYPES_KEY})
-
-
-def _check_per_token_keys(rows: Sequence[Mapping[str, Any]], ids: Sequence[torch.Tensor], token_keys) -> None:
-    """Refuse an item key of one value per token that the collate would drop (PaliGemma's ``token_type_ids`` under
-    dynamic sequence parallelism): the model would run without it. A dataset's text columns are left behind."""
-    for r, x in zip(rows, ids):
-        for key, value in r.items():
-            if key in _COLLATED or key in token_keys or not isinstance(value, (torch.Tensor, list, tuple)):
-                continue
-            if torch.as_tensor(value).numel() == len(x) > 1:
-                raise ValueError(f"item key {key!r} holds one value per token, which this loader does not pass to "
-                                 "the model: drop it, or use the fixed loader of a model that reads it (Gemma 3)")
 
 
 def item_work(item: Any) -> int:
