@@ -10,6 +10,7 @@ Design: docs/design/memory.md (LM head + cross-entropy), Note [Lean LM head] bel
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from dataclasses import dataclass
@@ -222,8 +223,15 @@ _SCALE_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_mu
 def _forward_reads(model: nn.Module, key: str) -> bool:
     """Whether the model's own forward names ``key``: a config value its forward never reads does not change its
     logits (Cohere2-Vision's text config carries a ``logit_scale`` that only Cohere's text forward applies)."""
+    return _class_forward_reads(type(model), key)
+
+
+@functools.lru_cache(maxsize=None)
+def _class_forward_reads(cls: type, key: str) -> bool:
+    """``_forward_reads`` per class, read once: ``head_transform`` runs at every loss computation, and reading the
+    forward's source is file I/O."""
     try:
-        src = inspect.getsource(type(model).forward)
+        src = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return True
     return re.search(rf"\b{key}\b", src) is not None
